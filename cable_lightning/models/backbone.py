@@ -1,0 +1,158 @@
+"""GPT-2-shaped transformer (pre-LayerNorm, GELU MLP, tied embeddings) with a pluggable PE.
+
+Causal for language modelling, bidirectional for masked LM. Long sequences are safe: attention
+never builds a (T x T) bias outside the reference backend, and :meth:`Backbone.token_nll` runs the LM
+head and the loss over chunks of positions, so (T x vocab) logits are never whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..positional import build_positional
+from .attention import attention
+from .config import BackboneConfig
+
+# Positions per LM-head chunk in token_nll.
+LOSS_CHUNK = 2048
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: BackboneConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_head, self.causal = layer, config.n_head, config.causal
+        self.backend = config.attention_backend
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.out = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, h: Tensor, pe, offset: int, state: dict | None) -> Tensor:
+        b, t, c = h.shape
+        q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
+        q, k = pe.rotate(q, k, offset)
+        if state is not None:
+            if "k" in state:
+                k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
+            state["k"], state["v"] = k, v
+        bias = pe.score_bias(h, self.layer, offset, state)
+        y = attention(q, k, v, bias, self.causal, q_offset=offset, backend=self.backend)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, config: BackboneConfig, layer: int):
+        super().__init__()
+        hidden = int(config.mlp_ratio * config.n_embd)
+        self.ln_attn = nn.LayerNorm(config.n_embd)
+        self.attn = SelfAttention(config, layer)
+        self.ln_mlp = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(config.n_embd, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, config.n_embd))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, pe, offset, state):
+        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state))
+        return x + self.dropout(self.mlp(self.ln_mlp(x)))
+
+
+class KVCache:
+    """Per-layer keys/values plus whatever the PE keeps (CABLE: the cumulative sums S of past tokens)."""
+
+    def __init__(self, n_layer: int):
+        self.layers: list[dict] = [{} for _ in range(n_layer)]
+        self.length = 0
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: BackboneConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self._init_gpt2()
+        self.pe = build_positional(config)  # after the GPT-2 init: each PE initialises its own parameters
+
+    def _init_gpt2(self):
+        """GPT-2 init: N(0, 0.02) weights, zero biases; residual projections scaled by (2 x layers)^-0.5."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.out.weight, std=residual_std)
+            nn.init.normal_(block.mlp[2].weight, std=residual_std)
+
+    @property
+    def causal(self) -> bool:
+        return self.config.causal
+
+    def hidden_states(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Final-LayerNorm hidden states (B, T, C); with ``cache``, continue from its positions."""
+        offset = cache.length if cache is not None else 0
+        self.pe.check_length(offset + input_ids.shape[1])
+        x = self.drop(self.pe.embed(self.wte(input_ids), offset))
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.pe, offset, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return self.ln_f(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The tied LM head, cut back to the real vocab (padding rows never win or leak mass)."""
+        return F.linear(hidden, self.wte.weight)[..., : self.config.vocab_size]
+
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        return self.logits(self.hidden_states(input_ids, cache))
+
+    def token_nll(self, input_ids: Tensor, targets: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:
+        """Per-token negative log-likelihood (B, T), 0 where ``targets == -100``.
+
+        The head and softmax run ``chunk`` positions at a time; callers pick mean, sum or a
+        scoring window (sliding-window evaluation) from the per-token values.
+        """
+        hidden = self.hidden_states(input_ids)
+        pieces = []
+        for start in range(0, hidden.shape[1], chunk):
+            logits = self.logits(hidden[:, start : start + chunk]).float()
+            tgt = targets[:, start : start + chunk]
+            pieces.append(F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=-100, reduction="none"))
+        return torch.cat(pieces, dim=1)
+
+    def loss(self, input_ids: Tensor, targets: Tensor) -> Tensor:
+        """Mean token NLL over targets != -100."""
+        nll = self.token_nll(input_ids, targets)
+        return nll.sum() / (targets != -100).sum().clamp(min=1)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Sample continuations with a KV cache: each new token costs O(t) (CABLE keeps S per past token)."""
+        if not self.causal:
+            raise ValueError("generate needs a causal backbone; this one is bidirectional (masked LM)")
+        cache = KVCache(len(self.blocks))
+        out = prompt_ids
+        logits = self(prompt_ids, cache)[:, -1]
+        for _ in range(max_new_tokens):
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                scaled = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, -1:]
+                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                nxt = torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator)
+            out = torch.cat([out, nxt], dim=1)
+            if _ < max_new_tokens - 1:
+                logits = self(nxt, cache)[:, -1]
+        return out
+
+
+def build_backbone(config: BackboneConfig) -> Backbone:
+    """A causal decoder (``config.causal``) or a bidirectional encoder; ``forward(ids)`` gives logits."""
+    return Backbone(config)

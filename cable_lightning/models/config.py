@@ -1,0 +1,63 @@
+"""Backbone configuration: a dataclass jsonargparse fills from YAML, with GPT-2 / BERT presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, Optional
+
+PRESETS: dict[str, dict] = {
+    # The CABLE paper's GPT-2 sizes; gpt2-small uses 12 heads (the paper's "10" does not divide 768).
+    "gpt2-tiny": dict(n_layer=6, n_head=8, n_embd=512, vocab_size=50257, causal=True),
+    "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, causal=True),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, causal=True),
+    "bert-base": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=30522, causal=False),
+}
+_DEFAULTS = dict(mlp_ratio=4.0, dropout=0.0)
+
+
+@dataclass
+class BackboneConfig:
+    """Shape and positional encoding of a backbone. Fields left ``None`` come from ``preset``."""
+
+    preset: str = "gpt2-tiny"
+    pos_encoding: str = "cable"
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    vocab_size: Optional[int] = None
+    mlp_ratio: Optional[float] = None
+    dropout: Optional[float] = None
+    causal: Optional[bool] = None
+    # Training length; the learnable table's default size, FIRE's initial threshold, YaRN's original length.
+    block_size: int = 1024
+    max_positions: Optional[int] = None
+    pad_vocab_multiple: int = 64
+    attention_backend: Literal["auto", "sdpa", "flex", "chunked", "materialized"] = "auto"
+    cable_bias_activation: Literal["relu", "softplus"] = "relu"
+    rope_base: float = 10000.0
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown backbone preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
+        for name, value in {**_DEFAULTS, **PRESETS[self.preset]}.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head size {self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocab rounded up to a multiple of ``pad_vocab_multiple`` (50257 -> 50304) for fast matmuls."""
+        m = self.pad_vocab_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,48 @@
+"""ALiBi: fixed per-head linear distance penalties (Press et al., 2022)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import PositionalEncoding, ScoreBias
+from .registry import register
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """2^(-8h/H) for h = 1..H when H is a power of two; otherwise the ALiBi paper's interpolation:
+    the slopes of the nearest smaller power of two, then every other slope of the next power of two."""
+
+    def geometric(n):
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    if math.log2(n_head).is_integer():
+        slopes = geometric(n_head)
+    else:
+        lower = 2 ** math.floor(math.log2(n_head))
+        slopes = geometric(lower) + geometric(2 * lower)[0::2][: n_head - lower]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class AlibiBias(ScoreBias):
+    def __init__(self, slopes, q_offset, causal):
+        super().__init__(q_offset, causal)
+        self.slopes = slopes
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return -self.slopes[h] * self.distance(q_idx, kv_idx)
+
+
+@register("alibi")
+class Alibi(PositionalEncoding):
+    """ALiBi: bias -m_h |i - j| with fixed geometric slopes, not scaled by 1/sqrt(d)."""
+
+    has_score_bias = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+
+    def score_bias(self, h, layer, offset, state):
+        return AlibiBias(self.slopes, offset, self.causal)

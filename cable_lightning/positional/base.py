@@ -1,0 +1,78 @@
+"""The positional-encoding contract: three hooks the backbone calls without knowing which PE it holds.
+
+- ``embed``: once, on the token embeddings (absolute encodings).
+- ``rotate``: every layer, on q and k (RoPE).
+- ``score_bias``: every layer, an additive bias on the q.k logits, returned as a :class:`ScoreBias`
+  that *describes* the bias instead of materialising a (T x T) tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+class UnsupportedLengthError(ValueError):
+    """A positional encoding cannot serve this sequence length (a learnable table that is too short)."""
+
+
+class ScoreBias:
+    """An additive attention bias given pointwise as ``bias(b, h, q_idx, kv_idx)``.
+
+    One formula serves every attention backend: FlexAttention calls it with scalar indices as a
+    ``score_mod``; the chunked and reference paths call it with broadcast index grids through
+    :meth:`rows`. Query index ``i`` sits at absolute position ``q_offset + i``; key ``j`` at ``j``.
+    """
+
+    def __init__(self, q_offset: int, causal: bool):
+        self.q_offset = q_offset
+        self.causal = causal
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def distance(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Token distance |i - j| (for causal attention only j <= i is ever unmasked)."""
+        return (q_idx + self.q_offset - kv_idx).abs()
+
+    def rows(self, start: int, end: int, n_keys: int, batch: int, heads: int, device) -> Tensor:
+        """The bias for query rows [start, end) against keys [0, n_keys): shape (batch|1, heads, rows, keys)."""
+        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+        q_idx = torch.arange(start, end, device=device).view(1, 1, -1, 1)
+        kv_idx = torch.arange(n_keys, device=device).view(1, 1, 1, -1)
+        return self(b, h, q_idx, kv_idx)
+
+    def score_mod(self) -> Callable:
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + self(b, h, q_idx, kv_idx).to(score.dtype)
+
+        return add_bias
+
+
+class PositionalEncoding(nn.Module):
+    """Base class: every hook is the identity; a PE overrides the hooks it needs."""
+
+    has_score_bias = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.causal = config.causal
+
+    def check_length(self, total_length: int) -> None:
+        """Raise :class:`UnsupportedLengthError` if this PE cannot serve ``total_length`` positions."""
+
+    def embed(self, x: Tensor, offset: int) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None) -> ScoreBias | None:
+        """``h``: the layer's normalised input (B, T, C) at positions offset..offset+T-1;
+        ``state``: this layer's decoding cache (a dict the PE may extend) or None."""
+        return None

@@ -1,0 +1,89 @@
+"""CABLE: context-aware additive biases (and its NW and kernelised variants).
+
+Per layer and head, from the layer's normalised input x_t:
+    b_t = ReLU(w_c . x_t) >= 0        (softplus in the paper's first version: ``cable_bias_activation``)
+    S_t = sum_{u <= t} b_u
+    g_t = softplus(w_s . x_t) > 0     (CABLE_NW: g = 1)
+    bias[i, j] = -g_i * (S_i - S_j)   causal;   -g_i * |S_i - S_j| bidirectional
+    K-CABLE:     -log(1 + (g_i * (S_i - S_j))^2)
+With b = 1 and g = ALiBi's slope this is exactly ALiBi.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import PositionalEncoding, ScoreBias
+from .registry import register
+
+
+class CableBias(ScoreBias):
+    """The bias from per-token cumulative sums. ``s_q``/``g_q``: (B, H, Tq) for queries; ``s_k``: (B, H, Tk)."""
+
+    def __init__(self, s_q: Tensor, s_k: Tensor, g_q: Tensor | None, q_offset: int, causal: bool, kernel: str = "linear"):
+        super().__init__(q_offset, causal)
+        self.s_q, self.s_k, self.g_q, self.kernel = s_q, s_k, g_q, kernel
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        diff = self.s_q[b, h, q_idx] - self.s_k[b, h, kv_idx]
+        if not self.causal:
+            diff = diff.abs()
+        if self.g_q is not None:
+            diff = self.g_q[b, h, q_idx] * diff
+        if self.kernel == "log":
+            return -torch.log1p(diff * diff)
+        return -diff
+
+
+class Cable(PositionalEncoding):
+    has_score_bias = True
+    weighted = True
+    kernel = "linear"
+
+    def __init__(self, config):
+        super().__init__(config)
+        outputs = 2 if self.weighted else 1
+        # One linear map per layer giving, per head, the bias logit (and the weight logit).
+        self.proj = nn.ModuleList(nn.Linear(config.n_embd, outputs * config.n_head, bias=False) for _ in range(config.n_layer))
+        for p in self.proj:
+            nn.init.normal_(p.weight, std=0.02)
+        if config.cable_bias_activation not in ("relu", "softplus"):
+            raise ValueError(f"cable_bias_activation must be 'relu' or 'softplus', got {config.cable_bias_activation!r}")
+        self.activation = F.relu if config.cable_bias_activation == "relu" else F.softplus
+
+    def score_bias(self, h, layer, offset, state):
+        # Cumulative sums run in fp32: at 15k tokens bf16 would lose the small differences S_i - S_j.
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            out = self.proj[layer](h.float()).transpose(1, 2)  # (B, outputs*H, T)
+            b = self.activation(out[:, : self.n_head])
+            g = F.softplus(out[:, self.n_head :]) if self.weighted else None
+            s_q = torch.cumsum(b, dim=-1)
+            if offset:
+                s_q = s_q + state["cable_s"][..., -1:]
+                s_k = torch.cat([state["cable_s"], s_q], dim=-1)
+            else:
+                s_k = s_q
+            if state is not None:
+                state["cable_s"] = s_k
+        return CableBias(s_q, s_k, g, q_offset=offset, causal=self.causal, kernel=self.kernel)
+
+
+@register("cable")
+class CableWeighted(Cable):
+    """CABLE: ReLU token biases, cumulative sum, softplus per-token weight."""
+
+
+@register("cable_nw")
+class CableNoWeight(Cable):
+    """CABLE_NW: CABLE without the per-token weight (g = 1)."""
+
+    weighted = False
+
+
+@register("k_cable")
+class KernelCable(Cable):
+    """K-CABLE: CABLE's weighted distance through the kernel -log(1 + x^2)."""
+
+    kernel = "log"

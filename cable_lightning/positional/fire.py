@@ -1,0 +1,69 @@
+"""FIRE: functional interpolation of relative positions (Li et al., 2024).
+
+bias(i, j) = f(psi(|i - j|) / psi(max(L, i))), psi(x) = log(c x + 1), f an MLP 1 -> 32 -> heads;
+c and L are learned. Bidirectionally the normaliser uses max(L, i, j).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import PositionalEncoding, ScoreBias
+from .registry import register
+
+HIDDEN = 32
+
+
+class FireBias(ScoreBias):
+    def __init__(self, w1, b1, w2, b2, c, threshold, q_offset, causal):
+        super().__init__(q_offset, causal)
+        self.w1, self.b1, self.w2, self.b2, self.c, self.threshold = w1, b1, w2, b2, c, threshold
+
+    def normalised_distance(self, q_idx, kv_idx):
+        pos = q_idx + self.q_offset
+        if not self.causal:
+            pos = torch.maximum(pos, kv_idx)
+        d = self.distance(q_idx, kv_idx).to(self.c.dtype)
+        norm = torch.maximum(pos.to(self.c.dtype), self.threshold)
+        return torch.log1p(self.c * d) / torch.log1p(self.c * norm)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        # Pointwise form (FlexAttention's score_mod): the hidden units unrolled.
+        x = self.normalised_distance(q_idx, kv_idx)
+        out = self.b2[h]
+        for unit in range(HIDDEN):
+            out = out + self.w2[h, unit] * F.relu(self.w1[unit] * x + self.b1[unit])
+        return out
+
+    def rows(self, start, end, n_keys, batch, heads, device):
+        # Vectorised form: one MLP pass over the (rows x keys) distance grid.
+        q_idx = torch.arange(start, end, device=device).view(-1, 1)
+        kv_idx = torch.arange(n_keys, device=device).view(1, -1)
+        x = self.normalised_distance(q_idx, kv_idx).unsqueeze(-1)
+        hidden = F.relu(x * self.w1 + self.b1)
+        return (hidden @ self.w2.T + self.b2).permute(2, 0, 1).unsqueeze(0)
+
+
+@register("fire")
+class Fire(PositionalEncoding):
+    """FIRE: a learned MLP of the log-normalised distance, one output per head, per layer."""
+
+    has_score_bias = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        n, heads = config.n_layer, config.n_head
+        self.w1 = nn.Parameter(torch.randn(n, HIDDEN) * 0.5)
+        self.b1 = nn.Parameter(torch.zeros(n, HIDDEN))
+        self.w2 = nn.Parameter(torch.randn(n, heads, HIDDEN) * HIDDEN**-0.5)
+        self.b2 = nn.Parameter(torch.zeros(n, heads))
+        self.c_raw = nn.Parameter(torch.full((n,), 0.5413))  # softplus -> c = 1
+        self.threshold = nn.Parameter(torch.full((n,), float(config.block_size)))
+
+    def score_bias(self, h, layer, offset, state):
+        return FireBias(
+            self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer],
+            F.softplus(self.c_raw[layer]), self.threshold[layer].abs(), offset, self.causal,
+        )

@@ -1,0 +1,58 @@
+"""KERPLE: learned conditionally-positive-definite distance kernels (Chi et al., 2022)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import PositionalEncoding, ScoreBias
+from .registry import register
+
+
+class KerpleBias(ScoreBias):
+    def __init__(self, r1, r2, form, q_offset, causal):
+        super().__init__(q_offset, causal)
+        self.r1, self.r2, self.form = r1, r2, form
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        d = self.distance(q_idx, kv_idx).to(self.r1.dtype)
+        if self.form == "log":
+            return -self.r1[h] * torch.log1p(self.r2[h] * d)
+        # d^r2 for d >= 1; 0 at d = 0 (clamped so the gradient wrt r2 never sees log(0)).
+        return -self.r1[h] * torch.where(d > 0, d.clamp(min=1.0) ** self.r2[h], torch.zeros_like(d))
+
+
+class Kerple(PositionalEncoding):
+    """r1, r2 > 0 learned per head and layer (softplus-parametrised; power: 0 < r2 <= 2)."""
+
+    has_score_bias = True
+    form = "log"
+
+    def __init__(self, config):
+        super().__init__(config)
+        # Raw parameters chosen so that r1 = 1 and r2 = 1 at initialisation.
+        self.r1_raw = nn.Parameter(torch.full((config.n_layer, config.n_head), 0.5413))
+        r2_init = 0.5413 if self.form == "log" else 0.0
+        self.r2_raw = nn.Parameter(torch.full((config.n_layer, config.n_head), r2_init))
+
+    def coefficients(self, layer):
+        r1 = F.softplus(self.r1_raw[layer])
+        r2 = F.softplus(self.r2_raw[layer]) if self.form == "log" else 2.0 * torch.sigmoid(self.r2_raw[layer])
+        return r1, r2
+
+    def score_bias(self, h, layer, offset, state):
+        r1, r2 = self.coefficients(layer)
+        return KerpleBias(r1, r2, self.form, offset, self.causal)
+
+
+@register("kerple_log")
+class KerpleLog(Kerple):
+    """KERPLE log: -r1 log(1 + r2 |i - j|)."""
+
+
+@register("kerple_power")
+class KerplePower(Kerple):
+    """KERPLE power: -r1 |i - j|^r2 with 0 < r2 <= 2."""
+
+    form = "power"

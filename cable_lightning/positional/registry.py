@@ -1,0 +1,25 @@
+"""Name -> positional-encoding class, so a config selects a PE by name."""
+
+from __future__ import annotations
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+    def add(cls):
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def available() -> list[str]:
+    """The names every config field ``pos_encoding`` accepts."""
+    return sorted(_REGISTRY)
+
+
+def build_positional(config):
+    name = config.pos_encoding
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown positional encoding {name!r}; valid names: {', '.join(available())}")
+    return _REGISTRY[name](config)

@@ -1,0 +1,62 @@
+"""RoPE: rotary position embedding on q and k (Su et al., 2021), with optional context-extension
+scaling at evaluation: position interpolation (``linear``), NTK-aware base scaling (``ntk``), YaRN."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .base import PositionalEncoding
+from .registry import register
+
+SCALINGS = ("none", "linear", "ntk", "yarn")
+
+
+def rope_frequencies(head_dim: int, base: float, scaling: str, factor: float, original_length: int):
+    """Inverse frequencies (head_dim/2,), the position divisor, and the logit temperature factor."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"unknown rope_scaling {scaling!r}; valid: {', '.join(SCALINGS)}")
+    if factor < 1:
+        raise ValueError(f"rope_scaling_factor must be >= 1, got {factor}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    inv_freq = base**-exponents
+    position_divisor, mscale = 1.0, 1.0
+    if scaling == "linear":
+        position_divisor = factor
+    elif scaling == "yarn":
+        # Interpolate only the low frequencies (few rotations over the training length), keep the
+        # high ones, ramping between 1 and 32 rotations; temper the logits by 0.1 ln(s) + 1.
+        rotations = original_length * inv_freq / (2 * math.pi)
+        keep = ((rotations - 1.0) / (32.0 - 1.0)).clamp(0.0, 1.0)
+        inv_freq = keep * inv_freq + (1 - keep) * inv_freq / factor
+        mscale = 0.1 * math.log(factor) + 1.0
+    return inv_freq.float(), position_divisor, mscale
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@register("rope")
+class Rope(PositionalEncoding):
+    """RoPE on q and k, base 10000; scaling modes for evaluating past the training length."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        inv_freq, self.position_divisor, self.mscale = rope_frequencies(
+            self.head_dim, config.rope_base, config.rope_scaling, config.rope_scaling_factor, config.block_size
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rotate(self, q, k, offset):
+        t = q.shape[-2]
+        pos = torch.arange(offset, offset + t, device=q.device, dtype=torch.float32) / self.position_divisor
+        angles = pos[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos() * self.mscale, angles.sin() * self.mscale
+        return rotate(q, cos.to(q.dtype), sin.to(q.dtype)), rotate(k, cos.to(k.dtype), sin.to(k.dtype))

@@ -1,0 +1,54 @@
+"""T5 relative bias: a learned scalar per (log-spaced distance bucket, head), shared by all layers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .base import PositionalEncoding, ScoreBias
+from .registry import register
+
+NUM_BUCKETS = 32
+MAX_DISTANCE = 128
+
+
+def relative_bucket(rel, causal: bool, num_buckets: int = NUM_BUCKETS, max_distance: int = MAX_DISTANCE):
+    """Bucket of rel = i - j: exact buckets for short distances, log-spaced up to ``max_distance``,
+    the last bucket reused beyond it. Bidirectional: half the buckets per direction."""
+    offset = torch.zeros_like(rel)
+    if causal:
+        n = rel.clamp(min=0)
+    else:
+        num_buckets //= 2
+        offset = (rel < 0).to(rel.dtype) * num_buckets
+        n = rel.abs()
+    exact = num_buckets // 2
+    log_ratio = torch.log(n.clamp(min=1).float() / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (num_buckets - exact)).to(rel.dtype)).clamp(max=num_buckets - 1)
+    return offset + torch.where(n < exact, n, far)
+
+
+class T5Bias(ScoreBias):
+    def __init__(self, table, q_offset, causal):
+        super().__init__(q_offset, causal)
+        self.table = table  # (buckets, heads)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        bucket = relative_bucket(q_idx + self.q_offset - kv_idx, self.causal)
+        return self.table[bucket, h]
+
+
+@register("t5")
+class T5(PositionalEncoding):
+    """T5-bias: 32 log-spaced buckets up to distance 128, one table for all layers."""
+
+    has_score_bias = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.table = nn.Parameter(torch.zeros(NUM_BUCKETS, config.n_head))
+
+    def score_bias(self, h, layer, offset, state):
+        return T5Bias(self.table, offset, self.causal)
