@@ -30,20 +30,13 @@ class FireBias(ScoreBias):
         return torch.log1p(self.c * d) / torch.log1p(self.c * norm)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        # Pointwise form (FlexAttention's score_mod): the hidden units unrolled.
+        # Hidden units unrolled: the same code serves FlexAttention's scalar score_mod and the chunked
+        # path's index grids, and never holds a (rows x keys x hidden) tensor.
         x = self.normalised_distance(q_idx, kv_idx)
         out = self.b2[h]
         for unit in range(HIDDEN):
             out = out + self.w2[h, unit] * F.relu(self.w1[unit] * x + self.b1[unit])
         return out
-
-    def rows(self, start, end, n_keys, batch, heads, device):
-        # Vectorised form: one MLP pass over the (rows x keys) distance grid.
-        q_idx = torch.arange(start, end, device=device).view(-1, 1)
-        kv_idx = torch.arange(n_keys, device=device).view(1, -1)
-        x = self.normalised_distance(q_idx, kv_idx).unsqueeze(-1)
-        hidden = F.relu(x * self.w1 + self.b1)
-        return (hidden @ self.w2.T + self.b2).permute(2, 0, 1).unsqueeze(0)
 
 
 @register("fire")

@@ -1,0 +1,215 @@
+"""Backbone behaviour: causality, incremental decoding, RoPE, presets, errors, memory at long lengths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cable_lightning.models import BackboneConfig, KVCache, build_backbone
+from cable_lightning.models import attention as attn_mod
+from cable_lightning.positional import UnsupportedLengthError, available
+from cable_lightning.positional.rope import Rope
+
+ALL_PES = available()
+
+
+def tiny(pe, causal=True, **overrides):
+    torch.manual_seed(0)
+    config = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal, block_size=64, **overrides)
+    model = build_backbone(config).eval()
+    with torch.no_grad():  # make learned PE parameters non-trivial (T5 starts at zero)
+        for p in model.pe.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def test_twelve_encodings_are_registered():
+    assert ALL_PES == sorted(["cable", "cable_nw", "k_cable", "alibi", "kerple_log", "kerple_power", "fire", "t5",
+                              "rope", "learnable", "sinusoidal", "nope"])
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_no_future_token_leaks(pe, monkeypatch):
+    monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 4 * 40 * 8)  # several query blocks
+    model = tiny(pe)
+    x = torch.randint(0, 97, (1, 40))
+    t = 23
+    y = x.clone()
+    y[0, t] = (x[0, t] + 1) % 97
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.equal(a[:, :t], b[:, :t])
+    assert not torch.allclose(a[:, t], b[:, t])
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_bidirectional_encoder_sees_both_directions(pe):
+    model = tiny(pe, causal=False)
+    x = torch.randint(0, 97, (1, 12))
+    y = x.clone()
+    y[0, 8] = (x[0, 8] + 1) % 97
+    with torch.no_grad():
+        assert not torch.allclose(model(x)[:, 2], model(y)[:, 2])
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_incremental_decoding_equals_full_forward(pe):
+    model = tiny(pe)
+    x = torch.randint(0, 97, (2, 14))
+    with torch.no_grad():
+        full = model(x)
+        cache = KVCache(2)
+        steps = [model(x[:, :5], cache)]  # prefill
+        steps.append(model(x[:, 5:8], cache))  # several tokens onto a cache
+        steps += [model(x[:, i : i + 1], cache) for i in range(8, 14)]  # one token at a time
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert cache.length == 14
+
+
+def test_cable_cache_keeps_cumulative_sums_so_a_step_is_linear():
+    model = tiny("cable")
+    cache = KVCache(2)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 10)), cache)
+        model(torch.randint(0, 97, (1, 1)), cache)
+    s = cache.layers[0]["cable_s"]
+    assert s.shape == (1, 4, 11)
+    assert torch.all(s[..., 1:] >= s[..., :-1])  # a running sum of non-negative token biases
+
+
+def test_generate_greedy_matches_argmax_of_full_forward():
+    model = tiny("cable")
+    prompt = torch.randint(0, 97, (1, 6))
+    out = model.generate(prompt, max_new_tokens=5, temperature=0)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    sampled = model.generate(prompt, 4, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (1, 10) and int(sampled.max()) < 97
+
+
+def test_generate_refuses_a_bidirectional_backbone():
+    with pytest.raises(ValueError, match="causal"):
+        tiny("alibi", causal=False).generate(torch.zeros(1, 2, dtype=torch.long), 1)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    pe = Rope(BackboneConfig(pos_encoding="rope", n_layer=1, n_head=1, n_embd=16))
+    torch.manual_seed(0)
+    q = torch.randn(16).expand(1, 1, 40, 16)
+    k = torch.randn(16).expand(1, 1, 40, 16)
+    qr, kr = pe.rotate(q, k, 0)
+    scores = (qr @ kr.transpose(-1, -2))[0, 0]
+    for shift in (1, 5, 17):
+        torch.testing.assert_close(scores[shift:, shift:], scores[:-shift, :-shift], atol=1e-4, rtol=1e-4)
+    qo, ko = pe.rotate(q[:, :, :10], k[:, :, :10], 7)  # an offset (cache) rotates like the full sequence
+    torch.testing.assert_close(qo, qr[:, :, 7:17], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["linear", "ntk", "yarn"])
+def test_rope_scaling_with_factor_one_is_plain_rope(mode):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    base = dict(pos_encoding="rope", n_layer=1, n_head=2, n_embd=32, block_size=32)
+    plain = Rope(BackboneConfig(**base)).rotate(q, k, 3)
+    scaled = Rope(BackboneConfig(**base, rope_scaling=mode, rope_scaling_factor=1.0)).rotate(q, k, 3)
+    torch.testing.assert_close(scaled, plain)
+    stretched = Rope(BackboneConfig(**base, rope_scaling=mode, rope_scaling_factor=4.0)).rotate(q, k, 3)
+    assert not torch.allclose(stretched[0], plain[0])
+
+
+def test_linear_rope_scaling_is_position_interpolation():
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 8, 16)
+    base = dict(pos_encoding="rope", n_layer=1, n_head=1, n_embd=16)
+    scaled = Rope(BackboneConfig(**base, rope_scaling="linear", rope_scaling_factor=2.0)).rotate(q, q, 0)[0]
+    plain = Rope(BackboneConfig(**base))
+    # Position 2p under factor 2 rotates like position p unscaled.
+    torch.testing.assert_close(scaled[:, :, 2:3], plain.rotate(q[:, :, 2:3], q[:, :, 2:3], 1)[0], atol=1e-5, rtol=1e-5)
+
+
+def count(preset, **kw):
+    with torch.device("meta"):
+        model = build_backbone(BackboneConfig(preset=preset, pos_encoding="nope", **kw))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset,expected", [("gpt2-tiny", 44.6e6), ("gpt2-small", 123.6e6), ("gpt2-medium", 353.5e6), ("bert-base", 110e6)])
+def test_preset_parameter_counts(preset, expected):
+    n = count(preset)
+    assert abs(n - expected) / expected < 0.03, f"{preset}: {n / 1e6:.1f}M"
+
+
+def test_presets_pad_vocab_and_allow_overrides():
+    config = BackboneConfig(preset="gpt2-small", n_layer=3, dropout=0.1)
+    assert (config.n_layer, config.n_head, config.n_embd, config.dropout) == (3, 12, 768, 0.1)
+    assert config.padded_vocab_size == 50304
+    assert BackboneConfig(preset="bert-base").causal is False
+
+
+def test_learnable_positions_refuse_longer_inputs_in_one_line():
+    model = tiny("learnable", max_positions=16)
+    model(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(UnsupportedLengthError) as err:
+        model(torch.zeros(1, 17, dtype=torch.long))
+    message = str(err.value)
+    assert "17" in message and "16" in message and "cannot extrapolate" in message and "\n" not in message
+
+
+def test_unknown_encoding_lists_valid_names_in_one_line():
+    with pytest.raises(ValueError) as err:
+        build_backbone(BackboneConfig(pos_encoding="rotary", n_layer=1, n_head=2, n_embd=16))
+    message = str(err.value)
+    assert "'rotary'" in message and all(name in message for name in ALL_PES) and "\n" not in message
+
+
+def test_bad_shapes_and_presets_are_rejected():
+    with pytest.raises(ValueError, match="not divisible"):
+        BackboneConfig(n_head=5, n_embd=64)
+    with pytest.raises(ValueError, match="gpt2-tiny"):
+        BackboneConfig(preset="gpt3")
+
+
+def test_chunked_token_nll_equals_full_cross_entropy():
+    model = tiny("cable")
+    x = torch.randint(0, 97, (2, 30))
+    targets = torch.randint(0, 97, (2, 30))
+    targets[0, :4] = -100
+    with torch.no_grad():
+        full = F.cross_entropy(model(x).transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        chunked = model.token_nll(x, targets, chunk=7)
+    torch.testing.assert_close(chunked, full)
+    assert torch.all(chunked[0, :4] == 0)
+    torch.testing.assert_close(model.loss(x, targets), full.sum() / (targets != -100).sum())
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operator produces, and the largest whose last dim is ``width``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.width, self.largest, self.largest_with_width = width, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+                if t.dim() and t.shape[-1] == self.width:
+                    self.largest_with_width = max(self.largest_with_width, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("pe", ["cable", "alibi", "fire", "t5", "rope"])
+def test_long_evaluation_never_builds_a_full_score_or_logit_tensor(pe):
+    t, heads = 8192, 2
+    torch.manual_seed(0)
+    config = BackboneConfig(pos_encoding=pe, n_layer=1, n_head=heads, n_embd=16, vocab_size=2000, block_size=128)
+    model = build_backbone(config).eval()
+    x = torch.randint(0, 2000, (1, t))
+    with torch.no_grad(), LargestTensor(config.padded_vocab_size) as probe:
+        model.token_nll(x, x)
+    assert probe.largest <= heads * t * t / 8  # attention works on row blocks
+    assert probe.largest_with_width <= t * config.padded_vocab_size / 4  # the LM head on position chunks
