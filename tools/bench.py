@@ -1,0 +1,184 @@
+"""Speed and memory of every positional encoding on one backbone shape.
+
+Per PE: training step (forward + backward) tokens/s at several lengths, evaluation forward
+seconds and peak memory at longer lengths, each with its ratio to ``nope`` measured in the same
+process. On CPU, peak memory is the peak RSS of a fresh spawned process that runs one evaluation
+(so one PE's allocations cannot hide another's); on CUDA it is ``max_memory_allocated``.
+
+    python tools/bench.py --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import time
+
+import torch
+
+from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.positional import available
+
+
+def make_config(args, pe: str, block_size: int) -> BackboneConfig:
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size") if getattr(args, k) is not None}
+    return BackboneConfig(preset=args.preset, pos_encoding=pe, block_size=block_size, **overrides)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats):
+    fn()  # warm-up (and compilation on CUDA)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def train_tokens_per_second(model, t, tokens_per_step, device, dtype, repeats):
+    batch = max(1, tokens_per_step // t)
+    x = torch.randint(0, model.config.vocab_size, (batch, t + 1), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return batch * t / timed(step, device, repeats)
+
+
+def eval_seconds(model, t, device, dtype, repeats):
+    x = torch.randint(0, model.config.vocab_size, (1, t + 1), device=device)
+
+    def forward():
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            model.token_nll(x[:, :-1], x[:, 1:])
+
+    return timed(forward, device, repeats)
+
+
+def _cpu_eval_peak(config_dict, t, threads, out):
+    """Runs in a fresh process: peak RSS of one evaluation forward, in MiB."""
+    torch.set_num_threads(threads)
+    model = build_backbone(BackboneConfig(**config_dict)).eval()
+    x = torch.randint(0, model.config.vocab_size, (1, t + 1))
+    with torch.no_grad():
+        model.token_nll(x[:, :-1], x[:, 1:])
+    out.put(peak_rss_mib())
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: Linux carries ru_maxrss across
+    fork+exec, so a spawned child would report its parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (peak memory needs Linux)")
+
+
+def eval_peak_mib(model, t, device, dtype):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        eval_seconds(model, t, device, dtype, repeats=0)
+        return torch.cuda.max_memory_allocated() / 2**20
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_cpu_eval_peak, args=(model.config.to_dict(), t, torch.get_num_threads(), queue))
+    proc.start()
+    peak = queue.get()
+    proc.join()
+    return peak
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    pes = args.pes or available()
+    if "nope" not in pes:
+        pes = ["nope"] + pes
+    rows = []
+    for pe in pes:
+        torch.manual_seed(0)
+        model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
+        row = {"pe": pe, "train_tok_s": {}, "eval_s": {}, "eval_peak_mib": {}}
+        for t in args.train_lengths:
+            row["train_tok_s"][t] = train_tokens_per_second(model, t, args.tokens_per_step, device, dtype, args.repeats)
+        model.eval()
+        for t in args.eval_lengths:
+            if pe == "learnable":  # a table of the training length cannot serve longer inputs
+                continue
+            row["eval_s"][t] = eval_seconds(model, t, device, dtype, args.repeats)
+            if not args.skip_memory:
+                row["eval_peak_mib"][t] = eval_peak_mib(model, t, device, dtype)
+        rows.append(row)
+        print(f"measured {pe}", flush=True)
+    base = next(r for r in rows if r["pe"] == "nope")
+    for row in rows:
+        row["train_ratio_to_nope"] = {t: base["train_tok_s"][t] / v for t, v in row["train_tok_s"].items()}
+        row["eval_ratio_to_nope"] = {t: v / base["eval_s"][t] for t, v in row["eval_s"].items()}
+    config = make_config(args, "nope", max(args.train_lengths))
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads",
+        "torch": torch.__version__, "dtype": args.dtype,
+        "shape": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
+        "tokens_per_step": args.tokens_per_step,
+    }
+    return {"meta": meta, "rows": rows}
+
+
+def table(result) -> str:
+    rows = result["rows"]
+    train_ts = list(rows[0]["train_tok_s"])
+    eval_ts = list(rows[0]["eval_s"])
+    head = ["pe"] + [f"train tok/s @{t} (x nope)" for t in train_ts] + [f"eval s @{t} (x nope)" for t in eval_ts] + [f"eval peak MiB @{t}" for t in eval_ts]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["pe"]]
+        cells += [f"{r['train_tok_s'][t]:.0f} ({r['train_ratio_to_nope'][t]:.2f})" for t in train_ts]
+        cells += [f"{r['eval_s'][t]:.3f} ({r['eval_ratio_to_nope'][t]:.2f})" if t in r["eval_s"] else "-" for t in eval_ts]
+        cells += [f"{r['eval_peak_mib'][t]:.0f}" if t in r["eval_peak_mib"] else "-" for t in eval_ts]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-tiny")
+    parser.add_argument("--n-layer", dest="n_layer", type=int)
+    parser.add_argument("--n-head", dest="n_head", type=int)
+    parser.add_argument("--n-embd", dest="n_embd", type=int)
+    parser.add_argument("--vocab-size", dest="vocab_size", type=int)
+    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}")
+    parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--tokens-per-step", type=int, default=4096, help="batch = this // length")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result["meta"]))
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
