@@ -1,0 +1,113 @@
+"""``python -m cable_lightning {fit,validate,test}``: LightningCLI wired for length-extrapolation runs.
+
+What it adds to the stock CLI:
+- ``--global_batch_tokens``: the global batch in tokens (the paper's 524288), turned into gradient
+  accumulation from micro-batch x block x world size; an error when it does not divide.
+- runs laid out as ``<runs_dir>/<experiment>/<pe>/version_N`` (TensorBoard) with checkpoints in
+  ``<runs_dir>/<experiment>/<pe>/checkpoints`` (``last.ckpt`` plus every N steps), so
+  ``--ckpt_path last`` finds the previous run's last checkpoint.
+- vocab size and training length flow from the data to the model (set once, in the data section).
+- after fit and validate, a perplexity-by-length table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from .data import TokenDataModule
+from .lit import LanguageModel
+
+
+def world_size(trainer_config) -> int:
+    devices, nodes = trainer_config.devices, trainer_config.num_nodes or 1
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, int) or (isinstance(devices, str) and devices.lstrip("-").isdigit()):
+        count = int(devices)
+        if count == -1:
+            count = _auto_devices(trainer_config.accelerator)
+    else:  # "auto"
+        count = _auto_devices(trainer_config.accelerator)
+    return count * nodes
+
+
+def _auto_devices(accelerator) -> int:
+    import torch
+
+    if accelerator in (None, "auto", "gpu", "cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:
+    per_step = micro_batch * block_size * ranks
+    if global_batch_tokens % per_step:
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size x block_size x world_size "
+            f"= {micro_batch} x {block_size} x {ranks} = {per_step}; pick a multiple of {per_step} or change the micro-batch"
+        )
+    return global_batch_tokens // per_step
+
+
+class CableCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser):
+        parser.add_argument("--experiment", type=str, default="default", help="runs/<experiment>/<pe>/...")
+        parser.add_argument("--runs_dir", type=str, default="runs")
+        parser.add_argument("--global_batch_tokens", type=Optional[int], default=None,
+                            help="global batch in tokens; sets trainer.accumulate_grad_batches")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({
+            "checkpoint.save_last": True,
+            "checkpoint.save_top_k": -1,
+            "checkpoint.every_n_train_steps": 1000,
+            "checkpoint.filename": "step{step:07d}",
+            "checkpoint.auto_insert_metric_name": False,
+            "trainer.gradient_clip_val": 1.0,
+        })
+        parser.link_arguments("data.block_size", "model.init_args.block_size")
+        parser.link_arguments("data", "model.init_args.vocab_size", compute_fn=lambda data: data.vocab_size, apply_on="instantiate")
+
+    def before_instantiate_classes(self):
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        backbone = config.model.init_args.backbone
+        pe = backbone.pos_encoding if backbone is not None else "cable"
+        run_dir = f"{config.runs_dir}/{config.experiment}/{pe}"
+        if config.trainer.logger in (None, True):
+            config.trainer.logger = {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": config.runs_dir, "name": f"{config.experiment}/{pe}"},
+            }
+        if config.checkpoint.dirpath is None:
+            config.checkpoint.dirpath = f"{run_dir}/checkpoints"
+        if config.global_batch_tokens is not None:
+            config.trainer.accumulate_grad_batches = accumulation_steps(
+                config.global_batch_tokens, config.data.micro_batch_size, config.data.block_size, world_size(config.trainer)
+            )
+
+    def _print_lengths(self):
+        model, trainer = self.model, self.trainer
+        if not trainer.is_global_zero:
+            return
+        metrics = trainer.callback_metrics
+        trained = model.config.block_size
+        lines = [f"validation perplexity by length ({model.config.pos_encoding}, trained at {trained} tokens):"]
+        for length in model.eval_lengths():
+            key = f"val_ppl/len_{length}"
+            value = "unsupported" if length in model.unsupported_lengths else (f"{float(metrics[key]):.2f}" if key in metrics else "n/a")
+            lines.append(f"  {length:>6} ({length / trained:g}x): {value}")
+        print("\n".join(lines), flush=True)
+
+    def after_fit(self):
+        self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        self._print_lengths()
+
+    def after_validate(self):
+        self._print_lengths()
+
+
+def main(args: list[str] | None = None) -> CableCLI:
+    """Entry point; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``."""
+    return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args, save_config_kwargs={"overwrite": True})
