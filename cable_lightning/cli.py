@@ -7,7 +7,8 @@ What it adds to the stock CLI:
   ``<runs_dir>/<experiment>/<pe>/checkpoints`` (``last.ckpt`` plus every N steps), so
   ``--ckpt_path last`` finds the previous run's last checkpoint.
 - vocab size and training length flow from the data to the model (set once, in the data section).
-- after fit and validate, a perplexity-by-length table.
+- validation every checkpoint interval at every evaluation length (and window mode), recorded by
+  :class:`LengthEvalRecorder`; a last one at the end of fit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from .callbacks import LengthEvalRecorder
 from .data import TokenDataModule
 from .lit import LanguageModel
 
@@ -59,6 +61,7 @@ class CableCLI(LightningCLI):
         parser.add_argument("--global_batch_tokens", type=Optional[int], default=None,
                             help="global batch in tokens; sets trainer.accumulate_grad_batches")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LengthEvalRecorder, "length_eval")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.save_top_k": -1,
@@ -86,26 +89,14 @@ class CableCLI(LightningCLI):
             config.trainer.accumulate_grad_batches = accumulation_steps(
                 config.global_batch_tokens, config.data.micro_batch_size, config.data.block_size, world_size(config.trainer)
             )
-
-    def _print_lengths(self):
-        model, trainer = self.model, self.trainer
-        if not trainer.is_global_zero:
-            return
-        metrics = trainer.callback_metrics
-        trained = model.config.block_size
-        lines = [f"validation perplexity by length ({model.config.pos_encoding}, trained at {trained} tokens):"]
-        for length in model.eval_lengths():
-            key = f"val_ppl/len_{length}"
-            value = "unsupported" if length in model.unsupported_lengths else (f"{float(metrics[key]):.2f}" if key in metrics else "n/a")
-            lines.append(f"  {length:>6} ({length / trained:g}x): {value}")
-        print("\n".join(lines), flush=True)
+        if config.trainer.val_check_interval is None and config.checkpoint.every_n_train_steps:
+            # Evaluate at every checkpoint; Lightning counts this interval in batches, across epochs.
+            config.trainer.val_check_interval = config.checkpoint.every_n_train_steps * (config.trainer.accumulate_grad_batches or 1)
+            config.trainer.check_val_every_n_epoch = None
 
     def after_fit(self):
+        # A last evaluation at every length, so each run ends with its perplexity-vs-length record.
         self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-        self._print_lengths()
-
-    def after_validate(self):
-        self._print_lengths()
 
 
 def main(args: list[str] | None = None) -> CableCLI:

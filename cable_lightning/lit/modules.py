@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import grad_norm
 from torchmetrics.aggregation import MeanMetric
 
 from ..data.masking import mask_tokens
+from ..eval import scored_targets
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from .optim import build_optimizer
@@ -35,6 +36,7 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters()
         self.backbone = build_backbone(self.config)
         self.val_nll = torch.nn.ModuleDict()
+        self.length_results: list[dict] = []
         self.unsupported_lengths: set[int] = set()
         self._tokens_seen = 0
         self._last_step_time = None
@@ -66,21 +68,33 @@ class LanguageModel(L.LightningModule):
         h = self.hparams
         return build_optimizer(self.backbone, h.lr, h.min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps, h.weight_decay)
 
-    # --- validation at one or several lengths --------------------------------------------------
-    def eval_lengths(self) -> list[int]:
+    # --- validation: one loader per (length, stride) window set -----------------------------------
+    def eval_specs(self) -> list[tuple[int, int]]:
+        """(length, stride) per validation loader; stride == length is the non-overlapping protocol."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        return list(getattr(datamodule, "eval_lengths_resolved", None) or [self.config.block_size])
+        specs = getattr(datamodule, "eval_specs", None)
+        return list(specs) if specs else [(self.config.block_size, self.config.block_size)]
+
+    @staticmethod
+    def spec_key(length: int, stride: int) -> str:
+        return f"{length}" if stride == length else f"{length}_s{stride}"
 
     def on_validation_epoch_start(self):
-        for length in self.eval_lengths():
-            if str(length) not in self.val_nll:
-                self.val_nll[str(length)] = MeanMetric().to(self.device)
+        self._eval_time: dict[str, float] = {}
+        for length, stride in self.eval_specs():
+            key = self.spec_key(length, stride)
+            if key not in self.val_nll:
+                self.val_nll[key] = MeanMetric().to(self.device)
+            self._eval_time[key] = 0.0
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        length = self.eval_lengths()[dataloader_idx]
+        length, stride = self.eval_specs()[dataloader_idx]
+        key = self.spec_key(length, stride)
         if length in self.unsupported_lengths:
             return None
-        inputs, targets = self.split_batch(batch, train=False, batch_idx=batch_idx)
+        inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx)
+        targets = scored_targets(targets, batch["first_scored"])
+        start = time.perf_counter()
         try:
             nll = self.backbone.token_nll(inputs, targets)
         except UnsupportedLengthError as err:
@@ -88,20 +102,35 @@ class LanguageModel(L.LightningModule):
             self.print(f"length {length}: unsupported ({err})")
             return None
         count = (targets != -100).sum()
-        self.val_nll[str(length)].update(nll.sum() / count.clamp(min=1), weight=count)
+        self.val_nll[key].update(nll.sum() / count.clamp(min=1), weight=count)
+        self._eval_time[key] += time.perf_counter() - start
         return None
 
     def on_validation_epoch_end(self):
-        for length in self.eval_lengths():
-            metric = self.val_nll[str(length)]
-            if length in self.unsupported_lengths or metric.update_count == 0:
+        """Logs ``val_ppl/len_<L>`` (non-overlapping) and ``val_ppl_sliding/len_<L>``, and keeps the
+        rows in ``self.length_results`` for the length-evaluation callback."""
+        self.length_results = []
+        for length, stride in self.eval_specs():
+            key = self.spec_key(length, stride)
+            metric = self.val_nll[key]
+            mode = "nonoverlap" if stride == length else "sliding"
+            row = {"step": self.global_step, "length": length, "mode": mode, "stride": stride}
+            if length in self.unsupported_lengths:
+                self.length_results.append({**row, "ppl": None, "loss": None, "tokens": 0, "seconds": 0.0, "tokens_per_sec": None})
                 continue
+            if metric.update_count == 0:
+                continue
+            tokens = int(self.all_gather(metric.weight.detach()).sum().item()) if self.trainer.world_size > 1 else int(metric.weight.item())
             loss = metric.compute()
-            self.log(f"val_loss/len_{length}", loss, add_dataloader_idx=False, sync_dist=False)
-            self.log(f"val_ppl/len_{length}", torch.exp(loss), add_dataloader_idx=False, sync_dist=False)
-            if length == self.config.block_size:
+            prefix = "val" if mode == "nonoverlap" else "val_sliding"
+            self.log(f"{prefix}_loss/len_{length}", loss, add_dataloader_idx=False)
+            self.log(f"{prefix}_ppl/len_{length}", torch.exp(loss), add_dataloader_idx=False)
+            if mode == "nonoverlap" and length == self.config.block_size:
                 self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False)
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
+            seconds = self._eval_time[key]
+            self.length_results.append({**row, "ppl": math.exp(loss.item()), "loss": loss.item(), "tokens": tokens,
+                                        "seconds": seconds, "tokens_per_sec": tokens / seconds if seconds else None})
             metric.reset()
 
     # --- checkpoints carry the tokenizer identity ----------------------------------------------

@@ -1,0 +1,76 @@
+"""Perplexity-vs-length records after every validation: JSONL rows, TensorBoard figure, a printed table.
+
+The numbers themselves come from the LightningModule's validation loop (one loader per length and
+window mode, DDP-reduced by torchmetrics); this callback only writes them down on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning as L
+
+
+def plot_ppl_vs_length(rows: list[dict], train_length: int | None, title: str):
+    """Perplexity against evaluation length (log axis), one line per window mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        points = sorted((r["length"], r["ppl"]) for r in rows if r["mode"] == mode and r["ppl"] is not None)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=mode)
+    if train_length:
+        ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def format_table(rows: list[dict], train_length: int) -> str:
+    modes = sorted({r["mode"] for r in rows})
+    by_key = {(r["length"], r["mode"]): r for r in rows}
+    lines = ["length  (x train)  " + "  ".join(f"{m:>12}" for m in modes)]
+    for length in sorted({r["length"] for r in rows}):
+        cells = []
+        for m in modes:
+            r = by_key.get((length, m))
+            cells.append(f"{'-' if r is None or r['ppl'] is None else format(r['ppl'], '.2f'):>12}")
+        lines.append(f"{length:>6}  {length / train_length:>8g}x  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+class LengthEvalRecorder(L.Callback):
+    """Writes ``<log_dir>/length_eval.jsonl`` rows (step, length, mode, ppl, loss, tokens, seconds,
+    tokens/s), logs a perplexity-vs-length figure to TensorBoard, and prints the table."""
+
+    def __init__(self, print_table: bool = True, figure: bool = True):
+        self.print_table, self.figure = print_table, figure
+
+    def on_validation_end(self, trainer, pl_module):
+        rows = getattr(pl_module, "length_results", None)
+        if trainer.sanity_checking or not rows or not trainer.is_global_zero:
+            return
+        config = pl_module.config
+        extra = {"pe": config.pos_encoding, "train_length": config.block_size, "stage": trainer.state.stage.value}
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, "length_eval.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps({**extra, **row}) + "\n")
+        experiment = getattr(trainer.logger, "experiment", None)
+        if self.figure and hasattr(experiment, "add_figure"):
+            title = f"{config.pos_encoding}, step {trainer.global_step}"
+            experiment.add_figure("val_ppl_vs_length", plot_ppl_vs_length(rows, config.block_size, title), trainer.global_step)
+        if self.print_table:
+            print(f"validation perplexity by length ({config.pos_encoding}, trained at {config.block_size} tokens, "
+                  f"step {trainer.global_step}):\n{format_table(rows, config.block_size)}", flush=True)

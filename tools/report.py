@@ -1,0 +1,122 @@
+"""Collect runs into the CABLE paper's Table-1 layout and Figure-1 plot.
+
+Reads ``length_eval.jsonl`` files (written by LengthEvalRecorder), keeps each run's latest
+evaluation, and writes per window mode: a markdown table (rows: evaluation length, columns: PE,
+best per row in bold, unsupported as a dash), the same as CSV, and a perplexity-vs-length PNG.
+
+    python tools/report.py runs/pydocs --out reports/pydocs
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+
+
+def find_records(paths: list[str]) -> list[str]:
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += glob.glob(os.path.join(path, "**", "length_eval.jsonl"), recursive=True)
+        else:
+            files += glob.glob(path)
+    if not files:
+        raise FileNotFoundError(f"no length_eval.jsonl under {', '.join(paths)}; train or validate a run first")
+    return sorted(files)
+
+
+def latest_rows(files: list[str]) -> list[dict]:
+    """Each run's rows from its latest (highest step, last written) evaluation."""
+    runs: dict[tuple, dict] = {}
+    for file in files:
+        with open(file) as f:
+            for line in f:
+                row = json.loads(line)
+                run = (row["pe"], row["train_length"])
+                # Later lines win at equal steps, so a re-validation replaces the end-of-fit numbers.
+                runs.setdefault(run, {})
+                if row["step"] >= runs[run].get("_step", -1):
+                    if row["step"] > runs[run].get("_step", -1):
+                        runs[run] = {"_step": row["step"]}
+                    runs[run][(row["length"], row["mode"])] = row
+    return [row for rows in runs.values() for key, row in rows.items() if key != "_step"]
+
+
+def column_name(pe: str, train_length: int, several_lengths: bool) -> str:
+    return f"{pe}@{train_length}" if several_lengths else pe
+
+
+def build_table(rows: list[dict], mode: str) -> tuple[list[str], list[list]]:
+    rows = [r for r in rows if r["mode"] == mode]
+    several = len({r["train_length"] for r in rows}) > 1
+    columns = sorted({column_name(r["pe"], r["train_length"], several) for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    cell = {(r["length"], column_name(r["pe"], r["train_length"], several)): r["ppl"] for r in rows}
+    return columns, [[length] + [cell.get((length, c)) for c in columns] for length in lengths]
+
+
+def markdown(columns, table) -> str:
+    lines = ["| length | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for length, *values in table:
+        present = [v for v in values if v is not None]
+        best = min(present) if present else None
+        cells = ["-" if v is None else (f"**{v:.2f}**" if v == best else f"{v:.2f}") for v in values]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(columns, table, title: str, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(columns):
+        points = [(row[0], row[i + 1]) for row in table if row[i + 1] is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(paths: list[str], out: str) -> dict[str, str]:
+    """Writes <out>_<mode>.md/.csv/.png for each window mode present; returns {mode: markdown}."""
+    rows = latest_rows(find_records(paths))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    tables = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        columns, table = build_table(rows, mode)
+        tables[mode] = markdown(columns, table)
+        with open(f"{out}_{mode}.md", "w") as f:
+            f.write(tables[mode] + "\n")
+        with open(f"{out}_{mode}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["length"] + columns)
+            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values] for length, *values in table])
+        plot(columns, table, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
+    return tables
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories or length_eval.jsonl files/globs")
+    parser.add_argument("--out", default="reports/report", help="output prefix")
+    args = parser.parse_args(argv)
+    for mode, table in report(args.runs, args.out).items():
+        print(f"## {mode}\n{table}\n")
+    print(f"written: {args.out}_<mode>.md/.csv/.png")
+
+
+if __name__ == "__main__":
+    main()
