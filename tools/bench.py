@@ -23,9 +23,16 @@ from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available
 
 
-def make_config(args, pe: str, block_size: int) -> BackboneConfig:
+def make_config(args, variant: str, block_size: int) -> BackboneConfig:
+    """``variant`` is a PE name, optionally with an attention backend: ``cable:materialized`` is the
+    naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax, times v)."""
+    pe, _, backend = variant.partition(":")
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size") if getattr(args, k) is not None}
-    return BackboneConfig(preset=args.preset, pos_encoding=pe, block_size=block_size, **overrides)
+    return BackboneConfig(preset=args.preset, pos_encoding=pe, block_size=block_size, attention_backend=backend or "auto", **overrides)
+
+
+def out_of_memory(err: Exception) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower() or isinstance(err, MemoryError)
 
 
 def sync(device):
@@ -105,7 +112,7 @@ def eval_peak_mib(model, t, device, dtype):
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    pes = args.pes or available()
+    pes = args.pes or available() + ["cable:materialized"]
     if "nope" not in pes:
         pes = ["nope"] + pes
     rows = []
@@ -117,17 +124,27 @@ def run(args) -> dict:
             row["train_tok_s"][t] = train_tokens_per_second(model, t, args.tokens_per_step, device, dtype, args.repeats)
         model.eval()
         for t in args.eval_lengths:
-            if pe == "learnable":  # a table of the training length cannot serve longer inputs
+            if pe.startswith("learnable"):  # a table of the training length cannot serve longer inputs
                 continue
-            row["eval_s"][t] = eval_seconds(model, t, device, dtype, args.repeats)
-            if not args.skip_memory:
-                row["eval_peak_mib"][t] = eval_peak_mib(model, t, device, dtype)
+            if t > args.naive_max_length and pe.endswith(":materialized"):
+                row["eval_s"][t] = row["eval_peak_mib"][t] = "skipped"
+                continue
+            try:
+                row["eval_s"][t] = eval_seconds(model, t, device, dtype, args.repeats)
+                if not args.skip_memory:
+                    row["eval_peak_mib"][t] = eval_peak_mib(model, t, device, dtype)
+            except (RuntimeError, MemoryError) as err:
+                if not out_of_memory(err):
+                    raise
+                row["eval_s"][t] = row["eval_peak_mib"][t] = "OOM"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         rows.append(row)
         print(f"measured {pe}", flush=True)
     base = next(r for r in rows if r["pe"] == "nope")
     for row in rows:
         row["train_ratio_to_nope"] = {t: base["train_tok_s"][t] / v for t, v in row["train_tok_s"].items()}
-        row["eval_ratio_to_nope"] = {t: v / base["eval_s"][t] for t, v in row["eval_s"].items()}
+        row["eval_ratio_to_nope"] = {t: v / base["eval_s"][t] for t, v in row["eval_s"].items() if not isinstance(v, str)}
     config = make_config(args, "nope", max(args.train_lengths))
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -139,6 +156,14 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows}
 
 
+def fmt(value, spec, ratio=None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return f"{value:{spec}}" + (f" ({ratio:.2f})" if ratio is not None else "")
+
+
 def table(result) -> str:
     rows = result["rows"]
     train_ts = list(rows[0]["train_tok_s"])
@@ -148,8 +173,8 @@ def table(result) -> str:
     for r in rows:
         cells = [r["pe"]]
         cells += [f"{r['train_tok_s'][t]:.0f} ({r['train_ratio_to_nope'][t]:.2f})" for t in train_ts]
-        cells += [f"{r['eval_s'][t]:.3f} ({r['eval_ratio_to_nope'][t]:.2f})" if t in r["eval_s"] else "-" for t in eval_ts]
-        cells += [f"{r['eval_peak_mib'][t]:.0f}" if t in r["eval_peak_mib"] else "-" for t in eval_ts]
+        cells += [fmt(r["eval_s"].get(t), ".3f", r["eval_ratio_to_nope"].get(t)) for t in eval_ts]
+        cells += [fmt(r["eval_peak_mib"].get(t), ".0f") for t in eval_ts]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -161,7 +186,8 @@ def main(argv=None):
     parser.add_argument("--n-head", dest="n_head", type=int)
     parser.add_argument("--n-embd", dest="n_embd", type=int)
     parser.add_argument("--vocab-size", dest="vocab_size", type=int)
-    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}")
+    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable:materialized (naive)")
+    parser.add_argument("--naive-max-length", type=int, default=8192, help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="batch = this // length")

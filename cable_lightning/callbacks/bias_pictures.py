@@ -1,0 +1,80 @@
+"""Pictures of each head's positional bias in the last layer, for one fixed validation text.
+
+Score-bias PEs (the CABLE family, ALiBi, KERPLE, FIRE, T5) show their additive bias matrix; the
+others (RoPE, absolute, NoPE) show the last layer's pre-softmax attention scores. One image grid
+per evaluation in TensorBoard, like the CABLE paper's figures 4 and 8-15.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+
+
+@torch.no_grad()
+def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(heads, T, T) maps for one sequence (1, T) and what they show; future positions are NaN."""
+    captured = {}
+    block = backbone.blocks[-1]
+    handle = block.ln_attn.register_forward_hook(lambda m, i, out: captured.__setitem__("h", out))
+    try:
+        backbone.hidden_states(tokens)
+    finally:
+        handle.remove()
+    h = captured["h"]
+    t, heads = tokens.shape[1], backbone.config.n_head
+    bias = backbone.pe.score_bias(h, len(backbone.blocks) - 1, 0, None)
+    if bias is not None:
+        maps, what = bias.rows(0, t, t, 1, heads, tokens.device)[0].float(), "additive bias"
+    else:
+        q, k, _ = (x.view(1, t, heads, -1).transpose(1, 2) for x in block.attn.qkv(h).split(h.shape[-1], dim=-1))
+        q, k = backbone.pe.rotate(q, k, 0)
+        maps, what = (q @ k.transpose(-1, -2))[0].float() / math.sqrt(q.shape[-1]), "attention scores"
+    maps = maps.expand(heads, t, t).clone()
+    if backbone.causal:
+        maps.masked_fill_(~torch.ones(t, t, dtype=torch.bool, device=maps.device).tril(), float("nan"))
+    return maps.cpu(), what
+
+
+def draw_grid(maps: torch.Tensor, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = maps.shape[0]
+    cols = min(4, heads)
+    rows = math.ceil(heads / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if i < heads:
+            image = ax.imshow(maps[i].numpy(), cmap="viridis")
+            ax.set_title(f"head {i}", fontsize=9)
+            fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+class BiasPictures(L.Callback):
+    """At each evaluation, logs ``bias/last_layer``: a grid of per-head maps over the first
+    ``tokens`` tokens of the first validation window."""
+
+    def __init__(self, tokens: int = 64):
+        self.tokens = tokens
+        self.text: torch.Tensor | None = None
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.text is None and batch_idx == 0 and dataloader_idx == 0:
+            self.text = batch["tokens"][:1, : self.tokens].detach().clone()
+
+    def on_validation_end(self, trainer, pl_module):
+        experiment = getattr(trainer.logger, "experiment", None)
+        if trainer.sanity_checking or self.text is None or not trainer.is_global_zero or not hasattr(experiment, "add_figure"):
+            return
+        maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
+        title = f"{pl_module.config.pos_encoding}: last layer {what}, step {trainer.global_step}"
+        experiment.add_figure("bias/last_layer", draw_grid(maps, title), trainer.global_step)
