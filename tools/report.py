@@ -29,20 +29,19 @@ def find_records(paths: list[str]) -> list[str]:
 
 
 def latest_rows(files: list[str]) -> list[dict]:
-    """Each run's rows from its latest (highest step, last written) evaluation."""
+    """Each run's rows from its latest evaluation step; at equal steps the later line wins, so a
+    re-validation replaces the end-of-fit numbers. A run is one (pe, training length)."""
     runs: dict[tuple, dict] = {}
     for file in files:
         with open(file) as f:
             for line in f:
                 row = json.loads(line)
-                run = (row["pe"], row["train_length"])
-                # Later lines win at equal steps, so a re-validation replaces the end-of-fit numbers.
-                runs.setdefault(run, {})
-                if row["step"] >= runs[run].get("_step", -1):
-                    if row["step"] > runs[run].get("_step", -1):
-                        runs[run] = {"_step": row["step"]}
-                    runs[run][(row["length"], row["mode"])] = row
-    return [row for rows in runs.values() for key, row in rows.items() if key != "_step"]
+                run = runs.setdefault((row["pe"], row["train_length"]), {"step": -1, "rows": {}})
+                if row["step"] > run["step"]:
+                    run["step"], run["rows"] = row["step"], {}
+                if row["step"] == run["step"]:
+                    run["rows"][(row["length"], row["mode"])] = row
+    return [row for run in runs.values() for row in run["rows"].values()]
 
 
 def column_name(pe: str, train_length: int, several_lengths: bool) -> str:

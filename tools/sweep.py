@@ -1,0 +1,61 @@
+"""Train and evaluate one base config across positional encodings (and training lengths), then report.
+
+    python tools/sweep.py --config configs/quickstart.yaml --pes cable alibi rope --experiment pe-sweep
+    python tools/sweep.py --config configs/paper/gpt2_tiny_fineweb.yaml --config configs/trainer/ddp8_bf16.yaml \
+        --pes cable alibi kerple_log --print-only      # commands for a cluster, one per line
+
+Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>), and the
+report to reports/<experiment>_<mode>.{md,csv,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+from report import report
+
+
+def commands(args) -> list[tuple[str, list[str]]]:
+    runs = []
+    for length in args.train_lengths or [None]:
+        experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
+        for pe in args.pes:
+            cmd = [sys.executable, "-m", "cable_lightning", "fit"]
+            for config in args.config:
+                cmd += ["--config", config]
+            cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir, "--model.init_args.backbone.pos_encoding", pe]
+            if length is not None:
+                cmd += ["--data.block_size", str(length)]
+            runs.append((experiment, cmd + args.extra))
+    return runs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
+    parser.add_argument("--pes", nargs="+", required=True)
+    parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
+    parser.add_argument("--experiment", default="sweep")
+    parser.add_argument("--runs-dir", default="runs")
+    parser.add_argument("--report", default=None, help="report prefix (default reports/<experiment>)")
+    parser.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
+    args = parser.parse_args(argv)
+    args.extra = [a for a in args.extra if a != "--"]
+    runs = commands(args)
+    if args.print_only:
+        print("\n".join(shlex.join(cmd) for _, cmd in runs))
+        return
+    for _, cmd in runs:
+        print("+", shlex.join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    out = args.report or f"reports/{args.experiment}"
+    for mode, table in report([f"{args.runs_dir}/{experiment}" for experiment in sorted({e for e, _ in runs})], out).items():
+        print(f"## {mode}\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
