@@ -18,7 +18,7 @@ from typing import Optional
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from .callbacks import BiasPictures, LengthEvalRecorder
+from .callbacks import BiasPictures, LengthEvalRecorder, TokenThroughput
 from .data import TokenDataModule
 from .lit import LanguageModel
 
@@ -63,6 +63,7 @@ class CableCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(LengthEvalRecorder, "length_eval")
         parser.add_lightning_class_args(BiasPictures, "bias_pictures")
+        parser.add_lightning_class_args(TokenThroughput, "throughput")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.save_top_k": -1,

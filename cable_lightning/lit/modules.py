@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
+from functools import cached_property
 from typing import Optional
 
 import lightning as L
@@ -40,6 +41,16 @@ class LanguageModel(L.LightningModule):
         self.unsupported_lengths: set[int] = set()
         self._tokens_seen = 0
         self._last_step_time = None
+
+    @cached_property
+    def flops_per_batch(self) -> float:
+        """Training FLOPs of one micro-batch (forward + backward): 6 per parameter per token plus the
+        attention matmuls, 12 x layers x width x length per token (PaLM's estimate); read by
+        ThroughputMonitor for MFU."""
+        c = self.config
+        params = sum(p.numel() for p in self.backbone.parameters())
+        tokens = c.block_size * getattr(getattr(self.trainer, "datamodule", None), "micro_batch_size", 1)
+        return tokens * (6 * params + 12 * c.n_layer * c.n_embd * c.block_size)
 
     # --- batches -------------------------------------------------------------------------------
     def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0):

@@ -1,0 +1,30 @@
+"""Training throughput in TensorBoard: tokens/s, samples/s, MFU (Lightning's ThroughputMonitor with
+the model's FLOPs per batch) and, on CUDA, peak memory per step."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+
+def _samples(batch) -> int:
+    return batch.shape[0]
+
+
+def _tokens_per_sample(batch) -> int:
+    return batch.shape[1] - 1  # a training batch holds block + 1 tokens per row
+
+
+class TokenThroughput(ThroughputMonitor):
+    """ThroughputMonitor for (B, block + 1) token batches. MFU appears where Lightning knows the
+    device's peak FLOP/s (CUDA GPUs); the CPU gets tokens/s and samples/s."""
+
+    def __init__(self, window_size: int = 20, log_peak_memory: bool = True):
+        super().__init__(batch_size_fn=_samples, length_fn=_tokens_per_sample, window_size=window_size)
+        self.log_peak_memory = log_peak_memory
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.log_peak_memory and torch.cuda.is_available() and pl_module.device.type == "cuda":
+            pl_module.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
