@@ -1,7 +1,9 @@
 """Data pipeline: text sources -> tokenizers -> litdata token chunks -> TokenDataModule (see data/README.md).
 
 Names are imported lazily so that prepare's spawned workers, which only need the tokenizer and the source,
-do not pay for importing Lightning.
+do not pay for importing Lightning. The prepare function lives in its module (``from
+cable_lightning.data.prepare import prepare``): a package attribute of that name would be shadowed by the
+submodule ``python -m cable_lightning.data.prepare`` runs.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from typing import Any
 
 _EXPORTS = {
     "TokenDataModule": "cable_lightning.data.datamodule",
-    "prepare": "cable_lightning.data.prepare",
     "read_manifest": "cable_lightning.data.manifest",
     "get_source": "cable_lightning.data.sources",
     "python_docs": "cable_lightning.data.sources",

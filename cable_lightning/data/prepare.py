@@ -247,8 +247,10 @@ def prepare(
     fn = functools.partial(tokenize_work, source=src, tokenizer_ref=tokenizer_ref, tokenizer_name=tok.name, dtype=dtype)
     splits: dict[str, dict[str, Any]] = {}
     for split, work in plan.items():
-        _log(verbose, f"tokenizing {split}: {len(work)} work items, up to {workers} workers")
-        _optimize_split(os.path.join(partial, split), work, fn, workers, start_method, verbose)
+        # Held-out splits are written by one worker so their first chunk is full: eval reads one contiguous stream.
+        split_workers = workers if split == "train" else 1
+        _log(verbose, f"tokenizing {split}: {len(work)} work items, up to {split_workers} workers")
+        _optimize_split(os.path.join(partial, split), work, fn, split_workers, start_method, verbose)
         index = check_split(partial, split)
         splits[split] = {"tokens": split_tokens(index), "chunks": len(index["chunks"])}
         _log(verbose, f"{split}: {splits[split]['tokens']} tokens in {splits[split]['chunks']} chunks")

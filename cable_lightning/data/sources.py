@@ -291,7 +291,10 @@ class FineWebEduSource(HubSource):
 
 
 class WikiText103Source(HubSource):
-    """WikiText-103 (raw). Rows are lines; a line `` = Title = `` starts a new article, which is one document."""
+    """WikiText-103 (raw). Rows are lines; a line `` = Title = `` starts a new article, which is one document.
+
+    The hub copy stores the corpus's blank lines as empty rows; they come back as newlines (paragraph breaks).
+    """
 
     repo = "Salesforce/wikitext"
     config = "wikitext-103-raw-v1"
@@ -301,6 +304,7 @@ class WikiText103Source(HubSource):
     def read(self, item: Any) -> Iterator[str]:
         article: list[str] = []
         for line in self._rows(item):
+            line = line or "\n"
             if _is_article_title(line) and any(s.strip() for s in article):
                 yield "".join(article)
                 article = []

@@ -1,0 +1,509 @@
+"""Data pipeline: sources, tokenizers, prepare (litdata chunks + manifest), TokenDataModule, MLM masking.
+
+CPU only, no network (an autouse guard refuses internet sockets). Preparing uses forked litdata workers, except
+one CLI test that uses the default spawn start, as a real run does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cable_lightning.data import TokenDataModule, mask_tokens, python_docs
+from cable_lightning.data.manifest import read_manifest
+from cable_lightning.data.prepare import main as prepare_main
+from cable_lightning.data.prepare import prepare
+from cable_lightning.data.sources import get_source
+from cable_lightning.data.tokenizers import EOT_TOKEN, get_tokenizer, train_bpe
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    real_connect = socket.socket.connect
+
+    def guarded(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            raise AssertionError(f"test tried to open a network connection to {address}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+def read_split_tokens(path: str, split: str) -> np.ndarray:
+    """Every token of a split in stream order, straight from the chunk files (litdata's TokensLoader layout:
+    a uint32 header of 1 + items + 1 words, then the tokens)."""
+    manifest = read_manifest(path)
+    with open(os.path.join(path, split, "index.json")) as f:
+        index = json.load(f)
+    parts = []
+    for chunk in index["chunks"]:
+        offset = (1 + chunk["chunk_size"] + 1) * 4
+        data = np.fromfile(os.path.join(path, split, chunk["filename"]), dtype=manifest["dtype"], offset=offset)
+        assert len(data) == chunk["dim"]
+        parts.append(data)
+    return np.concatenate(parts)
+
+
+def joined(docs: list[str]) -> str:
+    return "".join(doc + EOT_TOKEN for doc in docs)
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    message = str(exc.value)
+    assert "\n" not in message, message
+    return message
+
+
+SMALL_DOCS = [
+    "The quick brown fox jumps over the lazy dog. " * 40,
+    "Unicode survives: naïve café, 東京, emoji 🙂, tabs\tand\nnewlines.\n" * 30,
+    "A document that mentions <|endoftext|> literally must keep it as text. " * 30,
+    "def f(x):\n    return x * 2  # code is text too\n" * 40,
+]
+
+
+@pytest.fixture
+def small_txt_dir(tmp_path):
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, doc in enumerate(SMALL_DOCS):
+        (folder / f"doc{i}.txt").write_text(doc, encoding="utf-8")
+    (folder / "notes.md").write_text("ignored: not a corpus file")
+    return str(folder)
+
+
+def fast_prepare(**kwargs):
+    kwargs.setdefault("num_workers", 1)
+    kwargs.setdefault("start_method", "fork")
+    kwargs.setdefault("verbose", False)
+    return prepare(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+
+
+def test_tiny_corpus_round_trips_exactly(tiny_corpus_dir, tiny_corpus_docs):
+    """Decoding val then train gives back every input document, each followed by the end-of-text token."""
+    _, docs = tiny_corpus_docs
+    manifest = read_manifest(tiny_corpus_dir)
+    val, train = read_split_tokens(tiny_corpus_dir, "val"), read_split_tokens(tiny_corpus_dir, "train")
+    assert manifest["splits"]["val"]["tokens"] == len(val) and manifest["splits"]["train"]["tokens"] == len(train)
+    tok = TokenDataModule(tiny_corpus_dir).tokenizer
+    assert tok.decode(np.concatenate([val, train]).tolist()) == joined(docs)
+    assert int((train == manifest["eot_id"]).sum() + (val == manifest["eot_id"]).sum()) == len(docs)
+    assert val[-1] == manifest["eot_id"], "validation must end on a document boundary"
+    assert manifest["tokenizer"]["identity"]["name"] == "bpe:512" and manifest["vocab_size"] == 512
+    assert manifest["dtype"] == "uint16"
+    assert 0.15 < len(val) / (len(val) + len(train)) < 0.35  # val_fraction 0.25 of the characters
+
+
+@pytest.mark.parametrize("fmt", ["txt", "parquet"])
+def test_local_sources_round_trip(fmt, small_txt_dir, tmp_path):
+    if fmt == "txt":
+        source = small_txt_dir
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        source = str(tmp_path / "docs.parquet")
+        pq.write_table(pa.table({"text": SMALL_DOCS, "id": list(range(len(SMALL_DOCS)))}), source)
+    out = str(tmp_path / "out")
+    manifest = fast_prepare(source=source, tokenizer="bpe:300", out=out, val_tokens=50)
+    stream = np.concatenate([read_split_tokens(out, "val"), read_split_tokens(out, "train")])
+    tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
+    assert tok.decode(stream.tolist()) == joined(SMALL_DOCS)
+    # The literal "<|endoftext|>" inside document 3 stays text: exactly one separator per document.
+    assert int((stream == manifest["eot_id"]).sum()) == len(SMALL_DOCS)
+    assert manifest["splits"]["val"]["tokens"] >= 50
+    assert not os.path.exists(out + ".partial")
+
+
+def test_rerun_is_a_noop_that_says_so(tiny_corpus_dir, capsys):
+    manifest = read_manifest(tiny_corpus_dir)
+    request = manifest["request"]
+    chunk = os.path.join(tiny_corpus_dir, "train", "chunk-0-0.bin")
+    before = os.stat(chunk).st_mtime_ns
+    again = prepare(
+        source=request["source"], tokenizer=request["tokenizer"], out=tiny_corpus_dir,
+        val_fraction=request["val_fraction"], val_tokens=request["val_tokens"],
+    )
+    assert again == manifest
+    assert "already prepared" in capsys.readouterr().out
+    assert os.stat(chunk).st_mtime_ns == before
+
+
+def test_conflicting_request_needs_overwrite(small_txt_dir, tmp_path):
+    out = str(tmp_path / "out")
+    fast_prepare(source=small_txt_dir, tokenizer="bpe:300", out=out, val_tokens=50)
+    with pytest.raises(FileExistsError) as exc:
+        fast_prepare(source=small_txt_dir, tokenizer="bpe:320", out=out, val_tokens=50)
+    assert "--overwrite" in one_line(exc) and out in str(exc.value)
+    manifest = fast_prepare(source=small_txt_dir, tokenizer="bpe:320", out=out, val_tokens=50, overwrite=True)
+    assert manifest["vocab_size"] == 320 and read_manifest(out)["vocab_size"] == 320
+
+
+def test_unfinished_output_is_not_mistaken_for_data(small_txt_dir, tmp_path):
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    with pytest.raises(FileExistsError) as exc:
+        fast_prepare(source=small_txt_dir, tokenizer="bpe:300", out=str(out), val_tokens=50)
+    assert "no manifest.json" in one_line(exc)
+
+
+def test_cli_with_spawned_workers(small_txt_dir, tmp_path, capsys):
+    """The real start method (spawn): the mapped function must be importable by fresh worker processes."""
+    out = str(tmp_path / "cli")
+    assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val-tokens", "50", "--num-workers", "1", "--quiet"]) == 0
+    assert read_manifest(out)["splits"]["train"]["tokens"] > 0
+    assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:400", "--out", out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("prepare: error:") and "--overwrite" in err and "\n" not in err
+
+
+def test_bad_requests_are_one_line_errors(small_txt_dir, tmp_path):
+    out = str(tmp_path / "x")
+    cases = [
+        (dict(source="no-such-source"), ValueError, "valid:"),
+        (dict(source=str(tmp_path / "missing" / "*.jsonl")), FileNotFoundError, "no .txt/.jsonl/.parquet files"),
+        (dict(source=small_txt_dir, tokenizer="wordpiece"), ValueError, "unknown tokenizer"),
+        (dict(source=small_txt_dir, tokenizer="bpe:100"), ValueError, "N >= 258"),
+        (dict(source=small_txt_dir, val_fraction=1.5), ValueError, "(0, 1)"),
+        (dict(source=small_txt_dir, val_fraction=0.1, val_tokens=5), ValueError, "not both"),
+        (dict(source="fineweb-edu", val_fraction=0.1), ValueError, "--val-tokens"),
+        (dict(source="wikitext-103", val_tokens=1000), ValueError, "own validation split"),
+        (dict(source=small_txt_dir, tokenizer="bpe:300", val_fraction=0.99), ValueError, "too small"),
+    ]
+    for kwargs, error, text in cases:
+        kwargs.setdefault("tokenizer", "bpe:300")
+        with pytest.raises(error) as exc:
+            fast_prepare(out=out, **kwargs)
+        assert text in one_line(exc), (kwargs, str(exc.value))
+
+
+def test_jsonl_without_text_field_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"body": "no text here"}\n')
+    with pytest.raises(ValueError) as exc:
+        list(get_source(str(path)).documents())
+    assert f"{path}:2" in one_line(exc)
+
+
+# ------------------------------------------------------------------------------------------------ sources
+
+
+def test_python_docs_is_real_text_and_deterministic():
+    start = time.perf_counter()
+    docs = python_docs()
+    assert time.perf_counter() - start < 20
+    assert len(docs) >= 300
+    assert sum(len(d) for d in docs) > 1_000_000
+    assert any(d.startswith("Module json\n") for d in docs)
+    assert any(d.startswith("Topic ") for d in docs)
+    assert all(d.strip() for d in docs)
+    assert python_docs() == docs
+
+
+@pytest.mark.parametrize("source,repo", [("fineweb-edu", "HuggingFaceFW/fineweb-edu"), ("wikitext-103", "Salesforce/wikitext")])
+def test_offline_hub_is_one_clear_line(source, repo, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    kwargs = {"val_tokens": 1000} if source == "fineweb-edu" else {}
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as exc:
+        fast_prepare(source=source, tokenizer="bpe:512", out=str(tmp_path / "hub"), **kwargs)
+    message = one_line(exc)
+    assert repo in message and "python-docs" in message
+    assert time.perf_counter() - start < 5
+    assert not os.path.exists(tmp_path / "hub")
+
+
+def test_wikitext_articles_split_on_titles():
+    from cable_lightning.data.sources import WikiText103Source
+
+    lines = ["", " = Alpha = \n", "", " text a \n", " = = Section = = \n", " more a \n", " = Beta = \n", " text b \n"]
+    src = WikiText103Source()
+    src._rows = lambda item: iter(lines)  # what the hub stream yields: one row per line
+    docs = list(src.read(None))
+    assert docs == ["\n = Alpha = \n\n text a \n = = Section = = \n more a \n", " = Beta = \n text b \n"]
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+
+
+def test_tokenizer_identity_tells_vocabularies_apart(tiny_corpus_dir):
+    text = SMALL_DOCS * 3
+    a, b, c = train_bpe(text, 300), train_bpe(text, 300), train_bpe(text, 320)
+    assert a.identity == b.identity, "training is deterministic"
+    assert a.identity["hash"] != c.identity["hash"]
+    assert (a.eot_id, a.mask_id) == (0, 1) and a.special_ids == (0, 1)
+    dm = TokenDataModule(tiny_corpus_dir)
+    dm.check_tokenizer(dm.tokenizer_identity)
+    with pytest.raises(ValueError) as exc:
+        dm.check_tokenizer(c.identity)
+    message = one_line(exc)
+    assert "bpe:320" in message and "bpe:512" in message and tiny_corpus_dir in message
+
+
+def test_gpt2_from_a_local_rank_file(tmp_path):
+    import base64
+
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update({b"th": 256, b"the": 257, b" the": 258})
+    path = str(tmp_path / "tiny.tiktoken")
+    with open(path, "w") as f:  # the .tiktoken format: base64 token, space, rank
+        f.writelines(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
+    tok = get_tokenizer(f"gpt2:{path}")
+    assert (tok.vocab_size, tok.eot_id, tok.mask_id) == (260, 259, 260)  # like GPT-2: 50257, 50256, 50257
+    text = "the theme of the day <|endoftext|> stays text"
+    ids = tok.encode(text)
+    assert 258 in ids and tok.eot_id not in ids
+    assert tok.decode(ids) == text
+    assert tok.identity["kind"] == "tiktoken" and tok.identity == get_tokenizer(f"gpt2:{path}").identity
+
+
+def test_gpt2_download_failure_is_one_line(monkeypatch):
+    import requests
+    import tiktoken
+
+    def offline(name):
+        raise requests.exceptions.ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(RuntimeError) as exc:
+        get_tokenizer("gpt2")
+    assert "gpt2:/path/to/r50k_base.tiktoken" in one_line(exc)
+
+
+def test_bert_from_a_local_vocab(tmp_path):
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "token", "##s", ",", "."]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(vocab) + "\n")
+    tok = get_tokenizer(f"bert:{path}")
+    assert (tok.eot_id, tok.mask_id, tok.vocab_size) == (3, 4, len(vocab))
+    assert tok.encode("Hello, tokens world.") == [5, 9, 7, 8, 6, 10]  # lower-cased, no [CLS]/[SEP] added
+    assert set(tok.special_ids) == {0, 1, 2, 3, 4}
+    assert tok.identity["kind"] == "wordpiece"
+
+
+def test_bpe_spec_alone_is_not_loadable():
+    with pytest.raises(ValueError) as exc:
+        get_tokenizer("bpe:4096")
+    assert "tokenizer.json" in one_line(exc)
+
+
+# ------------------------------------------------------------------------------------------------ datamodule
+
+
+def test_datamodule_reads_the_manifest(tiny_corpus_dir):
+    dm = TokenDataModule(tiny_corpus_dir)
+    assert (dm.vocab_size, dm.eot_id, dm.mask_id, dm.special_ids) == (512, 0, 1, (0, 1))
+    assert dm.tokenizer_identity == read_manifest(tiny_corpus_dir)["tokenizer"]["identity"]
+
+
+def test_train_batches(tiny_corpus_dir):
+    dm = TokenDataModule(tiny_corpus_dir, block_size=64, micro_batch_size=4)
+    loader = dm.train_dataloader()
+    train_tokens = read_manifest(tiny_corpus_dir)["splits"]["train"]["tokens"]
+    assert len(loader) == train_tokens // 65 // 4
+    batches = [b for _, b in zip(range(3), loader)]
+    for batch in batches:
+        assert batch.shape == (4, 65) and batch.dtype == torch.int64
+        assert 0 <= int(batch.min()) and int(batch.max()) < 512
+    assert not torch.equal(batches[0], batches[1])
+    # Windows are real stretches of the stream: the first window is found verbatim in the train tokens.
+    stream = read_split_tokens(tiny_corpus_dir, "train")
+    first = batches[0][0].numpy()
+    starts = np.flatnonzero(stream[: len(stream) - 64] == first[0])
+    assert any(np.array_equal(stream[s : s + 65], first) for s in starts)
+
+
+def test_shuffle_depends_on_seed(tiny_corpus_dir):
+    first = [next(iter(TokenDataModule(tiny_corpus_dir, block_size=32, seed=s).train_dataloader())) for s in (1, 1, 2)]
+    assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
+
+
+def test_val_loaders_per_length(tiny_corpus_dir):
+    dm = TokenDataModule(tiny_corpus_dir, block_size=64, micro_batch_size=4, eval_lengths=[32, 64, 256], eval_tokens=2048)
+    loaders = dm.val_dataloader()
+    assert dm.eval_lengths_resolved == [32, 64, 256] and dm.eval_specs == [(32, 32), (64, 64), (256, 256)]
+    assert isinstance(loaders, list) and len(loaders) == 3
+    val = torch.from_numpy(read_split_tokens(tiny_corpus_dir, "val").astype(np.int64))
+    for length, loader, batch_size in zip([32, 64, 256], loaders, [4, 4, 1]):
+        batches = list(loader)
+        assert batches[0]["tokens"].shape == (batch_size, length + 1)
+        windows = torch.cat([b["tokens"] for b in batches])
+        scored = sum(int((length - b["first_scored"]).sum()) for b in batches)
+        assert scored == 2048, "every length scores the same eval_tokens targets"
+        assert len(windows) == -(-2048 // length)
+        assert torch.equal(windows[0], val[: length + 1])  # the head of the val split
+        if len(windows) > 1:
+            assert torch.equal(windows[1], val[length : 2 * length + 1])  # non-overlapping: next window
+    single = TokenDataModule(tiny_corpus_dir, block_size=64, eval_tokens=1024).val_dataloader()
+    assert isinstance(single, torch.utils.data.DataLoader)
+
+
+def test_sliding_eval_specs(tiny_corpus_dir):
+    dm = TokenDataModule(tiny_corpus_dir, block_size=64, eval_lengths=[32, 128], eval_stride=64, eval_tokens=1024)
+    assert dm.eval_specs == [(32, 32), (128, 128), (128, 64)]
+    assert dm.eval_lengths_resolved == [32, 128, 128]
+    sliding = dm.val_dataloader()[2]
+    assert sum(int((128 - b["first_scored"]).sum()) for b in sliding) == 1024
+
+
+def test_eval_length_longer_than_val_is_named(tiny_corpus_dir):
+    val_tokens = read_manifest(tiny_corpus_dir)["splits"]["val"]["tokens"]
+    dm = TokenDataModule(tiny_corpus_dir, eval_lengths=[64, 1_000_000])
+    with pytest.raises(ValueError) as exc:
+        dm.val_dataloader()
+    message = one_line(exc)
+    assert "1000000" in message and str(val_tokens) in message
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def test_resume_continues_the_exact_stream(tiny_corpus_dir):
+    """Consume k batches, save, rebuild from the state: the next batches are the uninterrupted run's."""
+    settings = dict(block_size=32, micro_batch_size=4, seed=7)
+    reference = iter(TokenDataModule(tiny_corpus_dir, **settings).train_dataloader())
+    expected = _take(reference, 11)
+
+    dm = TokenDataModule(tiny_corpus_dir, **settings)
+    it = iter(dm.train_dataloader())
+    assert all(torch.equal(a, b) for a, b in zip(_take(it, 6), expected[:6]))
+    state = dm.state_dict()
+    assert state["train_loader"]["num_samples_yielded"] == 6 * 4
+
+    resumed = TokenDataModule(tiny_corpus_dir, **settings)
+    resumed.load_state_dict(state)
+    following = _take(iter(resumed.train_dataloader()), 5)
+    assert all(torch.equal(a, b) for a, b in zip(following, expected[6:]))
+
+    other = TokenDataModule(tiny_corpus_dir, **{**settings, "micro_batch_size": 8})
+    with pytest.raises(ValueError) as exc:
+        other.load_state_dict(state)
+    assert "micro_batch_size 4 -> 8" in one_line(exc)
+
+
+def test_resume_through_trainer_checkpoint(tiny_corpus_dir, tmp_path):
+    """The same through Lightning: a checkpoint saved mid-run by ModelCheckpoint, resumed with ckpt_path."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch.clone())
+            return self.w * batch.float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(steps, root, ckpt_path=None, callbacks=()):
+        model = Recorder()
+        trainer = L.Trainer(
+            max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, default_root_dir=str(root),
+            callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
+        )
+        trainer.fit(model, TokenDataModule(tiny_corpus_dir, block_size=16, micro_batch_size=2), ckpt_path=ckpt_path)
+        return model.seen
+
+    ckpt_dir = tmp_path / "ckpt"
+    full = fit(8, tmp_path / "a", callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1)])
+    ckpt = next(p for p in os.listdir(ckpt_dir) if "step=5" in p)
+    assert "TokenDataModule" in torch.load(ckpt_dir / ckpt, weights_only=False)
+    rest = fit(8, tmp_path / "b", ckpt_path=str(ckpt_dir / ckpt))
+    assert len(full) == 8 and len(rest) == 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, full[5:]))
+
+
+def test_missing_or_corrupt_data_is_named(tiny_corpus_dir, tmp_path):
+    with pytest.raises(FileNotFoundError) as exc:
+        TokenDataModule(str(tmp_path / "nowhere")).vocab_size
+    assert "python -m cable_lightning.data.prepare" in one_line(exc)
+
+    broken = tmp_path / "copy"
+    shutil.copytree(tiny_corpus_dir, broken)
+    manifest = broken / "manifest.json"
+    manifest.write_text(manifest.read_text()[:100])
+    with pytest.raises(ValueError) as exc:
+        TokenDataModule(str(broken)).vocab_size
+    assert str(manifest) in one_line(exc) and "--overwrite" in str(exc.value)
+
+    manifest.unlink()
+    with pytest.raises(FileNotFoundError) as exc:
+        TokenDataModule(str(broken)).vocab_size
+    assert "no manifest.json" in one_line(exc)
+
+    shutil.copy(os.path.join(tiny_corpus_dir, "manifest.json"), manifest)
+    chunk = broken / "val" / "chunk-0-0.bin"
+    chunk.write_bytes(chunk.read_bytes()[:1000])
+    with pytest.raises(ValueError) as exc:
+        TokenDataModule(str(broken)).vocab_size
+    assert str(chunk) in one_line(exc)
+    chunk.unlink()
+    with pytest.raises(FileNotFoundError) as exc:
+        TokenDataModule(str(broken)).vocab_size
+    assert str(chunk) in one_line(exc)
+
+
+def test_auto_prepare_from_source_and_tokenizer(small_txt_dir, tmp_path, monkeypatch):
+    import cable_lightning.data.prepare as prep
+
+    monkeypatch.setattr(prep, "prepare", lambda **kw: fast_prepare(**kw, val_tokens=50))
+    path = str(tmp_path / "auto")
+    dm = TokenDataModule(path, source=small_txt_dir, tokenizer="bpe:300")
+    assert dm.vocab_size == 300 and os.path.isfile(os.path.join(path, "manifest.json"))
+    with pytest.raises(ValueError) as exc:
+        TokenDataModule(path, source=small_txt_dir, tokenizer="bpe:400").vocab_size
+    assert "bpe:300" in one_line(exc) and "bpe:400" in str(exc.value)
+
+
+# ------------------------------------------------------------------------------------------------ masking
+
+
+def test_mask_tokens_statistics():
+    vocab, mask_id, specials = 1000, 1, (0, 1, 2)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (64, 1024), generator=gen)
+    ids[:, ::16] = 0  # document separators sprinkled through
+    ids[:, 5::32] = 2
+    inputs, labels = mask_tokens(ids, mask_id, vocab, generator=torch.Generator().manual_seed(1), special_ids=specials)
+
+    special = torch.isin(ids, torch.tensor(specials))
+    chosen = labels != -100
+    assert not (chosen & special).any(), "special tokens are never chosen"
+    assert torch.equal(labels[chosen], ids[chosen])
+    assert torch.equal(inputs[~chosen], ids[~chosen])
+    rate = chosen.sum() / (~special).sum()
+    assert 0.145 < rate < 0.155
+    masked = (inputs == mask_id) & chosen
+    kept = (inputs == ids) & chosen
+    replaced = chosen & ~masked & ~kept
+    n = chosen.sum()
+    assert 0.79 < masked.sum() / n < 0.81
+    assert 0.09 < kept.sum() / n < 0.11
+    assert 0.09 < replaced.sum() / n < 0.11
+    assert not torch.isin(inputs[replaced], torch.tensor(specials)).any(), "random tokens never forge specials"
+    again = mask_tokens(ids, mask_id, vocab, generator=torch.Generator().manual_seed(1), special_ids=specials)
+    assert torch.equal(again[0], inputs) and torch.equal(again[1], labels)
+    assert torch.equal(ids[:, ::16], torch.zeros_like(ids[:, ::16])), "input tensor left untouched"
+
+
+def test_mask_tokens_gpt2_mask_slot():
+    """GPT-2's mask id is one past its vocabulary; random replacements stay inside the vocabulary."""
+    ids = torch.randint(0, 50256, (4, 512), generator=torch.Generator().manual_seed(3))
+    inputs, labels = mask_tokens(ids, 50257, 50257, generator=torch.Generator().manual_seed(4), special_ids=(50256,))
+    assert int(inputs.max()) == 50257 and int(inputs[inputs != 50257].max()) < 50256
