@@ -207,6 +207,8 @@ def test_python_docs_is_real_text_and_deterministic():
     assert any(d.startswith("Module json\n") for d in docs)
     assert any(d.startswith("Topic ") for d in docs)
     assert all(d.strip() for d in docs)
+    # torch (imported here) replaces inspect.getfile; the corpus comes from a clean interpreter regardless.
+    assert any("\ngetfile\n\nWork out which source or compiled file" in d for d in docs)
     assert python_docs() == docs
 
 
@@ -507,3 +509,51 @@ def test_mask_tokens_gpt2_mask_slot():
     ids = torch.randint(0, 50256, (4, 512), generator=torch.Generator().manual_seed(3))
     inputs, labels = mask_tokens(ids, 50257, 50257, generator=torch.Generator().manual_seed(4), special_ids=(50256,))
     assert int(inputs.max()) == 50257 and int(inputs[inputs != 50257].max()) < 50256
+
+
+def test_hub_sources_with_a_local_stand_in(monkeypatch, tmp_path):
+    """The hub code path (streaming, shards, wikitext's own splits and articles) end to end, with
+    `datasets.load_dataset` answering from local parquet files instead of the hub."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cable_lightning.data import sources
+
+    def parquet(name, texts):
+        path = str(tmp_path / f"{name}.parquet")
+        pq.write_table(pa.table({"text": texts}), path)
+        return path
+
+    web = [[f"web page {shard}.{i}: " + "education matters. " * (5 + i) for i in range(20)] for shard in range(3)]
+    wiki = {
+        "train": ["", " = Alpha = \n", "", " alpha text \n", " = Beta = \n", " beta text \n"],
+        "validation": ["", " = Gamma = \n", " gamma text \n"] * 40,
+        "test": ["", " = Delta = \n", " delta text \n"] * 40,
+    }
+    files = {("HuggingFaceFW/fineweb-edu", "train"): [parquet(f"web{i}", t) for i, t in enumerate(web)]}
+    files.update({("Salesforce/wikitext", s): [parquet(f"wiki-{s}", lines)] for s, lines in wiki.items()})
+    real_load = datasets.load_dataset
+
+    def load_dataset(repo, name=None, split=None, streaming=False):
+        assert streaming and name in ("sample-10BT", "wikitext-103-raw-v1")
+        return real_load("parquet", data_files=files[(repo, split)], split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(sources, "check_hub", lambda repo: None)
+
+    out = str(tmp_path / "web")
+    manifest = fast_prepare(source="fineweb-edu", tokenizer="bpe:300", out=out, val_tokens=200, num_workers=2)
+    stream = np.concatenate([read_split_tokens(out, "val"), read_split_tokens(out, "train")])
+    tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
+    assert tok.decode(stream.tolist()) == joined([t for shard in web for t in shard])
+    assert manifest["source"]["repo"] == "HuggingFaceFW/fineweb-edu"
+
+    out = str(tmp_path / "wiki")
+    manifest = fast_prepare(source="wikitext-103", tokenizer="bpe:300", out=out)
+    assert set(manifest["splits"]) == {"train", "val", "test"}
+    tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
+    assert tok.decode(read_split_tokens(out, "train").tolist()) == joined(["\n = Alpha = \n\n alpha text \n", " = Beta = \n beta text \n"])
+    assert tok.decode(read_split_tokens(out, "val").tolist()).count(EOT_TOKEN) == 40
+    dm = TokenDataModule(out, block_size=16, eval_tokens=64)
+    assert torch.equal(dm.test_dataloader().dataset.tokens, dm.eval_stream("test"))

@@ -102,9 +102,24 @@ def _module_document(name: str, module: Any) -> str:
 def python_docs() -> list[str]:
     """Every stdlib module's docstrings as one document each (sorted, packages walked), then the pydoc topics.
 
-    Deterministic for a given Python build. Modules that fail to import are skipped; import-time prints and
-    warnings are swallowed.
+    Collected in a fresh ``python -I -S`` child: only the standard library is importable there, so no installed
+    package can have patched it (torch replaces ``inspect.getfile``, for one), the corpus is the same in every
+    process of a given Python build, and the imports' side effects stay out of this process.
     """
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), "--python-docs-json"],
+        capture_output=True, text=True, encoding="utf-8", timeout=600,
+    )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"collecting the python-docs corpus failed in a child interpreter ({last}); use a local --source instead")
+    return json.loads(proc.stdout)
+
+
+def _collect_python_docs() -> list[str]:
+    """The work behind :func:`python_docs`, run inside the child interpreter."""
     from pydoc_data.topics import topics
 
     docs = []
@@ -333,3 +348,8 @@ def get_source(spec: str) -> Source:
     if any(ch in spec for ch in "*?[") or os.path.exists(spec) or spec.endswith(LOCAL_SUFFIXES):
         return LocalFilesSource(spec)
     raise ValueError(f"unknown source {spec!r}; valid: {VALID_SOURCES}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--python-docs-json"]:
+    # Run by python_docs() as `python -I -S sources.py --python-docs-json`: stdlib only, JSON on stdout.
+    sys.stdout.write(json.dumps(_collect_python_docs()))
