@@ -104,8 +104,9 @@ def test_tiny_corpus_round_trips_exactly(tiny_corpus_dir, tiny_corpus_docs):
     assert 0.15 < len(val) / (len(val) + len(train)) < 0.35  # val_fraction 0.25 of the characters
 
 
-@pytest.mark.parametrize("fmt", ["txt", "parquet"])
-def test_local_sources_round_trip(fmt, small_txt_dir, tmp_path):
+@pytest.mark.parametrize("fmt,val_tokens", [("txt", 1500), ("parquet", 50)])
+def test_local_sources_round_trip(fmt, val_tokens, small_txt_dir, tmp_path):
+    """txt: validation spans whole files and part of the next; parquet: part of one file."""
     if fmt == "txt":
         source = small_txt_dir
     else:
@@ -115,13 +116,15 @@ def test_local_sources_round_trip(fmt, small_txt_dir, tmp_path):
         source = str(tmp_path / "docs.parquet")
         pq.write_table(pa.table({"text": SMALL_DOCS, "id": list(range(len(SMALL_DOCS)))}), source)
     out = str(tmp_path / "out")
-    manifest = fast_prepare(source=source, tokenizer="bpe:300", out=out, val_tokens=50)
-    stream = np.concatenate([read_split_tokens(out, "val"), read_split_tokens(out, "train")])
+    manifest = fast_prepare(source=source, tokenizer="bpe:300", out=out, val_tokens=val_tokens)
+    val = read_split_tokens(out, "val")
+    stream = np.concatenate([val, read_split_tokens(out, "train")])
     tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
     assert tok.decode(stream.tolist()) == joined(SMALL_DOCS)
     # The literal "<|endoftext|>" inside document 3 stays text: exactly one separator per document.
     assert int((stream == manifest["eot_id"]).sum()) == len(SMALL_DOCS)
-    assert manifest["splits"]["val"]["tokens"] >= 50
+    assert manifest["splits"]["val"]["tokens"] >= val_tokens
+    assert 1 <= int((val == manifest["eot_id"]).sum()) < len(SMALL_DOCS)
     assert not os.path.exists(out + ".partial")
 
 

@@ -127,31 +127,29 @@ def _plan_head_split(
 ) -> tuple[list[tuple[str, Any, int]], list[tuple[str, Any, int]]]:
     """Take whole documents from the start of the stream for validation; the rest (same order) is train."""
     if val_tokens is not None:
-        budget, measure, unit = val_tokens, None, "tokens"
+        budget, unit = float(val_tokens), "tokens"
     else:
-        total = sum(len(d) for d in source.documents())
-        budget, measure, unit = val_fraction * total, len, "characters"
+        budget, unit = val_fraction * sum(len(d) for d in source.documents()), "characters"
+    stream = ((idx, doc) for idx, item in enumerate(items) for doc in source.read(item))
     val_docs: list[str] = []
-    taken = 0.0
-    item_idx, skip = 0, 0
-    for item_idx, item in enumerate(items):
-        skip = 0
-        docs = source.read(item)
-        for batch in _batched(docs, ENCODE_BATCH):
-            sizes = [measure(d) for d in batch] if measure else [len(ids) + 1 for ids in tok.encode_batch(batch)]
-            for doc, n in zip(batch, sizes):
-                if taken >= budget:
-                    break
-                val_docs.append(doc)
-                taken += n
-                skip += 1
+    taken, last_item, taken_from_last = 0.0, 0, 0
+    for batch in _batched(stream, ENCODE_BATCH):
+        texts = [doc for _, doc in batch]
+        sizes = [len(ids) + 1 for ids in tok.encode_batch(texts)] if val_tokens is not None else [len(d) for d in texts]
+        for (idx, doc), size in zip(batch, sizes):
             if taken >= budget:
                 break
+            taken_from_last = taken_from_last + 1 if idx == last_item else 1
+            last_item = idx
+            val_docs.append(doc)
+            taken += size
         if taken >= budget:
             break
+    if not val_docs:
+        raise ValueError(f"{source.name} yielded no documents; check the source")
     _log(verbose, f"validation: the first {len(val_docs)} documents ({int(taken)} {unit})")
     val_work = [("docs", tuple(b), 0) for b in _batched(iter(val_docs), 256)]
-    train_work = [("source", items[item_idx], skip)] + [("source", it, 0) for it in items[item_idx + 1 :]]
+    train_work = [("source", items[last_item], taken_from_last)] + [("source", it, 0) for it in items[last_item + 1 :]]
     return val_work, train_work
 
 
