@@ -114,7 +114,7 @@ class TokenDataModule(L.LightningDataModule):
         deadline = time.time() + PREPARE_WAIT_S
         while not os.path.isfile(os.path.join(self.path, MANIFEST)):
             if time.time() > deadline:
-                raise TimeoutError(f"rank {rank_zero_only.rank} waited {PREPARE_WAIT_S} s for rank 0 to prepare {self.path}; prepare it before launching: {fix_command(self.path)}")
+                raise TimeoutError(f"rank {rank_zero_only.rank} waited {PREPARE_WAIT_S} s for rank 0 to prepare {self.path}; prepare it before launching: {fix_command(self.path, {'request': {'source': self.source, 'tokenizer': self.tokenizer_spec}})}")
             time.sleep(5)
 
     def _check_request(self, manifest: dict[str, Any]) -> None:

@@ -19,13 +19,34 @@ FORMAT_VERSION = 1
 
 
 def fix_command(path: str, manifest: dict[str, Any] | None = None, overwrite: bool = False) -> str:
-    """The prepare command that would (re)build ``path``: the recorded request when known, else the quickstart."""
+    """The prepare command that would (re)build ``path``, from the recorded request when there is one."""
     request = (manifest or {}).get("request") or {}
     cmd = (
-        f"python -m cable_lightning.data.prepare --source {request.get('source', 'python-docs')} "
-        f"--tokenizer {request.get('tokenizer', 'bpe:4096')} --out {path}"
+        f"python -m cable_lightning.data.prepare --source {request.get('source', '<source>')} "
+        f"--tokenizer {request.get('tokenizer', '<tokenizer>')} --out {path}"
     )
     return cmd + (" --overwrite" if overwrite else "")
+
+
+def _load_json(path: str, fix: str, validate: Any) -> dict[str, Any]:
+    """Parse a JSON file and run ``validate`` on it; any failure is one ValueError naming the file and the fix."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        validate(data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is corrupt ({type(exc).__name__}: {exc}); run {fix}") from None
+    return data
+
+
+def _validate_manifest(manifest: dict[str, Any]) -> None:
+    dict(manifest["splits"]), manifest["tokenizer"]["identity"]["hash"]
+    int(manifest["vocab_size"]), int(manifest["eot_id"]), int(manifest["mask_id"])
+
+
+def _validate_index(index: dict[str, Any]) -> None:
+    if not index["chunks"]:
+        raise ValueError("it lists no chunks")
 
 
 def read_manifest(path: str, check_shards: bool = True) -> dict[str, Any]:
@@ -39,18 +60,11 @@ def read_manifest(path: str, check_shards: bool = True) -> dict[str, Any]:
         raise FileNotFoundError(f"no prepared data at {path}; run {fix_command(path)}")
     if not os.path.isfile(mpath):
         raise FileNotFoundError(f"{path} has no {MANIFEST} (not prepared, or prepared by something else); run {fix_command(path, overwrite=True)}")
-    try:
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-        splits = manifest["splits"]
-        manifest["tokenizer"]["identity"]["hash"]
-        int(manifest["vocab_size"]), int(manifest["eot_id"]), int(manifest["mask_id"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{mpath} is corrupt ({type(exc).__name__}: {exc}); run {fix_command(path, overwrite=True)}") from None
+    manifest = _load_json(mpath, fix_command(path, overwrite=True), _validate_manifest)
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(f"{mpath} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix_command(path, manifest, True)}")
     if check_shards:
-        for split in splits:
+        for split in manifest["splits"]:
             check_split(path, split, manifest)
     return manifest
 
@@ -61,15 +75,8 @@ def check_split(path: str, split: str, manifest: dict[str, Any] | None = None) -
     fix = fix_command(path, manifest, overwrite=True)
     if not os.path.isfile(index_path):
         raise FileNotFoundError(f"missing {index_path} (split {split!r} of {path}); run {fix}")
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-        chunks = index["chunks"]
-        if not chunks:
-            raise ValueError("it lists no chunks")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{index_path} is corrupt ({exc}); run {fix}") from None
-    for chunk in chunks:
+    index = _load_json(index_path, fix, _validate_index)
+    for chunk in index["chunks"]:
         chunk_path = os.path.join(path, split, chunk["filename"])
         if not os.path.isfile(chunk_path):
             raise FileNotFoundError(f"missing chunk {chunk_path}; run {fix}")
