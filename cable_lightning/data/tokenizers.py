@@ -119,7 +119,8 @@ class HFTokenizer(Tokenizer):
                 f"({MASK_TOKEN} or [MASK]); valid tokenizers: {_VALID_SPECS}"
             )
         self.eot_id, self.mask_id = vocab[eot], vocab[mask]
-        self._specials = tuple(sorted(i for t, i in vocab.items() if t in {EOT_TOKEN, MASK_TOKEN, "[SEP]", "[CLS]", "[PAD]", "[UNK]", "[MASK]", "</s>", "<s>", "<pad>", "<unk>", "<mask>"}))
+        specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
+        self._specials = tuple(sorted(specials | {self.eot_id, self.mask_id}))
 
     @property
     def special_ids(self) -> tuple[int, ...]:
