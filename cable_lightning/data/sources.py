@@ -205,7 +205,10 @@ class LocalFilesSource(Source):
                         raise ValueError(f"{path}:{lineno}: 'text' must be a string, found {type(text).__name__}")
                     yield text
         else:
-            import pyarrow.parquet as pq
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (it comes with the [hub] extra)") from None
 
             pf = pq.ParquetFile(path)
             if "text" not in pf.schema_arrow.names:
