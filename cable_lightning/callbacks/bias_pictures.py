@@ -69,7 +69,8 @@ class BiasPictures(L.Callback):
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if self.text is None and batch_idx == 0 and dataloader_idx == 0:
-            self.text = batch["tokens"][:1, : self.tokens].detach().clone()
+            # Within the training length, so every PE (a learnable table too) can draw it.
+            self.text = batch["tokens"][:1, : min(self.tokens, pl_module.config.block_size)].detach().clone()
 
     def on_validation_end(self, trainer, pl_module):
         experiment = getattr(trainer.logger, "experiment", None)

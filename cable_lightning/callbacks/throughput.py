@@ -7,12 +7,16 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
 
+def _tokens(batch):
+    return batch["tokens"] if isinstance(batch, dict) else batch  # validation batches are dicts
+
+
 def _samples(batch) -> int:
-    return batch.shape[0]
+    return _tokens(batch).shape[0]
 
 
 def _tokens_per_sample(batch) -> int:
-    return batch.shape[1] - 1  # a training batch holds block + 1 tokens per row
+    return _tokens(batch).shape[1] - 1  # a row holds block + 1 tokens (inputs and shifted targets)
 
 
 class TokenThroughput(ThroughputMonitor):

@@ -58,7 +58,7 @@ class LanguageModel(L.LightningModule):
 
     # --- training ------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
-        inputs, targets = self.split_batch(batch, train=True)
+        inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
         loss = self.backbone.loss(inputs, targets)
         tokens = inputs.numel() * self.trainer.world_size
         self._tokens_seen += tokens
@@ -129,13 +129,13 @@ class LanguageModel(L.LightningModule):
             if length in self.unsupported_lengths:
                 self.length_results.append({**row, "ppl": None, "loss": None, "tokens": 0, "seconds": 0.0, "tokens_per_sec": None})
                 continue
-            if metric.update_count == 0:
-                continue
+            if metric.update_count == 0 and self.trainer.world_size == 1:
+                continue  # under DDP a rank without windows still joins the metric's sync below
             tokens = int(self.all_gather(metric.weight.detach()).sum().item()) if self.trainer.world_size > 1 else int(metric.weight.item())
             loss = metric.compute()
-            prefix = "val" if mode == "nonoverlap" else "val_sliding"
-            self.log(f"{prefix}_loss/len_{length}", loss, add_dataloader_idx=False)
-            self.log(f"{prefix}_ppl/len_{length}", torch.exp(loss), add_dataloader_idx=False)
+            suffix = "" if mode == "nonoverlap" else "_sliding"
+            self.log(f"val_loss{suffix}/len_{length}", loss, add_dataloader_idx=False)
+            self.log(f"val_ppl{suffix}/len_{length}", torch.exp(loss), add_dataloader_idx=False)
             if mode == "nonoverlap" and length == self.config.block_size:
                 self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False)
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
@@ -167,8 +167,8 @@ class CausalLM(LanguageModel):
 class MaskedLM(LanguageModel):
     """BERT-style masked LM: 15% of tokens chosen, 80/10/10 mask/random/keep, loss on chosen tokens.
 
-    Defaults follow the paper's BERT setting (Adam, lr 1e-4); validation masks with a fixed seed
-    per batch so losses are comparable across checkpoints.
+    Defaults follow the paper's BERT setting (Adam, lr 1e-4). ``mask_id`` and ``special_ids`` come
+    from the data's manifest when not given.
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, vocab_size: Optional[int] = None,
@@ -179,13 +179,22 @@ class MaskedLM(LanguageModel):
         super().__init__(backbone, vocab_size, block_size, lr, min_lr, warmup_steps, betas, eps, weight_decay)
         if self.config.causal:
             raise ValueError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
-        if mask_id is None:
-            raise ValueError("MaskedLM needs mask_id, the tokenizer's mask token (the CLI links it from the data manifest)")
+        self.mask_id, self.special_ids = mask_id, tuple(special_ids)
+
+    def setup(self, stage):
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.mask_id is None:
+            if datamodule is None or not hasattr(datamodule, "mask_id"):
+                raise ValueError("MaskedLM needs mask_id (the tokenizer's mask token): pass it, or train on a TokenDataModule whose manifest has it")
+            self.mask_id = datamodule.mask_id
+        if not self.special_ids and datamodule is not None and hasattr(datamodule, "special_ids"):
+            self.special_ids = tuple(datamodule.special_ids)
 
     def split_batch(self, batch, train, batch_idx=0):
         ids = batch[:, :-1]
-        generator = None
-        if not train:
-            generator = torch.Generator(device=ids.device).manual_seed(1_000_003 + batch_idx)
-        return mask_tokens(ids, self.hparams.mask_id, self.config.vocab_size, self.hparams.mask_probability,
-                           generator=generator, special_ids=tuple(self.hparams.special_ids))
+        # Masks come from a generator seeded by (step, batch, rank) in training and by batch in
+        # validation: resuming replays the same masks, and validation losses compare across checkpoints.
+        seed = hash((self.global_step, batch_idx, self.global_rank)) if train else 1_000_003 + batch_idx
+        generator = torch.Generator(device=ids.device).manual_seed(seed)
+        return mask_tokens(ids, self.mask_id, self.config.vocab_size, self.hparams.mask_probability,
+                           generator=generator, special_ids=self.special_ids)

@@ -1,0 +1,115 @@
+"""The CLI end to end on the tiny prepared corpus: fit, resume, validate longer, errors."""
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import recorders
+from cable_lightning.cli import main
+
+
+def args(data, runs, pe="cable", model="CausalLM", steps=4, every=2, extra=()):
+    preset = "bert-base" if model == "MaskedLM" else "gpt2-tiny"
+    return [
+        "--model", f"cable_lightning.lit.{model}",
+        "--model.init_args.backbone.preset", preset,
+        "--model.init_args.backbone.pos_encoding", pe,
+        "--model.init_args.backbone.n_layer", "2",
+        "--model.init_args.backbone.n_head", "2",
+        "--model.init_args.backbone.n_embd", "32",
+        "--model.init_args.warmup_steps", "2",
+        "--data.path", data,
+        "--data.block_size", "32",
+        "--data.micro_batch_size", "4",
+        "--data.eval_lengths", "[32, 64]",
+        "--data.eval_tokens", "256",
+        "--trainer.accelerator", "cpu",
+        "--trainer.devices", "1",
+        "--trainer.max_steps", str(steps),
+        "--trainer.log_every_n_steps", "1",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--checkpoint.every_n_train_steps", str(every),
+        "--runs_dir", runs,
+        "--experiment", "test",
+        "--seed_everything", "7",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_corpus_dir, tmp_path_factory):
+    """One short CABLE run shared by the validate tests."""
+    runs = str(tmp_path_factory.mktemp("runs"))
+    main(["fit", *args(tiny_corpus_dir, runs)])
+    return runs
+
+
+@pytest.mark.parametrize("model,pe", [("CausalLM", "cable"), ("CausalLM", "rope"), ("MaskedLM", "alibi"), ("CausalLM", "learnable")])
+def test_fit_writes_checkpoints_tensorboard_and_length_records(tiny_corpus_dir, tmp_path, model, pe):
+    cli = main(["fit", *args(tiny_corpus_dir, str(tmp_path), pe=pe, model=model)])
+    run = tmp_path / "test" / pe
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    assert (run / "checkpoints" / "step0000002.ckpt").exists()
+    assert glob.glob(str(run / "version_0" / "events.out.tfevents.*"))
+    assert cli.trainer.global_step == 4
+    rows = [json.loads(line) for line in open(run / "version_0" / "length_eval.jsonl")]
+    final = {r["length"]: r for r in rows if r["step"] == 4}
+    assert set(final) == {32, 64} and all(r["pe"] == pe for r in rows)
+    if pe == "learnable":  # a 32-position table cannot serve 64 tokens: recorded, not a crash
+        assert final[64]["ppl"] is None and final[32]["ppl"] > 1
+    else:
+        assert all(r["ppl"] > 1 and r["tokens"] > 0 for r in final.values())
+
+
+def test_resume_continues_with_the_same_batches_and_loss(tiny_corpus_dir, tmp_path):
+    recorders.BATCHES.clear(), recorders.LOSSES.clear()
+    straight = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "a"), steps=6, every=3,
+                                  extra=["--trainer.callbacks+=recorders.RecordBatches"])])
+    straight_batches, straight_losses = list(recorders.BATCHES), list(recorders.LOSSES)
+    recorders.BATCHES.clear(), recorders.LOSSES.clear()
+    main(["fit", *args(tiny_corpus_dir, str(tmp_path / "b"), steps=6, every=3,
+                       extra=["--trainer.callbacks+=recorders.RecordBatches", "--trainer.callbacks+=recorders.StopAt",
+                              "--trainer.callbacks.step=3"])])
+    assert len(recorders.BATCHES) == 3
+    resumed = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "b"), steps=6, every=3,
+                                 extra=["--trainer.callbacks+=recorders.RecordBatches", "--ckpt_path", "last"])])
+    assert recorders.BATCHES == straight_batches
+    assert resumed.trainer.global_step == 6
+    assert len(recorders.LOSSES) == 6
+    assert abs(recorders.LOSSES[-1] - straight_losses[-1]) < 1e-6
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+def test_validate_at_longer_lengths_than_trained(tiny_corpus_dir, trained):
+    ckpt = os.path.join(trained, "test", "cable", "checkpoints", "last.ckpt")
+    cli = main(["validate", *args(tiny_corpus_dir, trained), "--data.eval_lengths", "[32, 256]",
+                "--data.eval_stride", "16", "--ckpt_path", ckpt])
+    metrics = cli.trainer.callback_metrics
+    assert {"val_ppl/len_32", "val_ppl/len_256", "val_ppl_sliding/len_256"} <= set(metrics)
+    assert all(torch.isfinite(metrics[k]) for k in ("val_ppl/len_256", "val_ppl_sliding/len_256"))
+
+
+def test_checkpoint_and_data_with_different_tokenizers_is_an_error(tiny_corpus_dir, trained, tmp_path):
+    other = tmp_path / "other-data"
+    shutil.copytree(tiny_corpus_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["identity"]["hash"] = "0" * 64  # as if prepared with another tokenizer of the same size
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    ckpt = os.path.join(trained, "test", "cable", "checkpoints", "last.ckpt")
+    with pytest.raises(ValueError, match="checkpoint was trained with tokenizer") as err:
+        main(["validate", *args(str(other), trained), "--ckpt_path", ckpt])
+    assert "\n" not in str(err.value)
+
+
+def test_global_batch_tokens_sets_accumulation_or_names_the_divisor(tiny_corpus_dir, tmp_path):
+    cli = main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1, every=1), "--global_batch_tokens", "384"])
+    assert cli.trainer.accumulate_grad_batches == 3  # 384 / (4 x 32 x 1)
+    with pytest.raises(ValueError, match=r"global_batch_tokens=1000 is not a multiple of .* = 128"):
+        main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1), "--global_batch_tokens", "1000"])
