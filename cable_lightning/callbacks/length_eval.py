@@ -58,11 +58,13 @@ class LengthEvalRecorder(L.Callback):
 
     def on_validation_end(self, trainer, pl_module):
         rows = getattr(pl_module, "length_results", None)
-        if trainer.sanity_checking or not rows or not trainer.is_global_zero:
+        if trainer.sanity_checking or not rows:
+            return
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
+        if not trainer.is_global_zero:
             return
         config = pl_module.config
-        extra = {"pe": config.pos_encoding, "train_length": config.block_size, "stage": trainer.state.stage.value}
-        log_dir = trainer.log_dir or trainer.default_root_dir
+        extra = {"pe": config.pos_encoding, "train_length": config.block_size, "stage": trainer.state.fn.value}
         os.makedirs(log_dir, exist_ok=True)
         with open(os.path.join(log_dir, "length_eval.jsonl"), "a") as f:
             for row in rows:
