@@ -97,8 +97,11 @@ class CableCLI(LightningCLI):
             config.trainer.check_val_every_n_epoch = None
 
     def after_fit(self):
-        # A last evaluation at every length, so each run ends with its perplexity-vs-length record.
-        self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        # Every run ends with a perplexity-vs-length record of its final weights (unless the last
+        # checkpoint's evaluation already was at the final step).
+        results = self.model.length_results
+        if not results or results[0]["step"] != self.trainer.global_step:
+            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
 
 def main(args: list[str] | None = None) -> CableCLI:
