@@ -213,3 +213,16 @@ def test_long_evaluation_never_builds_a_full_score_or_logit_tensor(pe):
         model.token_nll(x, x)
     assert probe.largest <= heads * t * t / 8  # attention works on row blocks
     assert probe.largest_with_width <= t * config.padded_vocab_size / 4  # the LM head on position chunks
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = tiny("cable")
+    model.train()
+    x = torch.randint(0, 97, (2, 20))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.activation_checkpointing = True
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[n], msg=n)

@@ -29,13 +29,15 @@ class LanguageModel(L.LightningModule):
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, vocab_size: Optional[int] = None,
                  block_size: Optional[int] = None, lr: float = 6e-4, min_lr: float = 6e-5, warmup_steps: int = 750,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 compile: bool = False, activation_checkpointing: bool = False):
         super().__init__()
         config = backbone or BackboneConfig()
         overrides = {k: v for k, v in dict(vocab_size=vocab_size, block_size=block_size).items() if v is not None}
         self.config = replace(config, **overrides)
         self.save_hyperparameters()
         self.backbone = build_backbone(self.config)
+        self.backbone.activation_checkpointing = activation_checkpointing
         self.val_nll = torch.nn.ModuleDict()
         self.length_results: list[dict] = []
         self.unsupported_lengths: set[int] = set()
@@ -55,6 +57,13 @@ class LanguageModel(L.LightningModule):
     # --- batches -------------------------------------------------------------------------------
     def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0):
         raise NotImplementedError
+
+    def configure_model(self):
+        # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
+        # kernels are compiled on CUDA either way.
+        if self.hparams.compile:
+            for block in self.backbone.blocks:
+                block.compile()
 
     # --- training ------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -174,9 +183,11 @@ class MaskedLM(LanguageModel):
     def __init__(self, backbone: Optional[BackboneConfig] = None, vocab_size: Optional[int] = None,
                  block_size: Optional[int] = None, lr: float = 1e-4, min_lr: float = 1e-5, warmup_steps: int = 750,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 compile: bool = False, activation_checkpointing: bool = False,
                  mask_probability: float = 0.15, mask_id: Optional[int] = None, special_ids: tuple[int, ...] = ()):
         backbone = backbone or BackboneConfig(preset="bert-base")
-        super().__init__(backbone, vocab_size, block_size, lr, min_lr, warmup_steps, betas, eps, weight_decay)
+        super().__init__(backbone, vocab_size, block_size, lr, min_lr, warmup_steps, betas, eps, weight_decay,
+                         compile, activation_checkpointing)
         if self.config.causal:
             raise ValueError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
         self.mask_id, self.special_ids = mask_id, tuple(special_ids)

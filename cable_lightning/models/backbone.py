@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..positional import build_positional
 from .attention import attention
@@ -75,6 +76,8 @@ class Backbone(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self._init_gpt2()
         self.pe = build_positional(config)  # after the GPT-2 init: each PE initialises its own parameters
+        # Recompute each block's activations in backward instead of storing them (memory for time).
+        self.activation_checkpointing = False
 
     def _init_gpt2(self):
         """GPT-2 init: N(0, 0.02) weights, zero biases; residual projections scaled by (2 x layers)^-0.5."""
@@ -98,7 +101,11 @@ class Backbone(nn.Module):
         self.pe.check_length(offset + input_ids.shape[1])
         x = self.drop(self.pe.embed(self.wte(input_ids), offset))
         for i, block in enumerate(self.blocks):
-            x = block(x, self.pe, offset, cache.layers[i] if cache is not None else None)
+            state = cache.layers[i] if cache is not None else None
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.pe, offset, state, use_reentrant=False)
+            else:
+                x = block(x, self.pe, offset, state)
         if cache is not None:
             cache.length += input_ids.shape[1]
         return self.ln_f(x)
