@@ -73,7 +73,8 @@ class LanguageModel(L.LightningModule):
         self._tokens_seen += tokens
         now = time.perf_counter()
         if self._last_step_time is not None:
-            self.log("train/tokens_per_sec", tokens / (now - self._last_step_time), prog_bar=True)
+            # Progress bar only: TensorBoard gets ThroughputMonitor's train/device/items_per_sec.
+            self.log("tokens_per_sec", tokens / (now - self._last_step_time), prog_bar=True, logger=False)
         self._last_step_time = now
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens_seen", float(self._tokens_seen))
