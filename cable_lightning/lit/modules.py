@@ -41,7 +41,6 @@ class LanguageModel(L.LightningModule):
         self.val_nll = torch.nn.ModuleDict()
         self.length_results: list[dict] = []
         self.unsupported_lengths: set[int] = set()
-        self._tokens_seen = 0
         self._last_step_time = None
 
     @cached_property
@@ -70,14 +69,15 @@ class LanguageModel(L.LightningModule):
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
         loss = self.backbone.loss(inputs, targets)
         tokens = inputs.numel() * self.trainer.world_size
-        self._tokens_seen += tokens
+        # Derived from the loop's batch count, which a resumed run restores.
+        tokens_seen = (self.trainer.fit_loop.epoch_loop.total_batch_idx + 1) * tokens
         now = time.perf_counter()
         if self._last_step_time is not None:
             # Progress bar only: TensorBoard gets ThroughputMonitor's train/device/items_per_sec.
             self.log("tokens_per_sec", tokens / (now - self._last_step_time), prog_bar=True, logger=False)
         self._last_step_time = now
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/tokens_seen", float(self._tokens_seen))
+        self.log("train/tokens_seen", float(tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
