@@ -160,3 +160,16 @@ def test_t5_buckets():
     assert causal == sorted(causal[:7]) + [0]
     bidir = relative_bucket(rel, causal=False)
     assert bidir[7] == 16 + 3 and bidir[0] == 0 and bidir[6] == 15
+
+
+def test_auto_backend_choice():
+    from cable_lightning.models.attention import resolve_backend
+
+    bias = AlibiBias(alibi_slopes(4), 0, True)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", None, cuda) == "sdpa"
+    assert resolve_backend("auto", bias, cuda) == "flex"
+    assert resolve_backend("auto", bias, cuda, q_offset=5) == "chunked"  # decoding onto a cache
+    assert resolve_backend("auto", bias, cpu) == "chunked"
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        resolve_backend("fast", bias, cpu)

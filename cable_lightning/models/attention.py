@@ -26,19 +26,20 @@ CHUNK_ELEMENTS = 2**24
 _compiled_flex = None
 
 
-def resolve_backend(backend: str, bias: ScoreBias | None, device: torch.device) -> str:
+def resolve_backend(backend: str, bias: ScoreBias | None, device: torch.device, q_offset: int = 0) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     if bias is None:
         return "sdpa"
-    return "flex" if device.type == "cuda" else "chunked"
+    # Decoding onto a cache goes chunked: O(t) per token, and no FlexAttention recompile per offset.
+    return "flex" if device.type == "cuda" and q_offset == 0 else "chunked"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | None, causal: bool, q_offset: int = 0, backend: str = "auto") -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D)."""
-    backend = resolve_backend(backend, bias, q.device)
+    backend = resolve_backend(backend, bias, q.device, q_offset)
     if backend == "sdpa":
         if bias is not None:
             raise ValueError("attention backend 'sdpa' cannot add a score bias; use auto, flex or chunked")
