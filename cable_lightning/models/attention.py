@@ -11,6 +11,7 @@ Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV ca
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -94,17 +95,23 @@ def _chunked(q, k, v, bias, causal, q_offset):
     return torch.cat(outputs, dim=2)
 
 
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(tq: int, tk: int, q_offset: int, device: str):
+    """Built once per shape and reused by every layer and step (building it is a kernel launch)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + q_offset
+
+    return create_block_mask(causal_mask, None, None, tq, tk, device=device)
+
+
 def _flex(q, k, v, bias, causal, q_offset):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     tq, tk = q.shape[-2], k.shape[-2]
-    block_mask = None
-    if causal:
-        def causal_mask(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx + q_offset
-
-        block_mask = create_block_mask(causal_mask, None, None, tq, tk, device=q.device)
+    block_mask = _causal_block_mask(tq, tk, q_offset, str(q.device)) if causal else None
     score_mod = bias.score_mod() if bias is not None else None
     if q.is_cuda:
         if _compiled_flex is None:
