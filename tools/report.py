@@ -4,7 +4,7 @@ Reads ``length_eval.jsonl`` files (written by LengthEvalRecorder), keeps each ru
 evaluation, and writes per window mode: a markdown table (rows: evaluation length, columns: PE,
 best per row in bold, unsupported as a dash), the same as CSV, and a perplexity-vs-length PNG.
 
-    python tools/report.py runs/pydocs --out reports/pydocs
+    python tools/report.py runs/pydocs --out runs/pydocs/report
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def report(paths: list[str], out: str) -> dict[str, str]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories or length_eval.jsonl files/globs")
-    parser.add_argument("--out", default="reports/report", help="output prefix")
+    parser.add_argument("--out", default="runs/report", help="output prefix")
     args = parser.parse_args(argv)
     for mode, table in report(args.runs, args.out).items():
         print(f"## {mode}\n{table}\n")

@@ -5,7 +5,7 @@
         --pes cable alibi kerple_log --print-only      # commands for a cluster, one per line
 
 Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>), and the
-report to reports/<experiment>_<mode>.{md,csv,png}.
+report to runs/<experiment>/report_<mode>.{md,csv,png}.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main(argv=None):
     parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
     parser.add_argument("--experiment", default="sweep")
     parser.add_argument("--runs-dir", default="runs")
-    parser.add_argument("--report", default=None, help="report prefix (default reports/<experiment>)")
+    parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")
     parser.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
     args = parser.parse_args(argv)
@@ -52,7 +52,7 @@ def main(argv=None):
     for _, cmd in runs:
         print("+", shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    out = args.report or f"reports/{args.experiment}"
+    out = args.report or f"{args.runs_dir}/{args.experiment}/report"
     for mode, table in report([f"{args.runs_dir}/{experiment}" for experiment in sorted({e for e, _ in runs})], out).items():
         print(f"## {mode}\n{table}\n")
 
