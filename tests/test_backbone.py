@@ -226,3 +226,16 @@ def test_activation_checkpointing_gives_the_same_gradients():
     model.loss(x[:, :-1], x[:, 1:]).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
+def test_sinusoidal_table_is_the_transformer_formula():
+    import math
+
+    from cable_lightning.positional.absolute import sinusoidal_table
+
+    table = sinusoidal_table(torch.arange(50), 16)
+    for pos in (0, 7, 49):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-5)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)

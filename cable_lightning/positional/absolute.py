@@ -41,13 +41,19 @@ def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return table
 
 
+# The table's entries have RMS 1/sqrt(2); GPT-2-initialised token embeddings have std 0.02. Unscaled,
+# positions would outweigh tokens 35:1 at initialisation (the original Transformer instead scaled its
+# embeddings up by sqrt(d)); scaled, both start at the same magnitude, like a learnable table.
+SINUSOIDAL_SCALE = 0.02 * 2**0.5
+
+
 @register("sinusoidal")
 class Sinusoidal(PositionalEncoding):
-    """The original fixed sinusoidal table, computed for any length."""
+    """The original fixed sinusoidal table, computed for any length, at the token embeddings' scale."""
 
     def embed(self, x, offset):
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
-        return x + sinusoidal_table(positions, x.shape[-1]).to(x.dtype)
+        return x + SINUSOIDAL_SCALE * sinusoidal_table(positions, x.shape[-1]).to(x.dtype)
 
 
 @register("nope")
