@@ -65,14 +65,19 @@ def train_tokens_per_second(model, t, tokens_per_step, device, dtype, repeats):
     return batch * t / timed(step, device, repeats)
 
 
-def eval_seconds(model, t, device, dtype, repeats):
+def eval_forward(model, t, device, dtype):
+    """One evaluation forward (the memory-safe path: chunked attention, chunked LM head) at length t."""
     x = torch.randint(0, model.config.vocab_size, (1, t + 1), device=device)
 
     def forward():
         with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             model.token_nll(x[:, :-1], x[:, 1:])
 
-    return timed(forward, device, repeats)
+    return forward
+
+
+def eval_seconds(model, t, device, dtype, repeats):
+    return timed(eval_forward(model, t, device, dtype), device, repeats)
 
 
 def _cpu_eval_peak(config_dict, t, threads, out):
@@ -97,8 +102,10 @@ def peak_rss_mib() -> float:
 
 def eval_peak_mib(model, t, device, dtype):
     if device.type == "cuda":
+        forward = eval_forward(model, t, device, dtype)
         torch.cuda.reset_peak_memory_stats()
-        eval_seconds(model, t, device, dtype, repeats=0)
+        forward()
+        torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
