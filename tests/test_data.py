@@ -336,7 +336,7 @@ def test_shuffle_depends_on_seed(tiny_corpus_dir):
 def test_val_loaders_per_length(tiny_corpus_dir):
     dm = TokenDataModule(tiny_corpus_dir, block_size=64, micro_batch_size=4, eval_lengths=[32, 64, 256], eval_tokens=2048)
     loaders = dm.val_dataloader()
-    assert dm.eval_lengths_resolved == [32, 64, 256] and dm.eval_specs == [(32, 32), (64, 64), (256, 256)]
+    assert [n for n, _ in dm.eval_specs] == [32, 64, 256] and dm.eval_specs == [(32, 32), (64, 64), (256, 256)]
     assert isinstance(loaders, list) and len(loaders) == 3
     val = torch.from_numpy(read_split_tokens(tiny_corpus_dir, "val").astype(np.int64))
     for length, loader, batch_size in zip([32, 64, 256], loaders, [4, 4, 1]):
@@ -356,7 +356,7 @@ def test_val_loaders_per_length(tiny_corpus_dir):
 def test_sliding_eval_specs(tiny_corpus_dir):
     dm = TokenDataModule(tiny_corpus_dir, block_size=64, eval_lengths=[32, 128], eval_stride=64, eval_tokens=1024)
     assert dm.eval_specs == [(32, 32), (128, 128), (128, 64)]
-    assert dm.eval_lengths_resolved == [32, 128, 128]
+    assert [n for n, _ in dm.eval_specs] == [32, 128, 128]
     sliding = dm.val_dataloader()[2]
     assert sum(int((128 - b["first_scored"]).sum()) for b in sliding) == 1024
 

@@ -15,6 +15,8 @@ import glob
 import json
 import os
 
+from cable_lightning.callbacks.length_eval import ppl_figure
+
 
 def find_records(paths: list[str]) -> list[str]:
     files = []
@@ -68,23 +70,10 @@ def markdown(columns, table) -> str:
 
 
 def plot(columns, table, title: str, path: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, name in enumerate(columns):
-        points = [(row[0], row[i + 1]) for row in table if row[i + 1] is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
+    series = {name: [(row[0], row[i + 1]) for row in table if row[i + 1] is not None] for i, name in enumerate(columns)}
+    fig = ppl_figure(series, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -12,18 +12,18 @@ import os
 import lightning as L
 
 
-def plot_ppl_vs_length(rows: list[dict], train_length: int | None, title: str):
-    """Perplexity against evaluation length (log axis), one line per window mode."""
+def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_length: int | None = None):
+    """Perplexity against evaluation length (log axes), one line per series of (length, ppl) points;
+    shared by the per-run TensorBoard figure (a line per window mode) and tools/report (a line per PE)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in sorted({r["mode"] for r in rows}):
-        points = sorted((r["length"], r["ppl"]) for r in rows if r["mode"] == mode and r["ppl"] is not None)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
         if points:
-            ax.plot(*zip(*points), marker="o", label=mode)
+            ax.plot(*zip(*sorted(points)), marker="o", label=name)
     if train_length:
         ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
     ax.set_xscale("log", base=2)
@@ -31,7 +31,7 @@ def plot_ppl_vs_length(rows: list[dict], train_length: int | None, title: str):
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -72,7 +72,9 @@ class LengthEvalRecorder(L.Callback):
         experiment = getattr(trainer.logger, "experiment", None)
         if self.figure and hasattr(experiment, "add_figure"):
             title = f"{config.pos_encoding}, step {trainer.global_step}"
-            experiment.add_figure("val_ppl_vs_length", plot_ppl_vs_length(rows, config.block_size, title), trainer.global_step)
+            series = {mode: [(r["length"], r["ppl"]) for r in rows if r["mode"] == mode and r["ppl"] is not None]
+                      for mode in sorted({r["mode"] for r in rows})}
+            experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), trainer.global_step)
         if self.print_table:
             print(f"validation perplexity by length ({config.pos_encoding}, trained at {config.block_size} tokens, "
                   f"step {trainer.global_step}):\n{format_table(rows, config.block_size)}", flush=True)

@@ -190,11 +190,6 @@ class TokenDataModule(L.LightningDataModule):
             specs += [(n, self.eval_stride) for n in lengths if self.eval_stride < n]
         return specs
 
-    @property
-    def eval_lengths_resolved(self) -> list[int]:
-        """Context length of each eval dataloader, in dataloader_idx order."""
-        return [length for length, _ in self.eval_specs]
-
     # ------------------------------------------------------------------ loaders
 
     def _split_dir(self, split: str) -> str:
