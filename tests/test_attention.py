@@ -165,11 +165,159 @@ def test_t5_buckets():
 def test_auto_backend_choice():
     from cable_lightning.models.attention import resolve_backend
 
-    bias = AlibiBias(alibi_slopes(4), 0, True)
+    kerple = build_positional(BackboneConfig(pos_encoding="kerple_log", n_layer=1, n_head=4, n_embd=32))
+    bias = kerple.score_bias(torch.randn(1, 3, 32), 0, 0, None)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_backend("auto", None, cuda) == "sdpa"
     assert resolve_backend("auto", bias, cuda) == "flex"
     assert resolve_backend("auto", bias, cuda, q_offset=5) == "chunked"  # decoding onto a cache
     assert resolve_backend("auto", bias, cpu) == "chunked"
+    for device in (cpu, cuda):
+        for offset in (0, 5):
+            assert resolve_backend("auto", AlibiBias(alibi_slopes(4), offset, True), device, offset) == "fold"
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         resolve_backend("fast", bias, cpu)
+
+
+# --- fold: factorisable causal biases as extra head dimensions (attention.fold_bias) ---
+
+FOLDABLE = ["alibi", "cable", "cable_nw"]
+
+
+def test_foldable_pes_are_exactly_the_causal_linear_ones():
+    for name in BIAS_PES:
+        for causal in (True, False):
+            pe, h, *_ = make_inputs(name, causal, 5)
+            assert pe.score_bias(h, 1, 0, None).foldable == (causal and name in FOLDABLE), (name, causal)
+
+
+def realistic_inputs(pe_name, t, seed=0, dtype=torch.float64):
+    """Like make_inputs, with PE weights at the scale a trained model's LayerNorm'd input gives
+    (w.x ~ N(0, 0.5)), so CABLE's S grows like a real model's (about 0.2 per token)."""
+    torch.manual_seed(seed)
+    pe = build_positional(BackboneConfig(pos_encoding=pe_name, n_layer=2, n_head=4, n_embd=32, block_size=16)).to(dtype)
+    with torch.no_grad():
+        for p in pe.parameters():
+            p.copy_(torch.randn_like(p) * 0.09)
+    h = torch.randn(2, t, 32, dtype=dtype)
+    q, k, v = (torch.randn(2, 4, t, 8, dtype=dtype) for _ in range(3))
+    return pe, h, q, k, v
+
+
+def rel_error(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
+
+
+def fold_vs_fp64(pe_name, t, offset):
+    """Max relative error of the fp32 fold against the fp64 reference, over the output and the
+    gradients of q, k, v, the layer input and the PE parameters. With ``offset``, the queries are
+    the last ``t - offset`` positions against all ``t`` keys (a step onto a KV cache)."""
+    pe64, h64, q64, k64, v64 = realistic_inputs(pe_name, t)
+    weight = torch.randn(2, 4, t - offset, 8, dtype=torch.float64)
+    results = {}
+    for backend, dtype in (("materialized", torch.float64), ("fold", torch.float32)):
+        pe = pe64.to(dtype)
+        h, q, k, v = (x.detach().to(dtype).requires_grad_() for x in (h64, q64, k64, v64))
+        state = {}
+        if offset:
+            pe.score_bias(h[:, :offset], 1, 0, state)
+        bias = pe.score_bias(h[:, offset:], 1, offset, state if offset else None)
+        out = attention(q[:, :, offset:], k, v, bias, True, q_offset=offset, backend=backend)
+        tensors = [q, k, v, h] + [p for p in pe.parameters()]
+        grads_ = torch.autograd.grad((out * weight.to(dtype)).sum(), tensors, allow_unused=True)
+        results[backend] = [out] + [g for g in grads_]
+    errors = []
+    for out, ref in zip(results["fold"], results["materialized"]):
+        assert (out is None) == (ref is None)
+        if ref is not None and ref.abs().max() > 0:
+            errors.append(rel_error(out, ref))
+    return errors
+
+
+@pytest.mark.parametrize("t, offset", [(1, 0), (7, 0), (129, 0), (1000, 0), (7, 3), (129, 128), (1000, 600)])
+@pytest.mark.parametrize("pe_name", FOLDABLE)
+def test_fold_matches_fp64_reference_values_and_gradients(pe_name, t, offset):
+    errors = fold_vs_fp64(pe_name, t, offset)
+    if t > 1:  # output, q, k, v, and for CABLE the layer input and its projection (ALiBi has neither)
+        assert len(errors) == (4 if pe_name == "alibi" else 6)
+    # fp32 throughout: the folded logit a_i c_j is large (its row constant is not subtracted before the
+    # kernel rounds it), so the bound is looser than fp32 epsilon, and far below bf16 noise (4e-3).
+    assert max(errors) < 1e-3, errors
+
+
+def test_fold_forced_on_a_bias_that_does_not_factorise_is_one_line_error():
+    for name, causal in (("kerple_log", True), ("k_cable", True), ("cable", False), ("alibi", False)):
+        pe, h, q, k, v = make_inputs(name, causal, 4)
+        with pytest.raises(ValueError, match=r"backend 'fold' needs a causal bias that factorises.*auto, flex or chunked") as err:
+            run("fold", pe, h, q, k, v, causal)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "materialized", "fold"])
+def test_forced_backend_is_the_one_that_runs(backend, monkeypatch):
+    calls = []
+    for name in ("_chunked", "_materialized", "fold_bias"):
+        original = getattr(attn_mod, name)
+        monkeypatch.setattr(attn_mod, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    pe, h, q, k, v = make_inputs("cable", True, 6)
+    run(backend, pe, h, q, k, v, True)
+    assert calls == [{"chunked": "_chunked", "materialized": "_materialized", "fold": "fold_bias"}[backend]]
+
+
+def long_context_inputs(t=2048, seed=0):
+    """CABLE's S driven to the size it reaches at about 16k tokens (b up to 16 a token, S ~ 16000)."""
+    torch.manual_seed(seed)
+    s = torch.cumsum(torch.rand(1, 2, t, dtype=torch.float64) * 16, dim=-1)
+    g = torch.rand(1, 2, t, dtype=torch.float64) * 0.2 + 0.01
+    q, k, v = (torch.randn(1, 2, t, 16, dtype=torch.float64) for _ in range(3))
+    return s, g, q, k, v
+
+
+def test_bf16_fold_is_as_accurate_as_bf16_attention_with_an_fp32_bias(monkeypatch):
+    s, g, q, k, v = long_context_inputs()
+    assert s.max() > 15000
+    ref = attention(q, k, v, CableBias(s, s, g, 0, True), True, backend="materialized")
+    low = [x.to(torch.bfloat16) for x in (q, k, v)]
+    bias32 = CableBias(s.float(), s.float(), g.float(), 0, True)
+    with_fp32_bias = rel_error(attention(*low, bias32, True, backend="materialized"), ref)  # fp32 scores and bias
+    assert rel_error(attention(*low, bias32, True, backend="fold"), ref) <= 2 * with_fp32_bias
+    # One bf16 column for S (no split) keeps 8 bits of a five-digit number: the test must see that.
+    monkeypatch.setattr(attn_mod, "FOLD_PIECES_LOW_PRECISION", 1)
+    assert rel_error(attention(*low, bias32, True, backend="fold"), ref) > 10 * with_fp32_bias
+
+
+def bf16_weight_gradient_errors():
+    """Relative errors of the gradient of CABLE's weight g (projected onto random features, as a
+    projection's weight gradient sums it over tokens) at a training length's scale: (bf16 fold,
+    bf16 inputs with fp32 scores and bias), both against fp64."""
+    pe, h, q, k, v = realistic_inputs("cable", 1024, dtype=torch.float32)
+    bias = pe.score_bias(h, 1, 0, None)
+    s, g = bias.s_q.double(), bias.g_q.double() * 4  # g ~ 0.5-3, as in a trained layer
+    weight, features = torch.randn(2, 4, 1024, 8, dtype=torch.float64), torch.randn(1024, 16, dtype=torch.float64)
+
+    def g_grad(backend, dtype, scores_dtype):
+        g_leaf = g.to(scores_dtype).requires_grad_()
+        bias = CableBias(s.to(scores_dtype), s.to(scores_dtype), g_leaf, 0, True)
+        out = attention(*(x.to(dtype) for x in (q, k, v)), bias, True, backend=backend)
+        (grad,) = torch.autograd.grad((out.double() * weight).sum(), g_leaf)
+        return grad.double() @ features
+
+    ref = g_grad("materialized", torch.float64, torch.float64)
+    folded = rel_error(g_grad("fold", torch.bfloat16, torch.float32), ref)
+    return folded, rel_error(g_grad("materialized", torch.bfloat16, torch.float32), ref)
+
+
+def test_bf16_fold_gradient_of_the_weight_stays_near_bf16_noise(monkeypatch):
+    folded, with_fp32_bias = bf16_weight_gradient_errors()
+    assert folded < 8 * with_fp32_bias, (folded, with_fp32_bias)
+    # The kernel's bf16 score gradients do not sum to zero per row; without the centring column pair
+    # the gradient of g carries that noise times S (tens of percent here).
+    fold_bias = attn_mod.fold_bias
+
+    def uncentred(q, k, v, bias):
+        folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
+        width = q.shape[-1] + attn_mod.FOLD_PIECES_LOW_PRECISION
+        return folded_q[..., :width], folded_k[..., :width], folded_v[..., :width]
+
+    monkeypatch.setattr(attn_mod, "fold_bias", uncentred)
+    assert bf16_weight_gradient_errors()[0] > 4 * folded

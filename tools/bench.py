@@ -31,6 +31,12 @@ def make_config(args, variant: str, block_size: int) -> BackboneConfig:
     return BackboneConfig(preset=args.preset, pos_encoding=pe, block_size=block_size, attention_backend=backend or "auto", **overrides)
 
 
+def comparison_variants(device) -> list[str]:
+    """CABLE and ALiBi on the bias paths ``auto`` no longer picks for them (it folds them), and the naive CABLE."""
+    bias_path = "flex" if device.type == "cuda" else "chunked"
+    return [f"cable:{bias_path}", f"alibi:{bias_path}", "cable:materialized"]
+
+
 def out_of_memory(err: Exception) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower() or isinstance(err, MemoryError)
 
@@ -119,7 +125,7 @@ def eval_peak_mib(model, t, device, dtype):
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    pes = args.pes or available() + ["cable:materialized"]
+    pes = args.pes or available() + comparison_variants(device)
     if "nope" not in pes:
         pes = ["nope"] + pes
     rows = []
@@ -193,7 +199,8 @@ def main(argv=None):
     parser.add_argument("--n-head", dest="n_head", type=int)
     parser.add_argument("--n-embd", dest="n_embd", type=int)
     parser.add_argument("--vocab-size", dest="vocab_size", type=int)
-    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable:materialized (naive)")
+    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi on "
+                        "the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); pe:backend forces a backend")
     parser.add_argument("--naive-max-length", type=int, default=8192, help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])

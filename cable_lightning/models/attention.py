@@ -1,6 +1,8 @@
-"""One attention function, four backends (DESIGN.md):
+"""One attention function, five backends (DESIGN.md):
 
 - ``sdpa``: no score bias -> PyTorch SDPA with no mask tensor (flash / memory-efficient kernels).
+- ``fold``: a causal bias that factorises (CABLE, CABLE_NW, ALiBi) folded into extra head
+  dimensions, then plain causal SDPA: the same fused kernels as no bias at all (see :func:`fold_bias`).
 - ``flex``: FlexAttention with the bias as ``score_mod`` and a causal block mask (compiled on CUDA).
 - ``chunked``: query rows in blocks; the bias is built for one block of rows at a time, so memory
   is O(rows x T), never O(T^2).
@@ -20,9 +22,14 @@ from torch import Tensor
 
 from ..positional.base import ScoreBias
 
-BACKENDS = ("auto", "sdpa", "flex", "chunked", "materialized")
+BACKENDS = ("auto", "sdpa", "fold", "flex", "chunked", "materialized")
 # The chunked path sizes its row blocks so one block's bias holds at most this many elements.
 CHUNK_ELEMENTS = 2**24
+# Folded heads are zero-padded to a multiple of this width (CUDA's flash kernels need it).
+FOLD_HEAD_MULTIPLE = 8
+# bf16/fp16 hold 8/11 significant bits; the folded key column is split into this many pieces of that
+# dtype, which sum back to it to about fp32 precision (CABLE's S and ALiBi's positions reach thousands).
+FOLD_PIECES_LOW_PRECISION = 3
 
 _compiled_flex = None
 
@@ -34,27 +41,88 @@ def resolve_backend(backend: str, bias: ScoreBias | None, device: torch.device, 
         return backend
     if bias is None:
         return "sdpa"
+    if bias.foldable:
+        return "fold"
     # Decoding onto a cache goes chunked: O(t) per token, and no FlexAttention recompile per offset.
     return "flex" if device.type == "cuda" and q_offset == 0 else "chunked"
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | None, causal: bool, q_offset: int = 0, backend: str = "auto") -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | None, causal: bool, q_offset: int = 0,
+              backend: str = "auto") -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D)."""
     backend = resolve_backend(backend, bias, q.device, q_offset)
-    if backend == "sdpa":
+    if backend == "fold" and bias is not None:
+        if not bias.foldable:
+            raise ValueError(f"attention backend 'fold' needs a causal bias that factorises (cable, cable_nw, alibi); "
+                             f"{type(bias).__name__} (causal={bias.causal}) does not: use auto, flex or chunked")
+        head_dim = q.shape[-1]
+        folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
+        return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5)[..., :head_dim]
+    if backend in ("sdpa", "fold"):
         if bias is not None:
-            raise ValueError("attention backend 'sdpa' cannot add a score bias; use auto, flex or chunked")
-        tq, tk = q.shape[-2], k.shape[-2]
-        if not causal or tq == 1:
-            return F.scaled_dot_product_attention(q, k, v)
-        if tq == tk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return _chunked(q, k, v, None, causal, q_offset)  # a multi-token step onto a cache
+            raise ValueError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
+        return _unbiased(q, k, v, causal, q_offset)
     if backend == "flex":
         return _flex(q, k, v, bias, causal, q_offset)
     if backend == "chunked":
         return _chunked(q, k, v, bias, causal, q_offset)
     return _materialized(q, k, v, bias, causal, q_offset)
+
+
+def _unbiased(q, k, v, causal, q_offset, scale=None):
+    """Plain attention with no mask tensor wherever the shapes allow, so SDPA may pick a fused kernel."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    if not causal or tq == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if tq == tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return _chunked(q, k, v, None, causal, q_offset, scale)  # a multi-token step onto a cache
+
+
+def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor, Tensor, Tensor]:
+    """Heads (q', k', v') whose plain causal attention, at scale 1/sqrt(d) of the original head size,
+    equals softmax(q.k^T / sqrt(d) + bias + causal mask) v, in values and gradients.
+
+    The bias is ``a_i . (c_j - c_i)`` (:meth:`ScoreBias.factors`). Its ``-a_i . c_i`` part is
+    constant along a query row, so softmax ignores it; ``a_i . c_j`` is one more dot product:
+    q' = [q, a sqrt(d)], k' = [k, c]. Two refinements keep this exact in practice:
+
+    - low precision: c grows with position (CABLE's S, ALiBi's j), beyond bf16's 8 bits, so in
+      bf16/fp16 c is split into pieces of that dtype that sum to it to about fp32 precision, each
+      against its own copy of a (tensor cores multiply exactly and accumulate in fp32);
+    - the gradient of a: the kernel's score gradients d_ij are rounded, so their row sums are not
+      exactly zero, and sum_j d_ij c_j would carry that noise times c_i, which grows with position.
+      One more column pair, value 0 in q' (gradient -c_i with respect to a) against 1 in k',
+      makes the gradient sum_j d_ij (c_j - c_i), as the row-constant form would.
+
+    Widths are zero-padded to a multiple of :data:`FOLD_HEAD_MULTIPLE`, v to the same width (the
+    CPU flash kernel takes only equal widths); the caller drops the padded output columns.
+    """
+    batch, heads, tq, head_dim = q.shape
+    tk = k.shape[-2]
+    a, c = bias.factors(tk)
+    a = a.float().expand(batch, heads, tq, -1)
+    c = c.float().expand(batch, heads, tk, -1)
+    # Shifting c by a constant changes only row constants; measured from its middle key, |c| halves,
+    # and so does the rounding of the folded logits a_i c_j (fp32 keeps 24 bits of them).
+    c = c - c[:, :, tk // 2 : tk // 2 + 1].detach()
+    pieces = FOLD_PIECES_LOW_PRECISION if q.dtype in (torch.bfloat16, torch.float16) else 1
+    c_pieces = [c.to(q.dtype)]  # the first piece carries c's gradient, the rest are its rounding errors
+    rest = c.detach()
+    for _ in range(pieces - 1):
+        rest = rest - c_pieces[-1].detach().float()
+        c_pieces.append(rest.to(q.dtype))
+    c_own = c[:, :, bias.q_offset : bias.q_offset + tq].detach()  # c_i: key column at the query's position
+    centre = ((a - a.detach()) * -c_own).sum(-1, keepdim=True)  # zero, with gradient -c_i
+    root_d = math.sqrt(head_dim)
+    q_cols = [q] + [(a * root_d).to(q.dtype)] * pieces + [(centre * root_d).to(q.dtype)]
+    k_cols = [k] + c_pieces + [k.new_ones(batch, heads, tk, 1)]
+    width = sum(x.shape[-1] for x in q_cols)
+    pad = -width % FOLD_HEAD_MULTIPLE
+    q_cols.append(q.new_zeros(batch, heads, tq, pad))
+    k_cols.append(k.new_zeros(batch, heads, tk, pad))
+    folded_v = torch.cat([v, v.new_zeros(batch, heads, tk, width + pad - head_dim)], dim=-1)
+    return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v
 
 
 def _causal_allowed(rows: range, n_keys: int, q_offset: int, device) -> Tensor:
@@ -65,15 +133,16 @@ def _causal_allowed(rows: range, n_keys: int, q_offset: int, device) -> Tensor:
 def _materialized(q, k, v, bias, causal, q_offset):
     b, h, tq, d = q.shape
     tk = k.shape[-2]
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
+    scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) / math.sqrt(d)
     if bias is not None:
         scores = scores + bias.rows(0, tq, tk, b, h, q.device)
     if causal:
         scores = scores.masked_fill(~_causal_allowed(range(tq), tk, q_offset, q.device), float("-inf"))
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    return (scores.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
 
 
-def _chunked(q, k, v, bias, causal, q_offset):
+def _chunked(q, k, v, bias, causal, q_offset, scale=None):
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     rows_per_block = max(1, CHUNK_ELEMENTS // (b * h * tk))
@@ -91,7 +160,8 @@ def _chunked(q, k, v, bias, causal, q_offset):
                 mask = mask.masked_fill(~allowed, float("-inf"))
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        outputs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], attn_mask=mask))
+        outputs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys],
+                                                      attn_mask=mask, scale=scale))
     return torch.cat(outputs, dim=2)
 
 

@@ -32,7 +32,7 @@ class BackboneConfig:
     block_size: int = 1024
     max_positions: Optional[int] = None
     pad_vocab_multiple: int = 64
-    attention_backend: Literal["auto", "sdpa", "flex", "chunked", "materialized"] = "auto"
+    attention_backend: Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"] = "auto"
     cable_bias_activation: Literal["relu", "softplus"] = "relu"
     rope_base: float = 10000.0
     rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"

@@ -30,8 +30,16 @@ class AlibiBias(ScoreBias):
         super().__init__(q_offset, causal)
         self.slopes = slopes
 
+    @property
+    def foldable(self) -> bool:
+        return self.causal  # -m (i - j) = m . (j - i); the bidirectional -m |i - j| does not split
+
     def __call__(self, b, h, q_idx, kv_idx):
         return -self.slopes[h] * self.distance(q_idx, kv_idx)
+
+    def factors(self, n_keys):
+        positions = torch.arange(n_keys, device=self.slopes.device, dtype=torch.float32)
+        return self.slopes.view(1, -1, 1, 1), positions.view(1, 1, -1, 1)
 
 
 @register("alibi")

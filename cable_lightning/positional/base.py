@@ -24,7 +24,13 @@ class ScoreBias:
     One formula serves every attention backend: FlexAttention calls it with scalar indices as a
     ``score_mod``; the chunked and reference paths call it with broadcast index grids through
     :meth:`rows`. Query index ``i`` sits at absolute position ``q_offset + i``; key ``j`` at ``j``.
+
+    A causal bias that is a dot product of per-query and per-key vectors, up to a constant per query
+    row, may also say so (``foldable`` and :meth:`factors`): the ``fold`` attention backend then
+    runs it through the same fused kernels as no bias at all.
     """
+
+    foldable = False
 
     def __init__(self, q_offset: int, causal: bool):
         self.q_offset = q_offset
@@ -44,6 +50,12 @@ class ScoreBias:
         q_idx = torch.arange(start, end, device=device).view(1, 1, -1, 1)
         kv_idx = torch.arange(n_keys, device=device).view(1, 1, 1, -1)
         return self(b, h, q_idx, kv_idx)
+
+    def factors(self, n_keys: int) -> tuple[Tensor, Tensor]:
+        """``(a, c)``, broadcastable to (B, H, Tq, E) per query and (B, H, n_keys, E) per key, such that
+        ``bias[i, j] = a_i . (c_j - c_{q_offset + i})`` wherever the causal mask allows ``j``: the bias
+        is zero on the diagonal and its row constant is ``-a_i . c`` at the query's own position."""
+        raise NotImplementedError(f"{type(self).__name__} does not factorise")
 
     def score_mod(self) -> Callable:
         def add_bias(score, b, h, q_idx, kv_idx):

@@ -26,6 +26,15 @@ class CableBias(ScoreBias):
         super().__init__(q_offset, causal)
         self.s_q, self.s_k, self.g_q, self.kernel = s_q, s_k, g_q, kernel
 
+    @property
+    def foldable(self) -> bool:
+        # -g_i (S_i - S_j) = g_i . (S_j - S_i); |S_i - S_j| (bidirectional) and log1p do not split.
+        return self.causal and self.kernel == "linear"
+
+    def factors(self, n_keys):
+        g = self.g_q if self.g_q is not None else torch.ones_like(self.s_q)
+        return g.unsqueeze(-1), self.s_k.unsqueeze(-1)
+
     def __call__(self, b, h, q_idx, kv_idx):
         diff = self.s_q[b, h, q_idx] - self.s_k[b, h, kv_idx]
         if not self.causal:
@@ -54,9 +63,11 @@ class Cable(PositionalEncoding):
         self.activation = F.relu if config.cable_bias_activation == "relu" else F.softplus
 
     def score_bias(self, h, layer, offset, state):
-        # Cumulative sums run in fp32: at 15k tokens bf16 would lose the small differences S_i - S_j.
+        # Cumulative sums run in fp32 (or wider): at 15k tokens bf16 would lose the small differences S_i - S_j.
+        weight = self.proj[layer].weight
+        dtype = torch.promote_types(weight.dtype, torch.float32)
         with torch.autocast(device_type=h.device.type, enabled=False):
-            out = self.proj[layer](h.float()).transpose(1, 2)  # (B, outputs*H, T)
+            out = F.linear(h.to(dtype), weight.to(dtype)).transpose(1, 2)  # (B, outputs*H, T)
             b = self.activation(out[:, : self.n_head])
             g = F.softplus(out[:, self.n_head :]) if self.weighted else None
             s_q = torch.cumsum(b, dim=-1)
