@@ -53,8 +53,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | None, causal: b
     backend = resolve_backend(backend, bias, q.device, q_offset)
     if backend == "fold" and bias is not None:
         if not bias.foldable:
-            raise ValueError(f"attention backend 'fold' needs a causal bias that factorises (cable, cable_nw, alibi); "
-                             f"{type(bias).__name__} (causal={bias.causal}) does not: use auto, flex or chunked")
+            raise ValueError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
+                             f"(causal={bias.causal}) does not: use auto, flex or chunked")
         head_dim = q.shape[-1]
         folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
         return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5)[..., :head_dim]
