@@ -199,8 +199,9 @@ def main(argv=None):
     parser.add_argument("--n-head", dest="n_head", type=int)
     parser.add_argument("--n-embd", dest="n_embd", type=int)
     parser.add_argument("--vocab-size", dest="vocab_size", type=int)
-    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi on "
-                        "the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); pe:backend forces a backend")
+    parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
+                        "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
+                        "pe:backend forces a backend")
     parser.add_argument("--naive-max-length", type=int, default=8192, help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
