@@ -2,11 +2,12 @@
 
 What it adds to the stock CLI:
 - ``--global_batch_tokens``: the global batch in tokens (the paper's 524288), turned into gradient
-  accumulation from micro-batch x block x world size; an error when it does not divide.
+  accumulation from micro-batch x block x the built Trainer's world size; an error when it does not divide.
 - runs laid out as ``<runs_dir>/<experiment>/<pe>/version_N`` (TensorBoard) with checkpoints in
   ``<runs_dir>/<experiment>/<pe>/checkpoints`` (``last.ckpt`` plus every N steps), so
   ``--ckpt_path last`` finds the previous run's last checkpoint.
-- vocab size and training length flow from the data to the model (set once, in the data section).
+- the data's description (vocabulary, ids, tokenizer identity, training and evaluation lengths) flows from
+  the data to the model, set once in the data section; the data is prepared first when it asks for that.
 - validation every checkpoint interval at every evaluation length (and window mode), recorded by
   :class:`LengthEvalRecorder`; a last one at the end of fit.
 """
@@ -19,29 +20,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks import BiasPictures, LengthEvalRecorder, TokenThroughput
-from .data import TokenDataModule
+from .data.datamodule import TokenDataModule
 from .lit import LanguageModel
 
 
-def world_size(trainer_config) -> int:
-    devices, nodes = trainer_config.devices, trainer_config.num_nodes or 1
-    if isinstance(devices, (list, tuple)):
-        count = len(devices)
-    elif isinstance(devices, int) or (isinstance(devices, str) and devices.lstrip("-").isdigit()):
-        count = int(devices)
-        if count == -1:
-            count = _auto_devices(trainer_config.accelerator)
-    else:  # "auto"
-        count = _auto_devices(trainer_config.accelerator)
-    return count * nodes
-
-
-def _auto_devices(accelerator) -> int:
-    import torch
-
-    if accelerator in (None, "auto", "gpu", "cuda") and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 1
+def describe_prepared(data: TokenDataModule) -> dict:
+    """The data's description for the model, preparing the data first when the data section asks for it: the
+    model's vocabulary comes from the data, so this runs before the model exists (prepare's lock keeps ranks that
+    start together safe; a finished folder is a no-op)."""
+    data.prepare_data()
+    return data.describe().as_dict()
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:
@@ -52,6 +40,16 @@ def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: i
             f"= {micro_batch} x {block_size} x {ranks} = {per_step}; pick a multiple of {per_step} or change the micro-batch"
         )
     return global_batch_tokens // per_step
+
+
+def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch: int, block_size: int,
+                       validate_every_n_steps: Optional[int]) -> None:
+    """Gradient accumulation from the global batch, and the validation interval in batches, from the world size
+    of the Trainer Lightning built (so devices as an int, a list, "0,1" or "auto", times num_nodes, all count)."""
+    if global_batch_tokens is not None:
+        trainer.accumulate_grad_batches = accumulation_steps(global_batch_tokens, micro_batch, block_size, trainer.world_size)
+    if validate_every_n_steps:
+        trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
 
 class CableCLI(LightningCLI):
@@ -72,8 +70,7 @@ class CableCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
             "trainer.gradient_clip_val": 1.0,
         })
-        parser.link_arguments("data.block_size", "model.init_args.block_size")
-        parser.link_arguments("data", "model.init_args.vocab_size", compute_fn=lambda data: data.vocab_size, apply_on="instantiate")
+        parser.link_arguments("data", "model.init_args.data", compute_fn=describe_prepared, apply_on="instantiate")
 
     def before_instantiate_classes(self):
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -87,14 +84,15 @@ class CableCLI(LightningCLI):
             }
         if config.checkpoint.dirpath is None:
             config.checkpoint.dirpath = f"{run_dir}/checkpoints"
-        if config.global_batch_tokens is not None:
-            config.trainer.accumulate_grad_batches = accumulation_steps(
-                config.global_batch_tokens, config.data.micro_batch_size, config.data.block_size, world_size(config.trainer)
-            )
-        if config.trainer.val_check_interval is None and config.checkpoint.every_n_train_steps:
-            # Evaluate at every checkpoint; Lightning counts this interval in batches, across epochs.
-            config.trainer.val_check_interval = config.checkpoint.every_n_train_steps * (config.trainer.accumulate_grad_batches or 1)
+        self._validate_every_checkpoint = config.trainer.val_check_interval is None and bool(config.checkpoint.every_n_train_steps)
+        if self._validate_every_checkpoint:  # in batches, across epochs; scaled by accumulation in before_fit
+            config.trainer.val_check_interval = config.checkpoint.every_n_train_steps
             config.trainer.check_val_every_n_epoch = None
+
+    def before_fit(self):
+        config = self.config["fit"]
+        apply_global_batch(self.trainer, config.global_batch_tokens, self.datamodule.micro_batch_size, self.datamodule.block_size,
+                           config.checkpoint.every_n_train_steps if self._validate_every_checkpoint else None)
 
     def after_fit(self):
         # Every run ends with a perplexity-vs-length record of its final weights (unless the last

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from cable_lightning.data import TokenDataModule
+from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.lit import CausalLM
 from cable_lightning.lit.optim import build_optimizer
 from cable_lightning.models import BackboneConfig
@@ -44,8 +44,7 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tmp_p
 
     # One process, the union of the two ranks' batches, the same recipe (AdamW, schedule, clip 1.0).
     init = load("init", 0)
-    vocab = TokenDataModule(tiny_corpus_dir).vocab_size
-    model = CausalLM(BackboneConfig(**SHAPE), vocab_size=vocab, block_size=32, warmup_steps=2)
+    model = CausalLM(BackboneConfig(**SHAPE), data=TokenDataModule(tiny_corpus_dir, block_size=32).describe(), warmup_steps=2)
     model.backbone.load_state_dict(init)
     union = torch.cat(batches)
     loss = model.backbone.loss(union[:, :-1], union[:, 1:])

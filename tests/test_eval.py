@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cable_lightning.callbacks import LengthEvalRecorder
 from cable_lightning.cli import main
-from cable_lightning.data import TokenDataModule
+from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
 
@@ -25,7 +25,7 @@ import report  # noqa: E402
 def tiny_model(dm, pe="cable"):
     torch.manual_seed(0)
     backbone = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=2, n_embd=32)
-    return CausalLM(backbone, vocab_size=dm.vocab_size, block_size=dm.block_size)
+    return CausalLM(backbone, data=dm.describe())
 
 
 def test_validation_perplexity_is_exp_of_mean_token_nll_by_hand(tiny_corpus_dir, tmp_path):

@@ -1,93 +1,121 @@
-"""The manifest that prepare writes beside the token chunks, and the checks that a prepared folder is whole.
+"""What a prepared folder holds, the checks that it is whole, and ``DataInfo``: what the model needs to know.
 
-Layout of a prepared folder::
-
-    <out>/manifest.json     source, tokenizer identity, ids, token counts per split, versions
-    <out>/tokenizer.json    only for bpe:N (the trained tokenizer)
-    <out>/train/            litdata token chunks (index.json + chunk-*.bin), read with TokensLoader
-    <out>/val/              the same for validation (and <out>/test/ when the source has a test split)
+    <out>/manifest.json   request, source, tokenizer identity, ids, token counts per split, versions
+    <out>/tokenizer.json  only for bpe:N (the trained tokenizer)
+    <out>/train/          litdata token chunks (index.json + chunk-*.bin), read with TokensLoader
+    <out>/val.npy         the held-out head of the stream as one flat array (test.npy too for wikitext-103)
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import numpy as np
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
-def fix_command(path: str, manifest: dict[str, Any] | None = None, overwrite: bool = False) -> str:
-    """The prepare command that would (re)build ``path``, from the recorded request when there is one."""
-    request = (manifest or {}).get("request") or {}
-    cmd = (
-        f"python -m cable_lightning.data.prepare --source {request.get('source', '<source>')} "
-        f"--tokenizer {request.get('tokenizer', '<tokenizer>')} --out {path}"
-    )
-    return cmd + (" --overwrite" if overwrite else "")
+def fix_command(path: str, request: dict[str, Any] | None = None) -> str:
+    """The prepare command that (re)builds ``path``, from the recorded request when there is one."""
+    request = request or {}
+    return (f"python -m cable_lightning.data.prepare --source {request.get('source', '<source>')} "
+            f"--tokenizer {request.get('tokenizer', '<tokenizer>')} --out {path} --overwrite")
 
 
-def _load_json(path: str, fix: str, validate: Any) -> dict[str, Any]:
-    """Parse a JSON file and run ``validate`` on it; any failure is one ValueError naming the file and the fix."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        validate(data)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is corrupt ({type(exc).__name__}: {exc}); run {fix}") from None
-    return data
+def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
+    """Load ``<path>/manifest.json``; with ``check_files`` also prove every split's files are there and whole.
 
-
-def _validate_manifest(manifest: dict[str, Any]) -> None:
-    dict(manifest["splits"]), manifest["tokenizer"]["identity"]["hash"]
-    int(manifest["vocab_size"]), int(manifest["eot_id"]), int(manifest["mask_id"])
-
-
-def _validate_index(index: dict[str, Any]) -> None:
-    if not index["chunks"]:
-        raise ValueError("it lists no chunks")
-
-
-def read_manifest(path: str, check_shards: bool = True) -> dict[str, Any]:
-    """Load ``<path>/manifest.json``; with ``check_shards`` also prove every listed chunk exists at full size.
-
-    Every failure is one line naming the bad path and the command that rebuilds it.
+    Every failure is one line naming the bad file and the command that rebuilds it.
     """
     path = str(path)
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no prepared data at {path}; run {fix_command(path)}")
-    if not os.path.isfile(mpath):
-        raise FileNotFoundError(f"{path} has no {MANIFEST} (not prepared, or prepared by something else); run {fix_command(path, overwrite=True)}")
-    manifest = _load_json(mpath, fix_command(path, overwrite=True), _validate_manifest)
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        what = "no prepared data at" if not os.path.isdir(path) else f"no {MANIFEST} (not prepared, or unfinished) in"
+        raise FileNotFoundError(f"{what} {path}; run {fix_command(path)}")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        dict(manifest["splits"]["train"]), manifest["tokenizer"]["identity"]["hash"], int(manifest["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); run {fix_command(path)}") from None
+    fix = fix_command(path, manifest.get("request"))
     if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{mpath} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix_command(path, manifest, True)}")
-    if check_shards:
+        raise ValueError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix}")
+    if check_files:
         for split in manifest["splits"]:
-            check_split(path, split, manifest)
+            _check_split(path, split, manifest, fix)
     return manifest
 
 
-def check_split(path: str, split: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Validate ``<path>/<split>/index.json`` and the chunk files it lists; returns the index."""
-    index_path = os.path.join(path, split, "index.json")
-    fix = fix_command(path, manifest, overwrite=True)
-    if not os.path.isfile(index_path):
-        raise FileNotFoundError(f"missing {index_path} (split {split!r} of {path}); run {fix}")
-    index = _load_json(index_path, fix, _validate_index)
-    for chunk in index["chunks"]:
-        chunk_path = os.path.join(path, split, chunk["filename"])
-        if not os.path.isfile(chunk_path):
-            raise FileNotFoundError(f"missing chunk {chunk_path}; run {fix}")
-        if os.path.getsize(chunk_path) != chunk["chunk_bytes"]:
+def _check_split(path: str, split: str, manifest: dict[str, Any], fix: str) -> None:
+    if split != "train":
+        load_split(path, split, manifest)
+        return
+    index_path = os.path.join(path, "train", "index.json")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            chunks = json.load(f)["chunks"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{index_path} is missing or corrupt ({type(exc).__name__}); run {fix}") from None
+    for chunk in chunks:
+        chunk_path = os.path.join(path, "train", chunk["filename"])
+        size = os.path.getsize(chunk_path) if os.path.isfile(chunk_path) else None
+        if size != chunk["chunk_bytes"]:
+            state = "missing" if size is None else f"{size} bytes, its index says {chunk['chunk_bytes']}"
+            raise ValueError(f"chunk {chunk_path} is {state} (truncated or deleted); run {fix}")
+
+
+def load_split(path: str, split: str, manifest: dict[str, Any]) -> np.ndarray:
+    """A held-out split as a read-only memory map of its tokens; checked against the manifest's count."""
+    if split not in manifest["splits"]:
+        raise ValueError(f"{path} has no {split!r} split (it has {', '.join(manifest['splits'])})")
+    file = os.path.join(path, manifest["splits"][split]["file"])
+    try:
+        tokens = np.load(file, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file} is missing or corrupt ({type(exc).__name__}); run {fix_command(path, manifest.get('request'))}") from None
+    if tokens.ndim != 1 or len(tokens) != manifest["splits"][split]["tokens"]:
+        raise ValueError(f"{file} holds {tokens.shape} tokens, the manifest says {manifest['splits'][split]['tokens']}; "
+                         f"run {fix_command(path, manifest.get('request'))}")
+    return tokens
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What the model takes from the data, read once from the manifest and linked into the model by the CLI.
+
+    Plain values only, so checkpoints that store it load with ``torch.load(weights_only=True)``.
+    """
+
+    vocab_size: int
+    eot_id: int
+    mask_id: Optional[int]
+    special_ids: tuple[int, ...]
+    tokenizer: dict[str, str]  # identity: kind, name, vocabulary hash
+    block_size: int
+    eval_specs: tuple[tuple[int, int], ...]  # (length, stride) per evaluation loader
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DataInfo:
+        values = dict(values)
+        values["special_ids"] = tuple(values["special_ids"])
+        values["eval_specs"] = tuple(tuple(spec) for spec in values["eval_specs"])
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        return {**values, "special_ids": list(self.special_ids), "eval_specs": [list(s) for s in self.eval_specs]}
+
+    def check_tokenizer(self, trained_with: dict[str, str]) -> None:
+        """Raise when a checkpoint's tokenizer identity is not this data's."""
+        mine = self.tokenizer
+        if trained_with.get("hash") != mine["hash"] or trained_with.get("kind") != mine["kind"]:
             raise ValueError(
-                f"chunk {chunk_path} has {os.path.getsize(chunk_path)} bytes, its index says {chunk['chunk_bytes']} "
-                f"(truncated or overwritten); run {fix}"
+                f"checkpoint was trained with tokenizer {trained_with.get('name')!r} (hash {str(trained_with.get('hash'))[:12]}) "
+                f"but the data uses {mine['name']!r} (hash {mine['hash'][:12]}); prepare the data with "
+                f"--tokenizer {trained_with.get('name')} or point data.path at the matching data"
             )
-    return index
-
-
-def split_tokens(index: dict[str, Any]) -> int:
-    """Tokens stored in a split (the sum of its chunks' token counts)."""
-    return sum(int(c["dim"]) for c in index["chunks"])

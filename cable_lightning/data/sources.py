@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from typing import Any
 
 VALID_SOURCES = "python-docs, fineweb-edu[:config], wikitext-103, or a path/dir/glob of .txt/.jsonl/.parquet files"
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 class Source:
@@ -174,70 +173,9 @@ class PythonDocsSource(Source):
         return {"groups": self.groups, "_docs": None}
 
 
-# ---------------------------------------------------------------------------------------------- local files
+# ---------------------------------------------------------------------------------------------- through `datasets`
 
-
-class LocalFilesSource(Source):
-    """``.txt`` (whole file = one document), ``.jsonl`` (``text`` per line), ``.parquet`` (``text`` column)."""
-
-    def __init__(self, spec: str):
-        self.name = spec
-        self.files = _expand_local(spec)
-
-    def work_items(self, split: str | None = None) -> list[Any]:
-        return list(self.files)
-
-    def read(self, item: Any) -> Iterator[str]:
-        path = item
-        if path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                yield f.read()
-        elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ValueError(f"{path}:{lineno} is not a JSON object with a 'text' field") from None
-                    if not isinstance(text, str):
-                        raise ValueError(f"{path}:{lineno}: 'text' must be a string, found {type(text).__name__}")
-                    yield text
-        else:
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (it comes with the [hub] extra)") from None
-
-            pf = pq.ParquetFile(path)
-            if "text" not in pf.schema_arrow.names:
-                raise ValueError(f"{path} has no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
-            for batch in pf.iter_batches(columns=["text"], batch_size=4096):
-                yield from (t for t in batch.column(0).to_pylist() if t is not None)
-
-    def describe(self) -> dict[str, Any]:
-        return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files)}
-
-
-def _expand_local(spec: str) -> list[str]:
-    if os.path.isdir(spec):
-        pattern = os.path.join(spec, "**", "*")
-    else:
-        pattern = spec
-    files = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if os.path.isfile(spec):
-        files = [spec]
-    bad = [f for f in files if not f.endswith(LOCAL_SUFFIXES)]
-    if bad and not os.path.isdir(spec):
-        raise ValueError(f"unsupported file type {bad[0]!r}; local sources must be {', '.join(LOCAL_SUFFIXES)} files")
-    files = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
-    if not files:
-        raise FileNotFoundError(f"no .txt/.jsonl/.parquet files match {spec!r}; valid sources: {VALID_SOURCES}")
-    return files
-
-
-# ---------------------------------------------------------------------------------------------- the hub
+LOCAL_BUILDERS = {".txt": ("text", {"sample_by": "document"}), ".jsonl": ("json", {}), ".parquet": ("parquet", {})}
 
 
 def _truthy(value: str | None) -> bool:
@@ -254,74 +192,101 @@ def check_hub(repo: str) -> None:
     try:
         HfApi().dataset_info(repo, timeout=10)
     except Exception as exc:
-        raise RuntimeError(
-            f"cannot reach the Hugging Face hub to stream {repo} (offline? {type(exc).__name__}); {fix}"
-        ) from None
+        raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} (offline? {type(exc).__name__}); {fix}") from None
 
 
-class HubSource(Source):
-    """A dataset streamed with ``datasets``; work items are the stream's shards (its parquet files)."""
+class DatasetSource(Source):
+    """Documents streamed by a ``datasets`` builder; a work item is one shard of one stream, ``(stream, index)``.
 
-    streamed = True
-    repo = ""
-    config = ""
+    Hub sources have one stream per split of theirs; local files one stream per file type, whose shards are
+    its files (so an error can name the file). Streams are opened lazily in whichever process reads them.
+    """
 
-    def _stream(self, split: str) -> Any:
-        import datasets
+    def __init__(self, name: str, streams: dict[str, tuple[str, dict[str, Any]]], splits: dict[str, str] | None = None,
+                 repo: str | None = None, files: list[str] | None = None):
+        self.name, self.streams, self.splits, self.repo, self.files = name, streams, splits, repo, files
+        self.streamed = repo is not None
+        self._open: dict[str, Any] = {}
 
-        try:
-            return datasets.load_dataset(self.repo, name=self.config, split=split, streaming=True)
-        except Exception as exc:
-            raise RuntimeError(
-                f"cannot stream {self.repo} ({self.config}, {split}) from the Hugging Face hub: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            ) from None
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": {}}
+
+    def _stream(self, key: str) -> Any:
+        if key not in self._open:
+            import datasets
+
+            builder, kwargs = self.streams[key]
+            try:
+                self._open[key] = datasets.load_dataset(builder, streaming=True, **kwargs)
+            except Exception as exc:
+                raise RuntimeError(f"cannot stream {self.name} ({key}): {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        return self._open[key]
 
     def check(self) -> None:
-        check_hub(self.repo)
+        if self.repo:
+            check_hub(self.repo)
 
     def work_items(self, split: str | None = None) -> list[Any]:
+        if self.files is not None:  # one item per file, in sorted path order across the file types
+            suffixes = [os.path.splitext(f)[1] for f in self.files]
+            return [(suffix, suffixes[:i].count(suffix)) for i, suffix in enumerate(suffixes)]
         self.check()
-        hub_split = self.splits[split] if self.splits and split else "train"
-        n = self._stream(hub_split).n_shards
-        return [(hub_split, i, n) for i in range(n)]
-
-    def _rows(self, item: Any) -> Iterator[str]:
-        split, index, n = item
-        for row in self._stream(split).shard(num_shards=n, index=index):
-            yield row["text"]
+        key = self.splits[split] if self.splits and split else "train"
+        return [(key, i) for i in range(self._stream(key).n_shards)]
 
     def read(self, item: Any) -> Iterator[str]:
-        yield from self._rows(item)
+        from pyarrow import ArrowException
+
+        key, index = item
+        stream = self._stream(key)
+        where = self.streams[key][1]["data_files"][index] if self.files is not None else f"{self.name} shard {index}"
+        try:
+            for row, record in enumerate(stream.shard(num_shards=stream.n_shards, index=index), 1):
+                if not isinstance(record.get("text"), str):
+                    raise ValueError(f"{where}:{row} has no 'text' string (fields: {', '.join(record)})")
+                yield record["text"]
+        except (UnicodeDecodeError, ArrowException) as exc:
+            raise ValueError(f"{where} cannot be read as {key} text ({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def describe(self) -> dict[str, Any]:
-        return {"spec": self.name, "repo": self.repo, "config": self.config}
+        if self.files is None:
+            return {"spec": self.name, "repo": self.repo, "config": self.streams[next(iter(self.streams))][1].get("name")}
+        return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files)}
 
 
-class FineWebEduSource(HubSource):
-    """FineWeb-Edu; the paper trained on sample-10BT and held out 0.1B tokens for validation."""
+def local_files(spec: str) -> DatasetSource:
+    """``.txt`` (whole file = one document), ``.jsonl`` (a ``text`` field per line), ``.parquet`` (``text``)."""
+    pattern = os.path.join(spec, "**", "*") if os.path.isdir(spec) else spec
+    found = [spec] if os.path.isfile(spec) else sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    files = [f for f in found if f.endswith(tuple(LOCAL_BUILDERS))]
+    if not os.path.isdir(spec) and len(files) < len(found):
+        bad = next(f for f in found if f not in files)
+        raise ValueError(f"unsupported file type {bad!r}; local sources must be {', '.join(LOCAL_BUILDERS)} files")
+    if not files:
+        raise FileNotFoundError(f"no .txt/.jsonl/.parquet files match {spec!r}; valid sources: {VALID_SOURCES}")
+    streams = {}
+    for suffix, (builder, options) in LOCAL_BUILDERS.items():
+        of_type = [f for f in files if f.endswith(suffix)]
+        if of_type:
+            streams[suffix] = (builder, {"data_files": of_type, "split": "train", **options})
+    return DatasetSource(spec, streams, files=files)
 
-    repo = "HuggingFaceFW/fineweb-edu"
 
-    def __init__(self, config: str = "sample-10BT"):
-        self.config = config
-        self.name = "fineweb-edu" if config == "sample-10BT" else f"fineweb-edu:{config}"
-
-
-class WikiText103Source(HubSource):
+class WikiText103Source(DatasetSource):
     """WikiText-103 (raw). Rows are lines; a line `` = Title = `` starts a new article, which is one document.
 
     The hub copy stores the corpus's blank lines as empty rows; they come back as newlines (paragraph breaks).
     """
 
-    repo = "Salesforce/wikitext"
-    config = "wikitext-103-raw-v1"
-    name = "wikitext-103"
-    splits = {"train": "train", "val": "validation", "test": "test"}
+    def __init__(self):
+        repo = "Salesforce/wikitext"
+        splits = {"train": "train", "val": "validation", "test": "test"}
+        streams = {theirs: (repo, {"name": "wikitext-103-raw-v1", "split": theirs}) for theirs in splits.values()}
+        super().__init__("wikitext-103", streams, splits, repo=repo)
 
     def read(self, item: Any) -> Iterator[str]:
         article: list[str] = []
-        for line in self._rows(item):
+        for line in super().read(item):
             line = line or "\n"
             if _is_article_title(line) and any(s.strip() for s in article):
                 yield "".join(article)
@@ -336,20 +301,19 @@ def _is_article_title(line: str) -> bool:
     return s.startswith("= ") and s.endswith(" =") and not s.startswith("= =")
 
 
-# ---------------------------------------------------------------------------------------------- lookup
-
-
 def get_source(spec: str) -> Source:
     """Turn a source spec into a :class:`Source` (see the module docstring for the specs)."""
     spec = str(spec)
     if spec == "python-docs":
         return PythonDocsSource()
     if spec == "fineweb-edu" or spec.startswith("fineweb-edu:"):
-        return FineWebEduSource(spec.partition(":")[2] or "sample-10BT")
+        config, repo = spec.partition(":")[2] or "sample-10BT", "HuggingFaceFW/fineweb-edu"
+        name = "fineweb-edu" if config == "sample-10BT" else f"fineweb-edu:{config}"
+        return DatasetSource(name, {"train": (repo, {"name": config, "split": "train"})}, repo=repo)
     if spec == "wikitext-103":
         return WikiText103Source()
-    if any(ch in spec for ch in "*?[") or os.path.exists(spec) or spec.endswith(LOCAL_SUFFIXES):
-        return LocalFilesSource(spec)
+    if any(ch in spec for ch in "*?[") or os.path.exists(spec) or spec.endswith(tuple(LOCAL_BUILDERS)):
+        return local_files(spec)
     raise ValueError(f"unknown source {spec!r}; valid: {VALID_SOURCES}")
 
 

@@ -12,10 +12,10 @@ Specs understood by :func:`get_tokenizer`:
 ``bpe:N``                   a byte-level BPE of N tokens; only :func:`train_bpe` (called by prepare) makes one
 ==========================  ===============================================================================
 
-Ids: ``eot_id`` separates documents in the token stream. ``mask_id`` is the MLM mask. GPT-2 has no mask token, so
-its ``mask_id`` is 50257, the first id past its 50257-token vocabulary; models pad the embedding to 50304 rows, so
-the id exists there. ``vocab_size`` counts the ids ``encode`` can return, so an embedding for MLM needs at least
-``max(vocab_size, mask_id + 1)`` rows.
+Ids: ``eot_id`` separates documents in the token stream. ``mask_id`` is the MLM mask, or None for a
+tokenizer.json without one (GPT-2's own, most causal LMs'): causal training does not need it, MLM refuses it.
+tiktoken's GPT-2 has no mask token either; its ``mask_id`` is 50257, the first id past its vocabulary (models pad
+the embedding to 50304 rows, so the id exists there).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Tokenizer:
     kind: str  # "tiktoken" | "wordpiece" | "bpe"
     name: str  # the spec a user would type: "gpt2", "bert-base-uncased", "bpe:4096"
     eot_id: int
-    mask_id: int
+    mask_id: int | None
     vocab_size: int
 
     def encode(self, text: str) -> list[int]:
@@ -69,9 +69,6 @@ class Tokenizer:
         if not hasattr(self, "_identity"):
             self._identity = {"kind": self.kind, "name": self.name, "hash": self._vocab_hash()}
         return dict(self._identity)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -112,15 +109,12 @@ class HFTokenizer(Tokenizer):
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         eot = next((t for t in (EOT_TOKEN, "[SEP]", "</s>") if t in vocab), None)
+        if eot is None:
+            raise ValueError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); valid: {_VALID_SPECS}")
         mask = next((t for t in (MASK_TOKEN, "[MASK]", "<mask>") if t in vocab), None)
-        if eot is None or mask is None:
-            raise ValueError(
-                f"tokenizer {name!r} lacks a document separator ({EOT_TOKEN} or [SEP]) or a mask token "
-                f"({MASK_TOKEN} or [MASK]); valid tokenizers: {_VALID_SPECS}"
-            )
-        self.eot_id, self.mask_id = vocab[eot], vocab[mask]
-        specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
-        self._specials = tuple(sorted(specials | {self.eot_id, self.mask_id}))
+        self.eot_id, self.mask_id = vocab[eot], None if mask is None else vocab[mask]
+        specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special} | {self.eot_id}
+        self._specials = tuple(sorted(specials | ({self.mask_id} if mask else set())))
 
     @property
     def special_ids(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from torchmetrics.aggregation import MeanMetric
 
+from ..data.manifest import DataInfo
 from ..data.masking import mask_tokens
 from ..eval import scored_targets
 from ..models import BackboneConfig, build_backbone
@@ -23,19 +24,22 @@ from .optim import build_optimizer
 class LanguageModel(L.LightningModule):
     """Shared training/validation logic; subclasses say how a batch becomes (inputs, targets).
 
-    ``vocab_size`` and ``block_size`` override the backbone config: the CLI links them from the data,
-    so the tokenizer and the training length are set once, where the data is.
+    ``data`` is the data's description (:class:`DataInfo`, or its ``as_dict()`` as the CLI links it): its
+    vocabulary size and training length override the backbone config, its evaluation specs say what
+    validation measures, and its tokenizer identity is checked against a checkpoint's on load.
     """
 
-    def __init__(self, backbone: Optional[BackboneConfig] = None, vocab_size: Optional[int] = None,
-                 block_size: Optional[int] = None, lr: float = 6e-4, min_lr: float = 6e-5, warmup_steps: int = 750,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 compile: bool = False, activation_checkpointing: bool = False):
+    def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 6e-4,
+                 min_lr: float = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, compile: bool = False, activation_checkpointing: bool = False):
         super().__init__()
-        config = backbone or BackboneConfig()
-        overrides = {k: v for k, v in dict(vocab_size=vocab_size, block_size=block_size).items() if v is not None}
-        self.config = replace(config, **overrides)
         self.save_hyperparameters()
+        self.data_info = data if isinstance(data, DataInfo) or data is None else DataInfo.from_dict(data)
+        config = backbone or BackboneConfig()
+        if self.data_info is not None:
+            self.hparams["data"] = self.data_info.as_dict()  # plain values: checkpoints load with weights_only
+            config = replace(config, vocab_size=self.data_info.vocab_size, block_size=self.data_info.block_size)
+        self.config = config
         self.backbone = build_backbone(self.config)
         self.backbone.activation_checkpointing = activation_checkpointing
         self.val_nll = torch.nn.ModuleDict()
@@ -44,14 +48,11 @@ class LanguageModel(L.LightningModule):
         self._last_step_time = None
 
     @cached_property
-    def flops_per_batch(self) -> float:
-        """Training FLOPs of one micro-batch (forward + backward): 6 per parameter per token plus the
-        attention matmuls, 12 x layers x width x length per token (PaLM's estimate); read by
-        ThroughputMonitor for MFU."""
+    def _flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward): 6 per parameter plus the attention matmuls,
+        12 x layers x width x length (PaLM's estimate)."""
         c = self.config
-        params = sum(p.numel() for p in self.backbone.parameters())
-        tokens = c.block_size * getattr(getattr(self.trainer, "datamodule", None), "micro_batch_size", 1)
-        return tokens * (6 * params + 12 * c.n_layer * c.n_embd * c.block_size)
+        return 6 * sum(p.numel() for p in self.backbone.parameters()) + 12 * c.n_layer * c.n_embd * c.block_size
 
     # --- batches -------------------------------------------------------------------------------
     def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0):
@@ -68,6 +69,7 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
         loss = self.backbone.loss(inputs, targets)
+        self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by ThroughputMonitor for MFU
         tokens = inputs.numel() * self.trainer.world_size
         # Derived from the loop's batch count, which a resumed run restores.
         tokens_seen = (self.trainer.fit_loop.epoch_loop.total_batch_idx + 1) * tokens
@@ -92,9 +94,7 @@ class LanguageModel(L.LightningModule):
     # --- validation: one loader per (length, stride) window set -----------------------------------
     def eval_specs(self) -> list[tuple[int, int]]:
         """(length, stride) per validation loader; stride == length is the non-overlapping protocol."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        specs = getattr(datamodule, "eval_specs", None)
-        return list(specs) if specs else [(self.config.block_size, self.config.block_size)]
+        return list(self.data_info.eval_specs) if self.data_info else [(self.config.block_size, self.config.block_size)]
 
     @staticmethod
     def spec_key(length: int, stride: int) -> str:
@@ -154,17 +154,10 @@ class LanguageModel(L.LightningModule):
                                         "seconds": seconds, "tokens_per_sec": tokens / seconds if seconds else None})
             metric.reset()
 
-    # --- checkpoints carry the tokenizer identity ----------------------------------------------
-    def on_save_checkpoint(self, checkpoint):
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None and hasattr(datamodule, "tokenizer_identity"):
-            checkpoint["tokenizer_identity"] = datamodule.tokenizer_identity
-
     def on_load_checkpoint(self, checkpoint):
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        identity = checkpoint.get("tokenizer_identity")
-        if identity is not None and datamodule is not None and hasattr(datamodule, "check_tokenizer"):
-            datamodule.check_tokenizer(identity)
+        saved = (checkpoint.get("hyper_parameters") or {}).get("data") or {}
+        if self.data_info is not None and saved.get("tokenizer"):
+            self.data_info.check_tokenizer(saved["tokenizer"])
 
 
 class CausalLM(LanguageModel):
@@ -178,29 +171,24 @@ class MaskedLM(LanguageModel):
     """BERT-style masked LM: 15% of tokens chosen, 80/10/10 mask/random/keep, loss on chosen tokens.
 
     Defaults follow the paper's BERT setting (Adam, lr 1e-4). ``mask_id`` and ``special_ids`` come
-    from the data's manifest when not given.
+    from the data's description when not given.
     """
 
-    def __init__(self, backbone: Optional[BackboneConfig] = None, vocab_size: Optional[int] = None,
-                 block_size: Optional[int] = None, lr: float = 1e-4, min_lr: float = 1e-5, warmup_steps: int = 750,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 compile: bool = False, activation_checkpointing: bool = False,
+    def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 1e-4,
+                 min_lr: float = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, compile: bool = False, activation_checkpointing: bool = False,
                  mask_probability: float = 0.15, mask_id: Optional[int] = None, special_ids: tuple[int, ...] = ()):
         backbone = backbone or BackboneConfig(preset="bert-base")
-        super().__init__(backbone, vocab_size, block_size, lr, min_lr, warmup_steps, betas, eps, weight_decay,
-                         compile, activation_checkpointing)
+        super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile, activation_checkpointing)
         if self.config.causal:
             raise ValueError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
-        self.mask_id, self.special_ids = mask_id, tuple(special_ids)
-
-    def setup(self, stage):
-        datamodule = getattr(self.trainer, "datamodule", None)
+        info = self.data_info
+        self.mask_id = mask_id if mask_id is not None or info is None else info.mask_id
+        self.special_ids = tuple(special_ids) or (info.special_ids if info else ())
         if self.mask_id is None:
-            if datamodule is None or not hasattr(datamodule, "mask_id"):
-                raise ValueError("MaskedLM needs mask_id (the tokenizer's mask token): pass it, or train on a TokenDataModule whose manifest has it")
-            self.mask_id = datamodule.mask_id
-        if not self.special_ids and datamodule is not None and hasattr(datamodule, "special_ids"):
-            self.special_ids = tuple(datamodule.special_ids)
+            name = info.tokenizer["name"] if info else "(no data given)"
+            raise ValueError(f"MaskedLM needs a mask token, and tokenizer {name!r} has none; prepare the data with a "
+                             "tokenizer that has [MASK] or <|mask|> (bpe:N, bert-base-uncased, gpt2) or pass model.mask_id")
 
     def split_batch(self, batch, train, batch_idx=0):
         ids = batch[:, :-1]
