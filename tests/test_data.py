@@ -18,7 +18,7 @@ import torch
 
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.data.manifest import read_manifest
-from cable_lightning.data.masking import mask_tokens
+from cable_lightning.lit.masking import mask_tokens
 from cable_lightning.data.prepare import main as prepare_main
 from cable_lightning.data.prepare import prepare
 from cable_lightning.data.sources import get_source, python_docs
@@ -277,7 +277,7 @@ def test_gpt2_from_a_local_rank_file(tmp_path):
     tok = get_tokenizer(f"gpt2:{path}")
     assert (tok.vocab_size, tok.eot_id, tok.mask_id) == (260, 259, 260)  # like GPT-2: 50257, 50256, 50257
     text = "the theme of the day <|endoftext|> stays text"
-    ids = tok.encode(text)
+    ids = tok.encode_batch([text])[0]
     assert 258 in ids and tok.eot_id not in ids
     assert tok.decode(ids) == text
     assert tok.identity["kind"] == "tiktoken" and tok.identity == get_tokenizer(f"gpt2:{path}").identity
@@ -302,7 +302,7 @@ def test_bert_from_a_local_vocab(tmp_path):
     path.write_text("\n".join(vocab) + "\n")
     tok = get_tokenizer(f"bert:{path}")
     assert (tok.eot_id, tok.mask_id, tok.vocab_size) == (3, 4, len(vocab))
-    assert tok.encode("Hello, tokens world.") == [5, 9, 7, 8, 6, 10]  # lower-cased, no [CLS]/[SEP] added
+    assert tok.encode_batch(["Hello, tokens world."])[0] == [5, 9, 7, 8, 6, 10]  # lower-cased, no [CLS]/[SEP] added
     assert set(tok.special_ids) == {0, 1, 2, 3, 4}
     assert tok.identity["kind"] == "wordpiece"
 

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
-from cable_lightning.data.sources import Source, get_source
+from cable_lightning.data.sources import DatasetSource as Source
+from cable_lightning.data.sources import get_source
 from cable_lightning.data.tokenizers import TOKENIZER_FILE, Tokenizer, get_tokenizer, parse_bpe_spec, train_bpe
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.

@@ -1,17 +1,11 @@
-"""Text sources: each turns a spec string into documents (``str``), split into work items that prepare's worker
-processes read independently and in order.
+"""Text sources: a spec -> documents (``str``) in work items that prepare's workers read independently, in order.
 
-==========================  ===================================================================================
-``python-docs``             offline: docstrings of the standard library (one document per module) and the
-                            pydoc topics; ~1.8 MB of English every Python install has, for quickstarts and tests
-``fineweb-edu[:CONFIG]``    HuggingFaceFW/fineweb-edu streamed from the hub (default config sample-10BT)
-``wikitext-103``            Salesforce/wikitext wikitext-103-raw-v1; its own train/validation/test splits,
-                            one document per article
-a path, directory or glob   local ``.txt`` (one document per file), ``.jsonl`` (a ``text`` field per line) and
-                            ``.parquet`` (a ``text`` column) files, read in sorted path order
-==========================  ===================================================================================
-
-A source object is small and picklable; ``read(item)`` runs in whichever process needs the documents.
+``python-docs`` (offline: the standard library's docstrings, one document per module, and the pydoc topics; ~1.8 MB
+of English that depends on the Python version), ``fineweb-edu[:CONFIG]`` (HuggingFaceFW/fineweb-edu streamed, config
+sample-10BT by default), ``wikitext-103`` (its own train/validation/test splits, one document per article), or a
+path, folder or glob of ``.txt`` (one document per file), ``.jsonl`` (a ``text`` field) and ``.parquet`` (a ``text``
+column) files in sorted path order. Everything is read through ``datasets`` streaming builders; the python-docs
+corpus is first written once as jsonl parts under ``$CABLE_LIGHTNING_CACHE`` (default ``~/.cache/cable_lightning``).
 """
 
 from __future__ import annotations
@@ -24,40 +18,15 @@ import io
 import json
 import os
 import pkgutil
+import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 VALID_SOURCES = "python-docs, fineweb-edu[:config], wikitext-103, or a path/dir/glob of .txt/.jsonl/.parquet files"
-
-
-class Source:
-    """Base class. ``splits`` names the source's own splits (ours -> theirs) when it has them, else None."""
-
-    name: str = ""
-    splits: dict[str, str] | None = None
-    streamed: bool = False  # True when the size is unknown until everything is downloaded (hub streams)
-
-    def check(self) -> None:
-        """Raise a one-line error now if the documents cannot be reached (called before any heavy work)."""
-
-    def work_items(self, split: str | None = None) -> list[Any]:
-        raise NotImplementedError
-
-    def read(self, item: Any) -> Iterator[str]:
-        raise NotImplementedError
-
-    def documents(self, split: str | None = None) -> Iterator[str]:
-        """All documents in order (of one of the source's own splits, when it has them)."""
-        for item in self.work_items(split):
-            yield from self.read(item)
-
-    def describe(self) -> dict[str, Any]:
-        return {"spec": self.name}
-
-
-# ---------------------------------------------------------------------------------------------- python-docs
+LOCAL_BUILDERS = {".txt": ("text", {"sample_by": "document"}), ".jsonl": ("json", {}), ".parquet": ("parquet", {})}
 
 # Importing these has side effects (a browser, printed text, a GUI, terminal control) or pulls in huge,
 # low-value trees (the test suite, 100+ codec modules); distutils is shadowed by setuptools' copy.
@@ -98,25 +67,6 @@ def _module_document(name: str, module: Any) -> str:
     return "\n\n".join(parts)
 
 
-def python_docs() -> list[str]:
-    """Every stdlib module's docstrings as one document each (sorted, packages walked), then the pydoc topics.
-
-    Collected in a fresh ``python -I -S`` child: only the standard library is importable there, so no installed
-    package can have patched it (torch replaces ``inspect.getfile``, for one), the corpus is the same in every
-    process of a given Python build, and the imports' side effects stay out of this process.
-    """
-    import subprocess
-
-    proc = subprocess.run(
-        [sys.executable, "-I", "-S", os.path.abspath(__file__), "--python-docs-json"],
-        capture_output=True, text=True, encoding="utf-8", timeout=600,
-    )
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"collecting the python-docs corpus failed in a child interpreter ({last}); use a local --source instead")
-    return json.loads(proc.stdout)
-
-
 def _collect_python_docs() -> list[str]:
     """The work behind :func:`python_docs`, run inside the child interpreter."""
     from pydoc_data.topics import topics
@@ -144,39 +94,44 @@ def _collect_python_docs() -> list[str]:
     return docs
 
 
-class PythonDocsSource(Source):
-    """The offline corpus; work items are consecutive groups of documents, built once in the main process."""
+def python_docs() -> list[str]:
+    """Every stdlib module's docstrings as one document each (sorted, packages walked), then the pydoc topics.
 
-    name = "python-docs"
+    Collected in a fresh ``python -I -S`` child: only the standard library is importable there, so no installed
+    package can have patched it (torch replaces ``inspect.getfile``, for one) and the imports' side effects stay
+    out of this process.
+    """
+    import subprocess
 
-    def __init__(self, groups: int = 16):
-        self.groups = groups
-        self._docs: list[str] | None = None
+    proc = subprocess.run([sys.executable, "-I", "-S", os.path.abspath(__file__), "--python-docs-json"],
+                          capture_output=True, text=True, encoding="utf-8", timeout=600)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"collecting the python-docs corpus failed in a child interpreter ({last}); use a local --source instead")
+    return json.loads(proc.stdout)
 
-    def _all(self) -> list[str]:
-        if self._docs is None:
-            self._docs = python_docs()
-        return self._docs
 
-    def work_items(self, split: str | None = None) -> list[Any]:
-        docs = self._all()
-        step = -(-len(docs) // self.groups)
-        return [tuple(docs[i : i + step]) for i in range(0, len(docs), step)]
-
-    def read(self, item: Any) -> Iterator[str]:
-        yield from item
-
-    def describe(self) -> dict[str, Any]:
-        return {"spec": self.name, "python": sys.version.split()[0], "documents": len(self._all())}
-
-    def __getstate__(self) -> dict:  # workers get documents through their items, not a second copy
-        return {"groups": self.groups, "_docs": None}
+def python_docs_files(parts: int = 16) -> list[str]:
+    """The python-docs corpus as ``parts`` jsonl files of consecutive documents (parts let prepare's workers share
+    the work), written once per Python version, atomically."""
+    folder = os.path.join(os.environ.get("CABLE_LIGHTNING_CACHE", os.path.expanduser("~/.cache/cable_lightning")),
+                          f"python-docs-{sys.version.split()[0]}")
+    if not os.path.isdir(folder):
+        docs = python_docs()
+        step = -(-len(docs) // parts)
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(folder))
+        for part, start in enumerate(range(0, len(docs), step)):
+            with open(os.path.join(staging, f"part-{part:02d}.jsonl"), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs[start : start + step])
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process finished first: its copy is the same
+            shutil.rmtree(staging)
+    return sorted(glob.glob(os.path.join(folder, "part-*.jsonl")))
 
 
 # ---------------------------------------------------------------------------------------------- through `datasets`
-
-LOCAL_BUILDERS = {".txt": ("text", {"sample_by": "document"}), ".jsonl": ("json", {}), ".parquet": ("parquet", {})}
-
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in {"1", "true", "yes", "on"}
@@ -195,7 +150,7 @@ def check_hub(repo: str) -> None:
         raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} (offline? {type(exc).__name__}); {fix}") from None
 
 
-class DatasetSource(Source):
+class DatasetSource:
     """Documents streamed by a ``datasets`` builder; a work item is one shard of one stream, ``(stream, index)``.
 
     Hub sources have one stream per split of theirs; local files one stream per file type, whose shards are
@@ -205,7 +160,7 @@ class DatasetSource(Source):
     def __init__(self, name: str, streams: dict[str, tuple[str, dict[str, Any]]], splits: dict[str, str] | None = None,
                  repo: str | None = None, files: list[str] | None = None):
         self.name, self.streams, self.splits, self.repo, self.files = name, streams, splits, repo, files
-        self.streamed = repo is not None
+        self.streamed = repo is not None  # a hub stream's size is unknown until it is all read
         self._open: dict[str, Any] = {}
 
     def __getstate__(self) -> dict:
@@ -248,13 +203,19 @@ class DatasetSource(Source):
         except (UnicodeDecodeError, ArrowException) as exc:
             raise ValueError(f"{where} cannot be read as {key} text ({type(exc).__name__}: {str(exc)[:200]})") from None
 
+    def documents(self, split: str | None = None) -> Iterator[str]:
+        """All documents in order (of one of the source's own splits, when it has them)."""
+        for item in self.work_items(split):
+            yield from self.read(item)
+
     def describe(self) -> dict[str, Any]:
         if self.files is None:
             return {"spec": self.name, "repo": self.repo, "config": self.streams[next(iter(self.streams))][1].get("name")}
-        return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files)}
+        python = {"python": sys.version.split()[0]} if self.name == "python-docs" else {}
+        return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files), **python}
 
 
-def local_files(spec: str) -> DatasetSource:
+def local_files(spec: str, name: str | None = None) -> DatasetSource:
     """``.txt`` (whole file = one document), ``.jsonl`` (a ``text`` field per line), ``.parquet`` (``text``)."""
     pattern = os.path.join(spec, "**", "*") if os.path.isdir(spec) else spec
     found = [spec] if os.path.isfile(spec) else sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
@@ -269,7 +230,7 @@ def local_files(spec: str) -> DatasetSource:
         of_type = [f for f in files if f.endswith(suffix)]
         if of_type:
             streams[suffix] = (builder, {"data_files": of_type, "split": "train", **options})
-    return DatasetSource(spec, streams, files=files)
+    return DatasetSource(name or spec, streams, files=files)
 
 
 class WikiText103Source(DatasetSource):
@@ -301,11 +262,11 @@ def _is_article_title(line: str) -> bool:
     return s.startswith("= ") and s.endswith(" =") and not s.startswith("= =")
 
 
-def get_source(spec: str) -> Source:
+def get_source(spec: str) -> DatasetSource:
     """Turn a source spec into a :class:`Source` (see the module docstring for the specs)."""
     spec = str(spec)
     if spec == "python-docs":
-        return PythonDocsSource()
+        return local_files(os.path.dirname(python_docs_files()[0]), name=spec)
     if spec == "fineweb-edu" or spec.startswith("fineweb-edu:"):
         config, repo = spec.partition(":")[2] or "sample-10BT", "HuggingFaceFW/fineweb-edu"
         name = "fineweb-edu" if config == "sample-10BT" else f"fineweb-edu:{config}"

@@ -1,21 +1,12 @@
 """Tokenizers behind one small interface: GPT-2 BPE (tiktoken), BERT WordPiece and corpus-trained byte-level BPE
-(HF ``tokenizers``).
+(HF ``tokenizers``). Specs: ``gpt2`` (tiktoken's download), ``gpt2:/path/r50k_base.tiktoken`` (offline),
+``bert-base-uncased`` (the hub), ``bert:/path/vocab.txt`` (offline, lower-cased), ``/path/tokenizer.json`` (any saved
+HF tokenizer) and ``bpe:N`` (trained on the corpus by prepare, saved beside the data).
 
-Specs understood by :func:`get_tokenizer`:
-
-==========================  ===============================================================================
-``gpt2``                    tiktoken's GPT-2 BPE (downloaded once by tiktoken, then cached)
-``gpt2:/path/x.tiktoken``   the same ranks from a local file (``r50k_base.tiktoken`` is GPT-2's), offline
-``bert-base-uncased``       WordPiece from the Hugging Face hub
-``bert:/path/vocab.txt``    WordPiece from a local vocab (lower-cased, like bert-base-uncased)
-``/path/tokenizer.json``    any saved HF tokenizer, e.g. the ``bpe:N`` one that prepare writes beside the shards
-``bpe:N``                   a byte-level BPE of N tokens; only :func:`train_bpe` (called by prepare) makes one
-==========================  ===============================================================================
-
-Ids: ``eot_id`` separates documents in the token stream. ``mask_id`` is the MLM mask, or None for a
-tokenizer.json without one (GPT-2's own, most causal LMs'): causal training does not need it, MLM refuses it.
-tiktoken's GPT-2 has no mask token either; its ``mask_id`` is 50257, the first id past its vocabulary (models pad
-the embedding to 50304 rows, so the id exists there).
+``eot_id`` separates documents. ``mask_id`` is the MLM mask, or None for a tokenizer.json without one (causal
+training does not need it; MLM refuses it). tiktoken's GPT-2 has no mask token; its ``mask_id`` is 50257, the first
+id past its vocabulary (models pad the embedding to 50304 rows). ``identity`` (kind, name, vocabulary hash) is what
+manifests and checkpoints record to prove two runs use the same ids.
 """
 
 from __future__ import annotations
@@ -26,65 +17,24 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-EOT_TOKEN = "<|endoftext|>"
-MASK_TOKEN = "<|mask|>"
-TOKENIZER_FILE = "tokenizer.json"
-
-_VALID_SPECS = "gpt2, gpt2:/path/r50k_base.tiktoken, bert-base-uncased, bert:/path/vocab.txt, bpe:N or a tokenizer.json path"
+EOT_TOKEN, MASK_TOKEN, TOKENIZER_FILE = "<|endoftext|>", "<|mask|>", "tokenizer.json"
+VALID_SPECS = "gpt2, gpt2:/path/r50k_base.tiktoken, bert-base-uncased, bert:/path/vocab.txt, bpe:N or a tokenizer.json path"
 
 
 def _sha256(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-class Tokenizer:
-    """Uniform wrapper: ``encode``/``decode`` plus the ids and the identity the data manifest records."""
-
-    kind: str  # "tiktoken" | "wordpiece" | "bpe"
-    name: str  # the spec a user would type: "gpt2", "bert-base-uncased", "bpe:4096"
-    eot_id: int
-    mask_id: int | None
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
-
-    def _vocab_hash(self) -> str:
-        raise NotImplementedError
-
-    @property
-    def special_ids(self) -> tuple[int, ...]:
-        """Ids MLM masking must never choose (document separators, padding, ...)."""
-        return (self.eot_id,)
-
-    @property
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint stores to prove it was trained on the same ids: kind, name and a vocabulary hash."""
-        if not hasattr(self, "_identity"):
-            self._identity = {"kind": self.kind, "name": self.name, "hash": self._vocab_hash()}
-        return dict(self._identity)
-
-
-class TiktokenTokenizer(Tokenizer):
-    """GPT-2 BPE via tiktoken. ``encode`` never turns "<|endoftext|>" inside a document into the separator id."""
+class TiktokenTokenizer:
+    """GPT-2 BPE via tiktoken; a literal "<|endoftext|>" inside a document stays text."""
 
     kind = "tiktoken"
 
     def __init__(self, encoding: Any, name: str = "gpt2"):
-        self.enc = encoding
-        self.name = name
-        self.eot_id = encoding.eot_token
-        self.vocab_size = encoding.n_vocab
-        self.mask_id = self.vocab_size  # first padded slot: GPT-2 has no mask token
-
-    def encode(self, text: str) -> list[int]:
-        return self.enc.encode_ordinary(text)
+        self.enc, self.name, self.eot_id, self.vocab_size = encoding, name, encoding.eot_token, encoding.n_vocab
+        self.mask_id, self.special_ids = self.vocab_size, (self.eot_id,)  # the mask takes the first padded slot
+        ranks = [encoding.decode_single_token_bytes(i).hex() for i in range(self.vocab_size)]
+        self.identity = {"kind": self.kind, "name": name, "hash": _sha256({"ranks": ranks, "pattern": getattr(encoding, "_pat_str", None)})}
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.enc.encode_ordinary_batch(list(texts))
@@ -92,36 +42,25 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.enc.decode([int(i) for i in ids])
 
-    def _vocab_hash(self) -> str:
-        ranks = [self.enc.decode_single_token_bytes(i).hex() for i in range(self.vocab_size)]
-        return _sha256({"ranks": ranks, "pattern": getattr(self.enc, "_pat_str", None)})
 
-
-class HFTokenizer(Tokenizer):
+class HFTokenizer:
     """A Hugging Face ``tokenizers.Tokenizer`` (WordPiece or byte-level BPE)."""
 
     def __init__(self, tok: Any, name: str, kind: str):
-        self.tok = tok
-        self.name = name
-        self.kind = kind
-        # Literal "<|endoftext|>" or "[SEP]" inside a document must stay text, not become a separator id.
-        tok.encode_special_tokens = True
+        self.tok, self.name, self.kind = tok, name, kind
+        tok.encode_special_tokens = True  # a literal "<|endoftext|>" or "[SEP]" in a document stays text
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         eot = next((t for t in (EOT_TOKEN, "[SEP]", "</s>") if t in vocab), None)
         if eot is None:
-            raise ValueError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); valid: {_VALID_SPECS}")
-        mask = next((t for t in (MASK_TOKEN, "[MASK]", "<mask>") if t in vocab), None)
-        self.eot_id, self.mask_id = vocab[eot], None if mask is None else vocab[mask]
-        specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special} | {self.eot_id}
-        self._specials = tuple(sorted(specials | ({self.mask_id} if mask else set())))
-
-    @property
-    def special_ids(self) -> tuple[int, ...]:
-        return self._specials
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+            raise ValueError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); valid: {VALID_SPECS}")
+        mask = next((vocab[t] for t in (MASK_TOKEN, "[MASK]", "<mask>") if t in vocab), None)
+        self.eot_id, self.mask_id = vocab[eot], mask
+        specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
+        self.special_ids = tuple(sorted(specials | {self.eot_id} | ({mask} if mask is not None else set())))
+        model = json.loads(tok.to_str()).get("model", {})
+        ordered = sorted(vocab.items(), key=lambda kv: kv[1])
+        self.identity = {"kind": kind, "name": name, "hash": _sha256({"type": model.get("type"), "vocab": ordered, "merges": model.get("merges", [])})}
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -129,34 +68,23 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def _vocab_hash(self) -> str:
-        model = json.loads(self.tok.to_str()).get("model", {})
-        vocab = sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
-        return _sha256({"type": model.get("type"), "vocab": vocab, "merges": model.get("merges", [])})
-
     def save(self, path: str) -> None:
         self.tok.save(path)
 
 
+Tokenizer = TiktokenTokenizer | HFTokenizer
+
+
 def train_bpe(documents: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """Train a byte-level BPE of ``vocab_size`` ids (specials "<|endoftext|>"=0 and "<|mask|>"=1 included).
+    """A byte-level BPE of ``vocab_size`` ids ("<|endoftext|>"=0 and "<|mask|>"=1): any text round-trips exactly."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
 
-    Byte-level means any text round-trips through encode/decode exactly, which the prepare tests rely on.
-    """
-    from tokenizers import Tokenizer as _HF, decoders, models, pre_tokenizers, trainers
-
-    minimum = 256 + 2
-    if vocab_size < minimum:
-        raise ValueError(f"bpe vocab size {vocab_size} is too small; use bpe:N with N >= {minimum} (256 bytes + 2 specials)")
-    tok = _HF(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT_TOKEN, MASK_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    if vocab_size < 258:
+        raise ValueError(f"bpe vocab size {vocab_size} is too small; use bpe:N with N >= 258 (256 bytes + 2 specials)")
+    tok = HF(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN, MASK_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(documents, trainer=trainer)
     return HFTokenizer(tok, name=f"bpe:{vocab_size}", kind="bpe")
 
@@ -165,77 +93,54 @@ def parse_bpe_spec(spec: str) -> int | None:
     """``"bpe:4096"`` -> 4096; any other spec -> None."""
     if not spec.startswith("bpe:"):
         return None
-    size = spec[4:]
-    if not size.isdigit():
+    if not spec[4:].isdigit():
         raise ValueError(f"bad tokenizer spec {spec!r}: bpe needs a vocabulary size, e.g. bpe:4096")
-    return int(size)
+    return int(spec[4:])
+
+
+def _offline(what: str, exc: Exception, instead: str) -> RuntimeError:
+    return RuntimeError(f"cannot download {what} (offline? {type(exc).__name__}); use {instead}")
 
 
 def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
     """Build a tokenizer from a spec (see the module docstring); ``name`` overrides the recorded name."""
+    import tiktoken
+    from tokenizers import Tokenizer as HF
+
     spec = str(spec)
     if spec == "gpt2":
-        import tiktoken
-
         try:
             return TiktokenTokenizer(tiktoken.get_encoding("gpt2"), name="gpt2")
         except Exception as exc:  # requests/urllib errors differ by version; all mean "could not fetch"
-            raise RuntimeError(
-                f"cannot download the GPT-2 BPE for tiktoken (offline? {type(exc).__name__}); use "
-                "--tokenizer gpt2:/path/to/r50k_base.tiktoken, set TIKTOKEN_CACHE_DIR to a filled cache, or use bpe:N"
-            ) from None
-    if spec.startswith("gpt2:"):
-        return _tiktoken_from_file(spec[5:], name or "gpt2")
+            raise _offline("the GPT-2 BPE for tiktoken", exc, "--tokenizer gpt2:/path/to/r50k_base.tiktoken, set "
+                           "TIKTOKEN_CACHE_DIR to a filled cache, or use bpe:N") from None
     if spec == "bert-base-uncased":
-        from tokenizers import Tokenizer as _HF
-
         try:
-            tok = _HF.from_pretrained("bert-base-uncased")
+            return HFTokenizer(HF.from_pretrained("bert-base-uncased"), name=name or spec, kind="wordpiece")
         except Exception as exc:
-            raise RuntimeError(
-                f"cannot download bert-base-uncased from the Hugging Face hub (offline? {type(exc).__name__}); "
-                "use --tokenizer bert:/path/to/vocab.txt or bpe:N"
-            ) from None
-        return HFTokenizer(tok, name=name or "bert-base-uncased", kind="wordpiece")
-    if spec.startswith("bert:"):
-        path = spec[5:]
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"BERT vocab file not found: {path}; pass bert:/path/to/vocab.txt (one token a line)")
+            raise _offline("bert-base-uncased from the Hugging Face hub", exc, "--tokenizer bert:/path/to/vocab.txt or bpe:N") from None
+    if parse_bpe_spec(spec) is not None:
+        raise ValueError(f"{spec} is trained on a corpus by `python -m cable_lightning.data.prepare --tokenizer {spec}`; "
+                         "to load a trained one pass its tokenizer.json path")
+    kind, _, path = spec.partition(":") if spec.startswith(("gpt2:", "bert:")) else ("json", "", spec)
+    if not spec.endswith(".json") and kind == "json":
+        raise ValueError(f"unknown tokenizer {spec!r}; valid: {VALID_SPECS}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer file not found: {path}; valid tokenizers: {VALID_SPECS}")
+    if kind == "bert":
         from tokenizers.implementations import BertWordPieceTokenizer
 
-        wp = BertWordPieceTokenizer(path, lowercase=True)
-        return HFTokenizer(wp._tokenizer, name=name or "bert-base-uncased", kind="wordpiece")
-    if parse_bpe_spec(spec) is not None:
-        raise ValueError(
-            f"{spec} is trained on a corpus by `python -m cable_lightning.data.prepare --tokenizer {spec}`; "
-            "to load a trained one pass its tokenizer.json path"
-        )
-    if spec.endswith(".json"):
-        if not os.path.isfile(spec):
-            raise FileNotFoundError(f"tokenizer file not found: {spec}; prepare the data again or pass an existing tokenizer.json")
-        from tokenizers import Tokenizer as _HF
+        return HFTokenizer(BertWordPieceTokenizer(path, lowercase=True)._tokenizer, name=name or "bert-base-uncased", kind="wordpiece")
+    if kind == "gpt2":  # GPT-2's ranks from a local .tiktoken file; the separator takes the id after the ranks
+        from tiktoken.load import load_tiktoken_bpe
+        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer regex
 
-        tok = _HF.from_file(spec)
-        model_type = json.loads(tok.to_str()).get("model", {}).get("type", "")
-        kind = "wordpiece" if model_type == "WordPiece" else "bpe"
-        return HFTokenizer(tok, name=name or os.path.basename(os.path.dirname(os.path.abspath(spec))), kind=kind)
-    raise ValueError(f"unknown tokenizer {spec!r}; valid: {_VALID_SPECS}")
-
-
-def _tiktoken_from_file(path: str, name: str) -> TiktokenTokenizer:
-    """Rebuild GPT-2's encoding from a local ``.tiktoken`` rank file; the separator takes the id after the ranks."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"tiktoken rank file not found: {path}; download r50k_base.tiktoken (GPT-2's ranks) on a connected machine"
-        )
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer regex
-
-    try:
-        ranks = load_tiktoken_bpe(path)
-    except Exception as exc:
-        raise ValueError(f"cannot read {path} as a .tiktoken rank file ({type(exc).__name__}: {exc})") from None
-    n = len(ranks)
-    enc = tiktoken.Encoding(name=name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT_TOKEN: n})
-    return TiktokenTokenizer(enc, name=name)
+        try:
+            ranks = load_tiktoken_bpe(path)
+        except Exception as exc:
+            raise ValueError(f"cannot read {path} as a .tiktoken rank file ({type(exc).__name__}: {exc})") from None
+        encoding = tiktoken.Encoding(name=name or "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT_TOKEN: len(ranks)})
+        return TiktokenTokenizer(encoding, name=name or "gpt2")
+    tok = HF.from_file(path)
+    kind = "wordpiece" if json.loads(tok.to_str()).get("model", {}).get("type") == "WordPiece" else "bpe"
+    return HFTokenizer(tok, name=name or os.path.basename(os.path.dirname(os.path.abspath(path))), kind=kind)

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import grad_norm
 from torchmetrics.aggregation import MeanMetric
 
 from ..data.manifest import DataInfo
-from ..data.masking import mask_tokens
+from .masking import mask_tokens
 from ..eval import scored_targets
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
