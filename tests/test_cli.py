@@ -113,3 +113,27 @@ def test_global_batch_tokens_sets_accumulation_or_names_the_divisor(tiny_corpus_
     assert cli.trainer.accumulate_grad_batches == 3  # 384 / (4 x 32 x 1)
     with pytest.raises(ValueError, match=r"global_batch_tokens=1000 is not a multiple of .* = 128"):
         main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1), "--global_batch_tokens", "1000"])
+
+
+def test_global_batch_counts_the_built_trainers_world_size(monkeypatch):
+    """Accumulation and the validation interval come from the Trainer Lightning built, whatever the spelling of
+    devices: an int, a digit string, a list, "0,1" on a node with more GPUs visible, times num_nodes."""
+    import lightning as L
+
+    from cable_lightning.cli import apply_global_batch
+
+    def accumulation(**trainer_args):
+        trainer = L.Trainer(logger=False, enable_checkpointing=False, strategy="ddp", **trainer_args)
+        apply_global_batch(trainer, 4096 * 24, micro_batch=4, block_size=1024, validate_every_n_steps=10)
+        assert trainer.val_check_interval == 10 * trainer.accumulate_grad_batches
+        return trainer.accumulate_grad_batches
+
+    assert accumulation(accelerator="cpu", devices=2) == 12
+    assert accumulation(accelerator="cpu", devices="3") == 8
+    assert accumulation(accelerator="cpu", devices=2, num_nodes=2) == 6
+    monkeypatch.setattr("lightning.fabric.accelerators.cuda.num_cuda_devices", lambda: 8)
+    monkeypatch.setattr("lightning.pytorch.accelerators.cuda.CUDAAccelerator.is_available", staticmethod(lambda: True))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert accumulation(accelerator="gpu", devices="0,1") == 12  # 2 of the 8 visible GPUs
+    assert accumulation(accelerator="gpu", devices=[2, 5, 7]) == 8
+    assert accumulation(accelerator="gpu", devices="0,1", num_nodes=3) == 4

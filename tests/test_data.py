@@ -598,3 +598,20 @@ def test_hub_sources_with_a_local_stand_in(monkeypatch, tmp_path):
     dm = TokenDataModule(out, block_size=16, eval_tokens=64)
     assert torch.equal(dm.test_dataloader().dataset.tokens, dm.eval_stream("test"))
     assert torch.equal(dm.eval_stream("test"), torch.from_numpy(read_split_tokens(out, "test")[:65].astype(np.int64)))
+
+
+def test_concurrent_prepares_of_one_folder_both_succeed_with_one_result(small_txt_dir, tmp_path):
+    """Two processes prepare the same --out at once: the lock makes the second wait and find the first's work."""
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "shared")
+    cmd = [sys.executable, "-m", "cable_lightning.data.prepare", "--source", small_txt_dir, "--tokenizer", "bpe:300",
+           "--out", out, "--val-tokens", "50", "--num-workers", "1"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], results
+    logs = [stdout for stdout, _ in results]
+    assert sum("nothing to do" in log for log in logs) == 1 and sum("wrote" in log for log in logs) == 1
+    assert read_manifest(out)["splits"]["train"]["tokens"] > 0
+    assert not os.path.exists(out + ".partial")

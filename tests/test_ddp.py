@@ -16,14 +16,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = dict(pos_encoding="cable", n_layer=2, n_head=2, n_embd=32)
 
 
-def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tmp_path):
-    out = tmp_path / "probe"
+def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_corpus_docs, tmp_path):
+    """The data is not prepared when the run starts: the run prepares it (data.source + data.tokenizer) before any
+    rank needs it."""
+    out, data = tmp_path / "probe", tmp_path / "fresh-data"
     cmd = [
         sys.executable, "-m", "cable_lightning", "fit",
         "--model", "cable_lightning.lit.CausalLM",
         *[arg for k, v in SHAPE.items() for arg in (f"--model.init_args.backbone.{k}", str(v))],
         "--model.init_args.warmup_steps", "2",
-        "--data.path", tiny_corpus_dir, "--data.block_size", "32", "--data.micro_batch_size", "4",
+        "--data.path", str(data), "--data.source", tiny_corpus_docs[0], "--data.tokenizer", "bpe:512",
+        "--data.block_size", "32", "--data.micro_batch_size", "4",
         "--data.eval_lengths", "[32, 64]", "--data.eval_tokens", "256",
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
         "--trainer.max_steps", "3", "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
@@ -34,6 +37,7 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tmp_p
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (data / "manifest.json").is_file() and not (tmp_path / "fresh-data.partial").exists()
 
     load = lambda name, rank: torch.load(out / f"{name}_rank{rank}.pt")  # noqa: E731
     batches = [load("batch0", r) for r in (0, 1)]
@@ -44,7 +48,7 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tmp_p
 
     # One process, the union of the two ranks' batches, the same recipe (AdamW, schedule, clip 1.0).
     init = load("init", 0)
-    model = CausalLM(BackboneConfig(**SHAPE), data=TokenDataModule(tiny_corpus_dir, block_size=32).describe(), warmup_steps=2)
+    model = CausalLM(BackboneConfig(**SHAPE), data=TokenDataModule(str(data), block_size=32).describe(), warmup_steps=2)
     model.backbone.load_state_dict(init)
     union = torch.cat(batches)
     loss = model.backbone.loss(union[:, :-1], union[:, 1:])

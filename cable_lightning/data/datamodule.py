@@ -47,15 +47,13 @@ class TokenDataModule(L.LightningDataModule):
                  num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None):
         super().__init__()
-        for name, value in (("block_size", block_size), ("micro_batch_size", micro_batch_size), ("eval_tokens", eval_tokens)):
-            if int(value) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if eval_lengths is not None and (not eval_lengths or any(int(n) < 1 for n in eval_lengths)):
-            raise ValueError(f"eval_lengths must be a non-empty list of positive lengths, got {eval_lengths}")
-        if eval_stride is not None and int(eval_stride) < 1:
-            raise ValueError(f"eval_stride must be a positive number of tokens or None, got {eval_stride}")
+        for name, value, minimum in (("block_size", block_size, 1), ("micro_batch_size", micro_batch_size, 1),
+                                     ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
+            if value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+        if eval_lengths is not None and (not eval_lengths or min(eval_lengths) < 1) or (eval_stride or 1) < 1:
+            raise ValueError(f"eval_lengths must be a non-empty list of positive lengths and eval_stride positive or None, "
+                             f"got {eval_lengths} and {eval_stride}")
         if (source is None) != (tokenizer is None):
             raise ValueError("give both data.source and data.tokenizer (to prepare a missing corpus) or neither")
         self.path, self.block_size, self.micro_batch_size = str(path), int(block_size), int(micro_batch_size)

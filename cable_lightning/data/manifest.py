@@ -1,9 +1,8 @@
-"""What a prepared folder holds, the checks that it is whole, and ``DataInfo``: what the model needs to know.
+"""A prepared folder, the checks that it is whole, and ``DataInfo``: what the model needs to know of the data.
 
-    <out>/manifest.json   request, source, tokenizer identity, ids, token counts per split, versions
-    <out>/tokenizer.json  only for bpe:N (the trained tokenizer)
-    <out>/train/          litdata token chunks (index.json + chunk-*.bin), read with TokensLoader
-    <out>/val.npy         the held-out head of the stream as one flat array (test.npy too for wikitext-103)
+``<out>/manifest.json`` (request, source, tokenizer identity, ids, token counts, versions), ``<out>/tokenizer.json``
+(bpe:N only), ``<out>/train/`` (litdata token chunks) and ``<out>/val.npy`` (the held-out head as one flat array;
+``test.npy`` too for wikitext-103). Every failure is one line naming the bad file and the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -15,23 +14,17 @@ from typing import Any, Optional
 
 import numpy as np
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
+MANIFEST, FORMAT_VERSION = "manifest.json", 2
 
 
 def fix_command(path: str, request: dict[str, Any] | None = None) -> str:
-    """The prepare command that (re)builds ``path``, from the recorded request when there is one."""
     request = request or {}
     return (f"python -m cable_lightning.data.prepare --source {request.get('source', '<source>')} "
             f"--tokenizer {request.get('tokenizer', '<tokenizer>')} --out {path} --overwrite")
 
 
 def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
-    """Load ``<path>/manifest.json``; with ``check_files`` also prove every split's files are there and whole.
-
-    Every failure is one line naming the bad file and the command that rebuilds it.
-    """
-    path = str(path)
+    """Load ``<path>/manifest.json``; with ``check_files`` also prove every split's files are there and whole."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         what = "no prepared data at" if not os.path.isdir(path) else f"no {MANIFEST} (not prepared, or unfinished) in"
@@ -45,51 +38,42 @@ def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
     fix = fix_command(path, manifest.get("request"))
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix}")
-    if check_files:
-        for split in manifest["splits"]:
-            _check_split(path, split, manifest, fix)
+    for split in manifest["splits"] if check_files else ():
+        if split != "train":
+            load_split(path, split, manifest)
+            continue
+        try:
+            with open(os.path.join(path, "train", "index.json"), encoding="utf-8") as f:
+                chunks = json.load(f)["chunks"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"{os.path.join(path, 'train', 'index.json')} is missing or corrupt ({type(exc).__name__}); run {fix}") from None
+        for chunk in chunks:
+            chunk_path = os.path.join(path, "train", chunk["filename"])
+            size = os.path.getsize(chunk_path) if os.path.isfile(chunk_path) else None
+            if size != chunk["chunk_bytes"]:
+                state = "missing" if size is None else f"{size} bytes, its index says {chunk['chunk_bytes']}"
+                raise ValueError(f"chunk {chunk_path} is {state} (truncated or deleted); run {fix}")
     return manifest
 
 
-def _check_split(path: str, split: str, manifest: dict[str, Any], fix: str) -> None:
-    if split != "train":
-        load_split(path, split, manifest)
-        return
-    index_path = os.path.join(path, "train", "index.json")
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            chunks = json.load(f)["chunks"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"{index_path} is missing or corrupt ({type(exc).__name__}); run {fix}") from None
-    for chunk in chunks:
-        chunk_path = os.path.join(path, "train", chunk["filename"])
-        size = os.path.getsize(chunk_path) if os.path.isfile(chunk_path) else None
-        if size != chunk["chunk_bytes"]:
-            state = "missing" if size is None else f"{size} bytes, its index says {chunk['chunk_bytes']}"
-            raise ValueError(f"chunk {chunk_path} is {state} (truncated or deleted); run {fix}")
-
-
 def load_split(path: str, split: str, manifest: dict[str, Any]) -> np.ndarray:
-    """A held-out split as a read-only memory map of its tokens; checked against the manifest's count."""
+    """A held-out split as a read-only memory map of its tokens, checked against the manifest's count."""
     if split not in manifest["splits"]:
         raise ValueError(f"{path} has no {split!r} split (it has {', '.join(manifest['splits'])})")
-    file = os.path.join(path, manifest["splits"][split]["file"])
+    file, expected = os.path.join(path, manifest["splits"][split]["file"]), manifest["splits"][split]["tokens"]
     try:
         tokens = np.load(file, mmap_mode="r")
+        if tokens.shape != (expected,):
+            raise ValueError(f"{tokens.shape} tokens, the manifest says {expected}")
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{file} is missing or corrupt ({type(exc).__name__}); run {fix_command(path, manifest.get('request'))}") from None
-    if tokens.ndim != 1 or len(tokens) != manifest["splits"][split]["tokens"]:
-        raise ValueError(f"{file} holds {tokens.shape} tokens, the manifest says {manifest['splits'][split]['tokens']}; "
-                         f"run {fix_command(path, manifest.get('request'))}")
+        raise ValueError(f"{file} is missing or corrupt ({exc}); run {fix_command(path, manifest.get('request'))}") from None
     return tokens
 
 
 @dataclass(frozen=True)
 class DataInfo:
-    """What the model takes from the data, read once from the manifest and linked into the model by the CLI.
-
-    Plain values only, so checkpoints that store it load with ``torch.load(weights_only=True)``.
-    """
+    """What the model takes from the data: read once from the manifest, linked into the model by the CLI, and
+    stored in checkpoints as plain values (``as_dict``) so that they load with ``torch.load(weights_only=True)``."""
 
     vocab_size: int
     eot_id: int
@@ -101,21 +85,16 @@ class DataInfo:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DataInfo:
-        values = dict(values)
-        values["special_ids"] = tuple(values["special_ids"])
-        values["eval_specs"] = tuple(tuple(spec) for spec in values["eval_specs"])
-        return cls(**values)
+        specs = tuple(tuple(spec) for spec in values["eval_specs"])
+        return cls(**{**values, "special_ids": tuple(values["special_ids"]), "eval_specs": specs})
 
     def as_dict(self) -> dict[str, Any]:
-        values = asdict(self)
-        return {**values, "special_ids": list(self.special_ids), "eval_specs": [list(s) for s in self.eval_specs]}
+        return {**asdict(self), "special_ids": list(self.special_ids), "eval_specs": [list(s) for s in self.eval_specs]}
 
     def check_tokenizer(self, trained_with: dict[str, str]) -> None:
         """Raise when a checkpoint's tokenizer identity is not this data's."""
-        mine = self.tokenizer
-        if trained_with.get("hash") != mine["hash"] or trained_with.get("kind") != mine["kind"]:
+        if (trained_with.get("hash"), trained_with.get("kind")) != (self.tokenizer["hash"], self.tokenizer["kind"]):
             raise ValueError(
                 f"checkpoint was trained with tokenizer {trained_with.get('name')!r} (hash {str(trained_with.get('hash'))[:12]}) "
-                f"but the data uses {mine['name']!r} (hash {mine['hash'][:12]}); prepare the data with "
-                f"--tokenizer {trained_with.get('name')} or point data.path at the matching data"
-            )
+                f"but the data uses {self.tokenizer['name']!r} (hash {self.tokenizer['hash'][:12]}); prepare the data with "
+                f"--tokenizer {trained_with.get('name')} or point data.path at the matching data")

@@ -31,8 +31,8 @@ import numpy as np
 
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from cable_lightning.data.sources import DatasetSource as Source
-from cable_lightning.data.sources import get_source
-from cable_lightning.data.tokenizers import TOKENIZER_FILE, Tokenizer, get_tokenizer, parse_bpe_spec, train_bpe
+from cable_lightning.data.sources import VALID_SOURCES, get_source
+from cable_lightning.data.tokenizers import TOKENIZER_FILE, VALID_SPECS, Tokenizer, get_tokenizer, parse_bpe_spec, train_bpe
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
@@ -69,8 +69,7 @@ def tokenize_work(work: tuple[Any, int], source: Source, tokenizer_ref: str, tok
 
 def _pieces(arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
     flat = np.concatenate(arrays) if arrays else arrays
-    for start in range(0, len(flat), PIECE_TOKENS):
-        yield flat[start : start + PIECE_TOKENS]
+    yield from (flat[start : start + PIECE_TOKENS] for start in range(0, len(flat), PIECE_TOKENS))
 
 
 def split_head(src: Source, tok: Tokenizer, budget: float, by_chars: bool, dtype: str) -> tuple[np.ndarray, list]:
@@ -109,7 +108,7 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         raise ValueError(f"--val-tokens must be positive, got {val_tokens}")
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
                **({"bpe_train_chars": bpe_train_chars} if bpe_size else {})}
-    log = _logger(verbose)
+    log = functools.partial(print, "[prepare]", flush=True) if verbose else lambda *_: None
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second prepare of this out waits here, then finds it done
@@ -117,15 +116,11 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
             log(f"{out} is already prepared for this request ({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
-        return _prepare(src, request, out, num_workers, start_method, verbose)
+        return _prepare(src, request, out, num_workers, start_method, log)
 
 
-def _logger(verbose: bool) -> Any:
-    return functools.partial(print, "[prepare]", flush=True) if verbose else lambda *_: None
-
-
-def _prepare(src: Source, request: dict, out: str, num_workers: int | None, start_method: str | None, verbose: bool) -> dict:
-    log, tokenizer, bpe_size = _logger(verbose), request["tokenizer"], parse_bpe_spec(request["tokenizer"])
+def _prepare(src: Source, request: dict, out: str, num_workers: int | None, start_method: str | None, log: Any) -> dict:
+    tokenizer, bpe_size = request["tokenizer"], parse_bpe_spec(request["tokenizer"])
     started, partial = time.time(), out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -157,7 +152,7 @@ def _prepare(src: Source, request: dict, out: str, num_workers: int | None, star
     workers = max(1, min(num_workers or os.cpu_count() or 1, len(train_work)))
     log(f"tokenizing train: {len(train_work)} work items, {workers} workers")
     fn = functools.partial(tokenize_work, source=src, tokenizer_ref=tokenizer_ref, tokenizer_name=tok.name, dtype=dtype)
-    _optimize(os.path.join(partial, "train"), train_work, fn, workers, start_method, verbose)
+    _optimize(os.path.join(partial, "train"), train_work, fn, workers, start_method)
     with open(os.path.join(partial, "train", "index.json"), encoding="utf-8") as f:
         chunks = json.load(f)["chunks"]
     splits["train"] = {"tokens": sum(int(c["dim"]) for c in chunks), "chunks": len(chunks)}
@@ -195,13 +190,12 @@ def _existing(out: str, request: dict[str, Any], overwrite: bool) -> dict[str, A
     return read_manifest(out)
 
 
-def _optimize(out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None, verbose: bool) -> None:
+def _optimize(out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None) -> None:
     from litdata import TokensLoader, optimize
 
     try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
         optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
-                 num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method,
-                 verbose=verbose)
+                 num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method)
     except RuntimeError as exc:
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         raise RuntimeError(f"tokenizing into {out_dir} failed in a worker: {lines[-1] if lines else exc}") from None
@@ -209,22 +203,19 @@ def _optimize(out_dir: str, work: list, fn: Any, num_workers: int, start_method:
 
 def _first_chars(docs: Iterator[str], limit: int) -> Iterator[str]:
     seen = 0
-    for doc in docs:
-        if seen >= limit:
-            return
-        yield doc
+    for doc in itertools.takewhile(lambda _: seen < limit, docs):
         seen += len(doc)
+        yield doc
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cable_lightning.data.prepare", description=__doc__.splitlines()[0])
-    p.add_argument("--source", default="python-docs", help="python-docs | fineweb-edu[:config] | wikitext-103 | path/dir/glob of .txt/.jsonl/.parquet")
-    p.add_argument("--tokenizer", default="bpe:4096", help="gpt2 | gpt2:/path/r50k_base.tiktoken | bert-base-uncased | bert:/path/vocab.txt | /path/tokenizer.json | bpe:N")
+    p.add_argument("--source", default="python-docs", help=VALID_SOURCES)
+    p.add_argument("--tokenizer", default="bpe:4096", help=VALID_SPECS)
     p.add_argument("--out", default="data/pydocs-bpe4096", help="output folder")
-    val = p.add_mutually_exclusive_group()
-    val.add_argument("--val-fraction", type=float, default=None, help=f"share of characters held out (default {DEFAULT_VAL_FRACTION})")
-    val.add_argument("--val-tokens", type=int, default=None, help="tokens held out for validation (the paper: 100000000)")
-    p.add_argument("--num-workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    p.add_argument("--val-fraction", type=float, help=f"share of characters held out (default {DEFAULT_VAL_FRACTION})")
+    p.add_argument("--val-tokens", type=int, help="tokens held out for validation (the paper: 100000000)")
+    p.add_argument("--num-workers", type=int, help="tokenizing processes (default: all cores)")
     p.add_argument("--bpe-train-chars", type=int, default=200_000_000, help="characters used to train bpe:N")
     p.add_argument("--overwrite", action="store_true", help="replace an output prepared for a different request")
     p.add_argument("--quiet", action="store_true")

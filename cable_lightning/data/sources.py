@@ -15,6 +15,7 @@ import glob
 import importlib
 import inspect
 import io
+import itertools
 import json
 import os
 import pkgutil
@@ -30,12 +31,8 @@ LOCAL_BUILDERS = {".txt": ("text", {"sample_by": "document"}), ".jsonl": ("json"
 
 # Importing these has side effects (a browser, printed text, a GUI, terminal control) or pulls in huge,
 # low-value trees (the test suite, 100+ codec modules); distutils is shadowed by setuptools' copy.
-_SKIP_MODULES = frozenset(
-    {
-        "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "encodings",
-        "distutils", "msilib", "readline", "rlcompleter", "pydoc_data",
-    }
-)
+_SKIP_MODULES = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3",
+                           "encodings", "distutils", "msilib", "readline", "rlcompleter", "pydoc_data"})
 
 
 def _own_doc(obj: Any) -> str | None:
@@ -133,14 +130,10 @@ def python_docs_files(parts: int = 16) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- through `datasets`
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def check_hub(repo: str) -> None:
     """Fail fast, in one line, when the hub is unreachable (``datasets`` alone retries for ~25 s first)."""
     fix = "use --source python-docs or local files, or run on a machine with internet"
-    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("HF_DATASETS_OFFLINE")):
+    if any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} (HF_HUB_OFFLINE is set); {fix}")
     from huggingface_hub import HfApi
 
@@ -225,11 +218,8 @@ def local_files(spec: str, name: str | None = None) -> DatasetSource:
         raise ValueError(f"unsupported file type {bad!r}; local sources must be {', '.join(LOCAL_BUILDERS)} files")
     if not files:
         raise FileNotFoundError(f"no .txt/.jsonl/.parquet files match {spec!r}; valid sources: {VALID_SOURCES}")
-    streams = {}
-    for suffix, (builder, options) in LOCAL_BUILDERS.items():
-        of_type = [f for f in files if f.endswith(suffix)]
-        if of_type:
-            streams[suffix] = (builder, {"data_files": of_type, "split": "train", **options})
+    streams = {suffix: (builder, {"data_files": [f for f in files if f.endswith(suffix)], "split": "train", **options})
+               for suffix, (builder, options) in LOCAL_BUILDERS.items() if any(f.endswith(suffix) for f in files)}
     return DatasetSource(name or spec, streams, files=files)
 
 
@@ -240,26 +230,18 @@ class WikiText103Source(DatasetSource):
     """
 
     def __init__(self):
-        repo = "Salesforce/wikitext"
-        splits = {"train": "train", "val": "validation", "test": "test"}
+        repo, splits = "Salesforce/wikitext", {"train": "train", "val": "validation", "test": "test"}
         streams = {theirs: (repo, {"name": "wikitext-103-raw-v1", "split": theirs}) for theirs in splits.values()}
         super().__init__("wikitext-103", streams, splits, repo=repo)
 
     def read(self, item: Any) -> Iterator[str]:
         article: list[str] = []
-        for line in super().read(item):
-            line = line or "\n"
-            if _is_article_title(line) and any(s.strip() for s in article):
+        for line in itertools.chain(super().read(item), [" = end = "]):  # the sentinel flushes the last article
+            title = line.strip().startswith("= ") and line.strip().endswith(" =") and not line.strip().startswith("= =")
+            if title and any(s.strip() for s in article):
                 yield "".join(article)
                 article = []
-            article.append(line)
-        if any(s.strip() for s in article):
-            yield "".join(article)
-
-
-def _is_article_title(line: str) -> bool:
-    s = line.strip()
-    return s.startswith("= ") and s.endswith(" =") and not s.startswith("= =")
+            article.append(line or "\n")
 
 
 def get_source(spec: str) -> DatasetSource:
