@@ -108,19 +108,23 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         raise ValueError(f"--val-tokens must be positive, got {val_tokens}")
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
                **({"bpe_train_chars": bpe_train_chars} if bpe_size else {})}
-    log = functools.partial(print, "[prepare]", flush=True) if verbose else lambda *_: None
+    log = functools.partial(print, "[prepare]", flush=True) if verbose else None
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second prepare of this out waits here, then finds it done
         if (done := _existing(out, request, overwrite)) is not None:
-            log(f"{out} is already prepared for this request ({done['splits']['train']['tokens']} train tokens); nothing to do")
+            (log or _silent)(f"{out} is already prepared for this request ({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
         return _prepare(src, request, out, num_workers, start_method, log)
 
 
-def _prepare(src: Source, request: dict, out: str, num_workers: int | None, start_method: str | None, log: Any) -> dict:
-    tokenizer, bpe_size = request["tokenizer"], parse_bpe_spec(request["tokenizer"])
+def _silent(*_: Any) -> None:
+    pass
+
+
+def _prepare(src: Source, request: dict, out: str, num_workers: int | None, start_method: str | None, printer: Any) -> dict:
+    log, tokenizer, bpe_size = printer or _silent, request["tokenizer"], parse_bpe_spec(request["tokenizer"])
     started, partial = time.time(), out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -152,7 +156,7 @@ def _prepare(src: Source, request: dict, out: str, num_workers: int | None, star
     workers = max(1, min(num_workers or os.cpu_count() or 1, len(train_work)))
     log(f"tokenizing train: {len(train_work)} work items, {workers} workers")
     fn = functools.partial(tokenize_work, source=src, tokenizer_ref=tokenizer_ref, tokenizer_name=tok.name, dtype=dtype)
-    _optimize(os.path.join(partial, "train"), train_work, fn, workers, start_method)
+    _optimize(os.path.join(partial, "train"), train_work, fn, workers, start_method, verbose=printer is not None)
     with open(os.path.join(partial, "train", "index.json"), encoding="utf-8") as f:
         chunks = json.load(f)["chunks"]
     splits["train"] = {"tokens": sum(int(c["dim"]) for c in chunks), "chunks": len(chunks)}
@@ -190,12 +194,13 @@ def _existing(out: str, request: dict[str, Any], overwrite: bool) -> dict[str, A
     return read_manifest(out)
 
 
-def _optimize(out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None) -> None:
+def _optimize(out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None, verbose: bool) -> None:
     from litdata import TokensLoader, optimize
 
     try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
         optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
-                 num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method)
+                 num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method,
+                 verbose=verbose)
     except RuntimeError as exc:
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         raise RuntimeError(f"tokenizing into {out_dir} failed in a worker: {lines[-1] if lines else exc}") from None
