@@ -70,7 +70,7 @@ class TokenDataModule(L.LightningDataModule):
         Lightning calls this on one process per node and holds the others at a barrier; prepare's lock on the
         folder makes callers that start together (torchrun, the CLI in every rank) safe as well.
         """
-        if self.source is not None:
+        if self.source is not None and self._manifest is None:  # once described, it is prepared and checked
             from cable_lightning.data.prepare import prepare
 
             prepare(source=self.source, tokenizer=self.tokenizer_spec, out=self.path)
@@ -111,7 +111,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def load_tokenizer(self) -> Tokenizer:
         """The tokenizer that made the data (for decoding samples); its identity must match the manifest's."""
-        info = read_manifest(self.path, check_files=False)["tokenizer"]
+        self.describe()
+        info = self._manifest["tokenizer"]
         ref = os.path.join(self.path, info["file"]) if info.get("file") else info["spec"]
         tok = get_tokenizer(ref, name=info["identity"]["name"])
         if tok.identity != info["identity"]:
