@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
-from cable_lightning.data.sources import DatasetSource as Source
-from cable_lightning.data.sources import VALID_SOURCES, get_source
+from cable_lightning.data.sources import VALID_SOURCES, DatasetSource, get_source
 from cable_lightning.data.tokenizers import TOKENIZER_FILE, VALID_SPECS, Tokenizer, get_tokenizer, parse_bpe_spec, train_bpe
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
@@ -54,7 +53,7 @@ def _worker_tokenizer(ref: str, name: str) -> Tokenizer:
     return get_tokenizer(ref, name=name)
 
 
-def tokenize_work(work: tuple[Any, int], source: Source, tokenizer_ref: str, tokenizer_name: str, dtype: str) -> Iterator[np.ndarray]:
+def tokenize_work(work: tuple[Any, int], source: DatasetSource, tokenizer_ref: str, tokenizer_name: str, dtype: str) -> Iterator[np.ndarray]:
     """What litdata's workers map: a source work item minus its first ``skip`` documents (they went to validation)."""
     item, skip = work
     tok, pending, size = _worker_tokenizer(tokenizer_ref, tokenizer_name), [], 0
@@ -72,7 +71,7 @@ def _pieces(arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
     yield from (flat[start : start + PIECE_TOKENS] for start in range(0, len(flat), PIECE_TOKENS))
 
 
-def split_head(src: Source, tok: Tokenizer, budget: float, by_chars: bool, dtype: str) -> tuple[np.ndarray, list]:
+def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool, dtype: str) -> tuple[np.ndarray, list]:
     """Whole documents from the start of the stream until ``budget`` characters or tokens: (val tokens, train work)."""
     head, taken, items = [], 0, src.work_items()
     for index, item in enumerate(items):
@@ -123,7 +122,7 @@ def _silent(*_: Any) -> None:
     pass
 
 
-def _prepare(src: Source, request: dict, out: str, num_workers: int | None, start_method: str | None, printer: Any) -> dict:
+def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None, printer: Any) -> dict:
     log, tokenizer, bpe_size = printer or _silent, request["tokenizer"], parse_bpe_spec(request["tokenizer"])
     started, partial = time.time(), out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
