@@ -10,32 +10,84 @@ What it adds to the stock CLI:
   the data to the model, set once in the data section; the data is prepared first when it asks for that.
 - validation every checkpoint interval at every evaluation length (and window mode), recorded by
   :class:`LengthEvalRecorder`; a last one at the end of fit.
+- checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM,
+  ``--ckpt_path last`` (the newest readable checkpoint, or an error) and ``auto`` (resume if there is one).
+- ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
+  set wins, and a setting that defines the weights must match the checkpoint (checked before loading).
+- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM);
+  ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import sys
 from typing import Optional
 
+import numpy as np
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import BiasPictures, LengthEvalRecorder, TokenThroughput
+from .callbacks.preemption import PreemptionCheckpoint
+from .checkpoints import AtomicCheckpointIO, read_checkpoint, resolve_ckpt_path
 from .data.datamodule import TokenDataModule
+from .errors import ConfigError, RunFailedError, user_error
 from .lit import LanguageModel
+
+EXIT_USER_ERROR, EXIT_RUN_FAILED, EXIT_PREEMPTED = 2, 1, 143
 
 
 def describe_prepared(data: TokenDataModule) -> dict:
     """The data's description for the model, preparing the data first when the data section asks for it: the
     model's vocabulary comes from the data, so this runs before the model exists (prepare's lock keeps ranks that
     start together safe; a finished folder is a no-op)."""
-    data.prepare_data()
+    # litdata's optimize reseeds Python, NumPy and torch to 42; the run's seed_everything must still hold.
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            data.prepare_data()
+        except ConfigError:
+            raise
+        except (ValueError, OSError) as exc:  # prepare's own one-line errors (bad source, conflicting folder)
+            raise ConfigError(f"preparing {data.path}: {exc}") from exc
+        except RuntimeError as exc:
+            raise RunFailedError(f"preparing {data.path}: {exc}") from exc
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
     return data.describe().as_dict()
+
+
+def run_folder(config) -> str:
+    """``<runs_dir>/<experiment>/<pe>``: TensorBoard versions and the checkpoints folder live under it."""
+    backbone = config.model.init_args.backbone if config.model is not None else None
+    pe = backbone.pos_encoding if backbone is not None else "cable"
+    return f"{config.runs_dir}/{config.experiment}/{pe}"
+
+
+def checkpoint_folder(config) -> str:
+    return config.checkpoint.dirpath or f"{run_folder(config)}/checkpoints"
+
+
+def checkpoint_model(ckpt_path: str) -> Optional[dict]:
+    """The model section (class_path, init_args) a checkpoint was made with, without the linked data description."""
+    hparams = dict(read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters") or {})
+    class_path = hparams.pop("_class_path", None)
+    if class_path is None:
+        return None
+    for key in ("_instantiator", "data"):
+        hparams.pop(key, None)
+    return {"class_path": class_path, "init_args": hparams}
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:
     per_step = micro_batch * block_size * ranks
     if global_batch_tokens % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size x block_size x world_size "
             f"= {micro_batch} x {block_size} x {ranks} = {per_step}; pick a multiple of {per_step} or change the micro-batch"
         )
@@ -52,7 +104,39 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
         trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
 
+class TerseParser(LightningArgumentParser):
+    """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first."""
+
+    def print_usage(self, file=None):
+        pass
+
+
 class CableCLI(LightningCLI):
+    def parse_arguments(self, parser, args):
+        self._args = args  # parsed again over a checkpoint's model settings (see _parse_ckpt_path)
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self):
+        """Resolve ``--ckpt_path`` to a file, then parse the command line again with the checkpoint's model
+        settings as defaults: the command line wins (Lightning's default lets the checkpoint win, which drops
+        evaluation-time settings such as RoPE scaling), and LanguageModel.on_load_checkpoint refuses settings that
+        define the weights when they differ."""
+        subcommand = self.config.get("subcommand")
+        if subcommand is None:
+            return
+        config = self.config[subcommand]
+        if "ckpt_path" not in config:
+            return
+        path = resolve_ckpt_path(config.ckpt_path, checkpoint_folder(config))
+        if path is None and subcommand in ("validate", "test"):
+            raise ConfigError(f"{subcommand} needs trained weights: pass --ckpt_path FILE, or last for the newest "
+                              f"checkpoint in {checkpoint_folder(config)}")
+        if path is not None and os.path.isfile(path) and (model := checkpoint_model(path)) is not None:
+            self._subcommand_parsers[subcommand].set_defaults({"model": model})
+            super().parse_arguments(self.parser, self._args)
+            config = self.config[subcommand]
+        config.ckpt_path = path
+
     def add_arguments_to_parser(self, parser):
         parser.add_argument("--experiment", type=str, default="default", help="runs/<experiment>/<pe>/...")
         parser.add_argument("--runs_dir", type=str, default="runs")
@@ -74,20 +158,23 @@ class CableCLI(LightningCLI):
 
     def before_instantiate_classes(self):
         config = self.config[self.subcommand] if self.subcommand else self.config
-        backbone = config.model.init_args.backbone
-        pe = backbone.pos_encoding if backbone is not None else "cable"
-        run_dir = f"{config.runs_dir}/{config.experiment}/{pe}"
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": config.runs_dir, "name": f"{config.experiment}/{pe}"},
+                "init_args": {"save_dir": config.runs_dir, "name": os.path.relpath(run_folder(config), config.runs_dir)},
             }
-        if config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = f"{run_dir}/checkpoints"
+        config.checkpoint.dirpath = checkpoint_folder(config)
         self._validate_every_checkpoint = config.trainer.val_check_interval is None and bool(config.checkpoint.every_n_train_steps)
         if self._validate_every_checkpoint:  # in batches, across epochs; scaled by accumulation in before_fit
             config.trainer.val_check_interval = config.checkpoint.every_n_train_steps
             config.trainer.check_val_every_n_epoch = None
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO plugin is kept
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        trainer.callbacks.append(PreemptionCheckpoint(self.config[self.subcommand].checkpoint.dirpath))
+        return trainer
 
     def before_fit(self):
         config = self.config["fit"]
@@ -103,5 +190,25 @@ class CableCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> CableCLI:
-    """Entry point; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``."""
-    return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args, save_config_kwargs={"overwrite": True})
+    """The CLI as a library call; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``. Errors propagate."""
+    return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args, save_config_kwargs={"overwrite": True},
+                    parser_class=TerseParser, parser_kwargs={"prog": "python -m cable_lightning"})
+
+
+def run(args: list[str] | None = None) -> None:
+    """``python -m cable_lightning``: :func:`main` with user errors as one line and an exit status for schedulers:
+    2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
+    after SIGTERM (``last.ckpt`` saved; requeue with ``--ckpt_path last``). Bugs keep their traceback."""
+    try:
+        main(args)
+    except SIGTERMException as exc:
+        saved = getattr(exc, "saved_checkpoint", None)
+        print("error: stopped by SIGTERM" + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
+    except Exception as exc:
+        known = user_error(exc)
+        if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):
+            raise
+        print(f"error: {known}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR if isinstance(known, ConfigError) else EXIT_RUN_FAILED)

@@ -27,3 +27,28 @@ class StopAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class SigtermAt(L.Callback):
+    """Sends SIGTERM to this process after optimizer step ``step``, as a cluster's preemption would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class NanGradientsAt(L.Callback):
+    """Makes the gradients of optimizer step ``step`` NaN, as a diverging update would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            next(pl_module.parameters()).grad.fill_(float("nan"))

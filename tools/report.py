@@ -27,7 +27,7 @@ def find_records(paths: list[str]) -> list[str]:
             files += glob.glob(path)
     if not files:
         raise FileNotFoundError(f"no length_eval.jsonl under {', '.join(paths)}; train or validate a run first")
-    return sorted(files)
+    return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
 def latest_rows(files: list[str]) -> list[dict]:

@@ -7,6 +7,7 @@ window mode, DDP-reduced by torchmetrics); this callback only writes them down o
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import lightning as L
@@ -22,6 +23,7 @@ def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_len
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
+        points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]  # inf/NaN cannot be drawn on log axes
         if points:
             ax.plot(*zip(*sorted(points)), marker="o", label=name)
     if train_length:
@@ -72,7 +74,7 @@ class LengthEvalRecorder(L.Callback):
         experiment = getattr(trainer.logger, "experiment", None)
         if self.figure and hasattr(experiment, "add_figure"):
             title = f"{config.pos_encoding}, step {trainer.global_step}"
-            series = {mode: [(r["length"], r["ppl"]) for r in rows if r["mode"] == mode and r["ppl"] is not None]
+            series = {mode: [(r["length"], r["ppl"]) for r in rows if r["mode"] == mode]
                       for mode in sorted({r["mode"] for r in rows})}
             experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), trainer.global_step)
         if self.print_table:

@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
 
+from ..errors import ConfigError
+
 
 def collate_tokens(windows: list[Any]) -> torch.Tensor:
     """Stack token windows (numpy uint16/int32) into one int64 batch."""
@@ -50,12 +52,12 @@ class TokenDataModule(L.LightningDataModule):
         for name, value, minimum in (("block_size", block_size, 1), ("micro_batch_size", micro_batch_size, 1),
                                      ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
             if value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
         if eval_lengths is not None and (not eval_lengths or min(eval_lengths) < 1) or (eval_stride or 1) < 1:
-            raise ValueError(f"eval_lengths must be a non-empty list of positive lengths and eval_stride positive or None, "
+            raise ConfigError(f"eval_lengths must be a non-empty list of positive lengths and eval_stride positive or None, "
                              f"got {eval_lengths} and {eval_stride}")
         if (source is None) != (tokenizer is None):
-            raise ValueError("give both data.source and data.tokenizer (to prepare a missing corpus) or neither")
+            raise ConfigError("give both data.source and data.tokenizer (to prepare a missing corpus) or neither")
         self.path, self.block_size, self.micro_batch_size = str(path), int(block_size), int(micro_batch_size)
         self.num_workers, self.seed, self.eval_tokens = int(num_workers), int(seed), int(eval_tokens)
         self.eval_lengths = [int(n) for n in eval_lengths or [block_size]]
@@ -98,7 +100,7 @@ class TokenDataModule(L.LightningDataModule):
         except (ValueError, OSError):  # e.g. local files deleted after preparing: compare the spec as given
             wanted = self.source
         if (request.get("source"), request.get("tokenizer")) != (wanted, self.tokenizer_spec):
-            raise ValueError(
+            raise ConfigError(
                 f"data at {self.path} was prepared from {request.get('source')!r} with {request.get('tokenizer')!r}, but the "
                 f"data section asks for {wanted!r} with {self.tokenizer_spec!r}; point data.path elsewhere or re-prepare with --overwrite"
             )
@@ -116,7 +118,7 @@ class TokenDataModule(L.LightningDataModule):
         ref = os.path.join(self.path, info["file"]) if info.get("file") else info["spec"]
         tok = get_tokenizer(ref, name=info["identity"]["name"])
         if tok.identity != info["identity"]:
-            raise ValueError(f"tokenizer {ref} (hash {tok.identity['hash'][:12]}) is not the one that prepared {self.path}; re-prepare it")
+            raise ConfigError(f"tokenizer {ref} (hash {tok.identity['hash'][:12]}) is not the one that prepared {self.path}; re-prepare it")
         return tok
 
     def train_dataloader(self) -> Any:
@@ -127,7 +129,7 @@ class TokenDataModule(L.LightningDataModule):
                                    shuffle=True, seed=self.seed, drop_last=True)
         if len(dataset) == 0:
             tokens = self._manifest["splits"]["train"]["tokens"]
-            raise ValueError(f"train split of {self.path} has {tokens} tokens: no window of block_size + 1 = {self.block_size + 1} fits; lower block_size")
+            raise ConfigError(f"train split of {self.path} has {tokens} tokens: no window of block_size + 1 = {self.block_size + 1} fits; lower block_size")
         return StreamingDataLoader(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,
                                    collate_fn=collate_tokens, drop_last=True, pin_memory=torch.cuda.is_available(),
                                    persistent_workers=self.num_workers > 0)
@@ -147,7 +149,7 @@ class TokenDataModule(L.LightningDataModule):
             held_out = load_split(self.path, split, self._manifest)
             longest = max(length for length, _ in self.eval_specs())
             if len(held_out) < longest + 1:
-                raise ValueError(f"eval length {longest} needs {longest + 1} consecutive tokens but the {split} split of "
+                raise ConfigError(f"eval length {longest} needs {longest + 1} consecutive tokens but the {split} split of "
                                  f"{self.path} has {len(held_out)}; drop that length from eval_lengths or hold out more data")
             if self.eval_tokens + 1 > len(held_out):
                 rank_zero_warn(f"eval_tokens={self.eval_tokens} is more than the {len(held_out) - 1} targets in {split} of {self.path}; scoring those")

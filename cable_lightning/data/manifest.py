@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..errors import ConfigError, MissingFileError
+
 MANIFEST, FORMAT_VERSION = "manifest.json", 2
 
 
@@ -28,16 +30,16 @@ def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         what = "no prepared data at" if not os.path.isdir(path) else f"no {MANIFEST} (not prepared, or unfinished) in"
-        raise FileNotFoundError(f"{what} {path}; run {fix_command(path)}")
+        raise MissingFileError(f"{what} {path}; run {fix_command(path)}")
     try:
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
         dict(manifest["splits"]["train"]), manifest["tokenizer"]["identity"]["hash"], int(manifest["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); run {fix_command(path)}") from None
+        raise ConfigError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); run {fix_command(path)}") from None
     fix = fix_command(path, manifest.get("request"))
     if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix}")
+        raise ConfigError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix}")
     for split in manifest["splits"] if check_files else ():
         if split != "train":
             load_split(path, split, manifest)
@@ -46,27 +48,27 @@ def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
             with open(os.path.join(path, "train", "index.json"), encoding="utf-8") as f:
                 chunks = json.load(f)["chunks"]
         except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"{os.path.join(path, 'train', 'index.json')} is missing or corrupt ({type(exc).__name__}); run {fix}") from None
+            raise ConfigError(f"{os.path.join(path, 'train', 'index.json')} is missing or corrupt ({type(exc).__name__}); run {fix}") from None
         for chunk in chunks:
             chunk_path = os.path.join(path, "train", chunk["filename"])
             size = os.path.getsize(chunk_path) if os.path.isfile(chunk_path) else None
             if size != chunk["chunk_bytes"]:
                 state = "missing" if size is None else f"{size} bytes, its index says {chunk['chunk_bytes']}"
-                raise ValueError(f"chunk {chunk_path} is {state} (truncated or deleted); run {fix}")
+                raise ConfigError(f"chunk {chunk_path} is {state} (truncated or deleted); run {fix}")
     return manifest
 
 
 def load_split(path: str, split: str, manifest: dict[str, Any]) -> np.ndarray:
     """A held-out split as a read-only memory map of its tokens, checked against the manifest's count."""
     if split not in manifest["splits"]:
-        raise ValueError(f"{path} has no {split!r} split (it has {', '.join(manifest['splits'])})")
+        raise ConfigError(f"{path} has no {split!r} split (it has {', '.join(manifest['splits'])})")
     file, expected = os.path.join(path, manifest["splits"][split]["file"]), manifest["splits"][split]["tokens"]
     try:
         tokens = np.load(file, mmap_mode="r")
         if tokens.shape != (expected,):
-            raise ValueError(f"{tokens.shape} tokens, the manifest says {expected}")
+            raise ConfigError(f"{tokens.shape} tokens, the manifest says {expected}")
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{file} is missing or corrupt ({exc}); run {fix_command(path, manifest.get('request'))}") from None
+        raise ConfigError(f"{file} is missing or corrupt ({exc}); run {fix_command(path, manifest.get('request'))}") from None
     return tokens
 
 
@@ -94,7 +96,7 @@ class DataInfo:
     def check_tokenizer(self, trained_with: dict[str, str]) -> None:
         """Raise when a checkpoint's tokenizer identity is not this data's."""
         if (trained_with.get("hash"), trained_with.get("kind")) != (self.tokenizer["hash"], self.tokenizer["kind"]):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint was trained with tokenizer {trained_with.get('name')!r} (hash {str(trained_with.get('hash'))[:12]}) "
                 f"but the data uses {self.tokenizer['name']!r} (hash {self.tokenizer['hash'][:12]}); prepare the data with "
                 f"--tokenizer {trained_with.get('name')} or point data.path at the matching data")

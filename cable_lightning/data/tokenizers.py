@@ -17,6 +17,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..errors import ConfigError, MissingFileError
+
 EOT_TOKEN, MASK_TOKEN, TOKENIZER_FILE = "<|endoftext|>", "<|mask|>", "tokenizer.json"
 VALID_SPECS = "gpt2, gpt2:/path/r50k_base.tiktoken, bert-base-uncased, bert:/path/vocab.txt, bpe:N or a tokenizer.json path"
 
@@ -53,7 +55,7 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         eot = next((t for t in (EOT_TOKEN, "[SEP]", "</s>") if t in vocab), None)
         if eot is None:
-            raise ValueError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); valid: {VALID_SPECS}")
+            raise ConfigError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); valid: {VALID_SPECS}")
         mask = next((vocab[t] for t in (MASK_TOKEN, "[MASK]", "<mask>") if t in vocab), None)
         self.eot_id, self.mask_id = vocab[eot], mask
         specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
@@ -77,10 +79,11 @@ Tokenizer = TiktokenTokenizer | HFTokenizer
 
 def train_bpe(documents: Iterable[str], vocab_size: int) -> HFTokenizer:
     """A byte-level BPE of ``vocab_size`` ids ("<|endoftext|>"=0 and "<|mask|>"=1): any text round-trips exactly."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 258:
-        raise ValueError(f"bpe vocab size {vocab_size} is too small; use bpe:N with N >= 258 (256 bytes + 2 specials)")
+        raise ConfigError(f"bpe vocab size {vocab_size} is too small; use bpe:N with N >= 258 (256 bytes + 2 specials)")
     tok = HF(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN, MASK_TOKEN], show_progress=False,
@@ -94,7 +97,7 @@ def parse_bpe_spec(spec: str) -> int | None:
     if not spec.startswith("bpe:"):
         return None
     if not spec[4:].isdigit():
-        raise ValueError(f"bad tokenizer spec {spec!r}: bpe needs a vocabulary size, e.g. bpe:4096")
+        raise ConfigError(f"bad tokenizer spec {spec!r}: bpe needs a vocabulary size, e.g. bpe:4096")
     return int(spec[4:])
 
 
@@ -120,25 +123,27 @@ def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
         except Exception as exc:
             raise _offline("bert-base-uncased from the Hugging Face hub", exc, "--tokenizer bert:/path/to/vocab.txt or bpe:N") from None
     if parse_bpe_spec(spec) is not None:
-        raise ValueError(f"{spec} is trained on a corpus by `python -m cable_lightning.data.prepare --tokenizer {spec}`; "
+        raise ConfigError(f"{spec} is trained on a corpus by `python -m cable_lightning.data.prepare --tokenizer {spec}`; "
                          "to load a trained one pass its tokenizer.json path")
     kind, _, path = spec.partition(":") if spec.startswith(("gpt2:", "bert:")) else ("json", "", spec)
     if not spec.endswith(".json") and kind == "json":
-        raise ValueError(f"unknown tokenizer {spec!r}; valid: {VALID_SPECS}")
+        raise ConfigError(f"unknown tokenizer {spec!r}; valid: {VALID_SPECS}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"tokenizer file not found: {path}; valid tokenizers: {VALID_SPECS}")
+        raise MissingFileError(f"tokenizer file not found: {path}; valid tokenizers: {VALID_SPECS}")
     if kind == "bert":
         from tokenizers.implementations import BertWordPieceTokenizer
 
         return HFTokenizer(BertWordPieceTokenizer(path, lowercase=True)._tokenizer, name=name or "bert-base-uncased", kind="wordpiece")
     if kind == "gpt2":  # GPT-2's ranks from a local .tiktoken file; the separator takes the id after the ranks
         from tiktoken.load import load_tiktoken_bpe
-        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer regex
+        from tiktoken_ext.openai_public import (
+            r50k_pat_str,  # GPT-2's pre-tokenizer regex
+        )
 
         try:
             ranks = load_tiktoken_bpe(path)
         except Exception as exc:
-            raise ValueError(f"cannot read {path} as a .tiktoken rank file ({type(exc).__name__}: {exc})") from None
+            raise ConfigError(f"cannot read {path} as a .tiktoken rank file ({type(exc).__name__}: {exc})") from None
         encoding = tiktoken.Encoding(name=name or "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT_TOKEN: len(ranks)})
         return TiktokenTokenizer(encoding, name=name or "gpt2")
     tok = HF.from_file(path)

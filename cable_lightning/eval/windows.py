@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import ConfigError
+
 
 def window_plan(n_tokens: int, length: int, stride: int) -> list[tuple[int, int]]:
     """(start, first_scored) per window over a stream of ``n_tokens`` tokens.
@@ -21,9 +23,9 @@ def window_plan(n_tokens: int, length: int, stride: int) -> list[tuple[int, int]
     targets before relative index ``first_scored`` are context only.
     """
     if length < 1 or not 1 <= stride <= length:
-        raise ValueError(f"need length >= 1 and 1 <= stride <= length, got length={length}, stride={stride}")
+        raise ConfigError(f"need length >= 1 and 1 <= stride <= length, got length={length}, stride={stride}")
     if n_tokens < length + 1:
-        raise ValueError(f"a window of {length} tokens needs {length + 1} tokens of text, the stream has {n_tokens}")
+        raise ConfigError(f"a window of {length} tokens needs {length + 1} tokens of text, the stream has {n_tokens}")
     plan = [(0, 0)]
     last_scored = length  # absolute index of the last scored target
     while last_scored < n_tokens - 1:

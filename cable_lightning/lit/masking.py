@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..errors import ConfigError
+
 IGNORE_INDEX = -100  # what F.cross_entropy skips by default
 
 
@@ -24,7 +26,7 @@ def mask_tokens(
     they never forge a document separator. ``ids`` is left untouched.
     """
     if not 0.0 <= probability <= 1.0:
-        raise ValueError(f"masking probability must be in [0, 1], got {probability}")
+        raise ConfigError(f"masking probability must be in [0, 1], got {probability}")
     device = ids.device
     specials = torch.tensor(sorted({int(i) for i in special_ids}), dtype=ids.dtype, device=device)
     candidates = ~torch.isin(ids, specials) if specials.numel() else torch.ones_like(ids, dtype=torch.bool)

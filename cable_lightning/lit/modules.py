@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import replace
 from functools import cached_property
@@ -14,10 +15,12 @@ from lightning.pytorch.utilities import grad_norm
 from torchmetrics.aggregation import MeanMetric
 
 from ..data.manifest import DataInfo
-from .masking import mask_tokens
+from ..errors import ConfigError, RunFailedError
 from ..eval import scored_targets
 from ..models import BackboneConfig, build_backbone
+from ..models.config import RUNTIME_FIELDS
 from ..positional import UnsupportedLengthError
+from .masking import mask_tokens
 from .optim import build_optimizer
 
 
@@ -45,7 +48,10 @@ class LanguageModel(L.LightningModule):
         self.val_nll = torch.nn.ModuleDict()
         self.length_results: list[dict] = []
         self.unsupported_lengths: set[int] = set()
+        self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
         self._last_step_time = None
+        self._last_loss: Optional[torch.Tensor] = None
+        self._checked_ids: set[str] = set()
 
     @cached_property
     def _flops_per_token(self) -> float:
@@ -66,9 +72,23 @@ class LanguageModel(L.LightningModule):
                 block.compile()
 
     # --- training ------------------------------------------------------------------------------
+    def check_token_ids(self, tokens: torch.Tensor, where: str) -> None:
+        """Once per data stream: ids the embedding cannot look up get a clear error, not torch's IndexError."""
+        if where in self._checked_ids:
+            return
+        self._checked_ids.add(where)
+        largest, smallest = int(tokens.max()), int(tokens.min())
+        if largest >= self.config.vocab_size or smallest < 0:
+            bad = largest if largest >= self.config.vocab_size else smallest
+            raise ConfigError(f"token id {bad} in the {where} data is outside the model's vocabulary of "
+                              f"{self.config.vocab_size} ids: the data was not made with the model's tokenizer; "
+                              "prepare it again with that tokenizer (or point data.path at data that was)")
+
     def training_step(self, batch, batch_idx):
+        self.check_token_ids(batch, "training")
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
         loss = self.backbone.loss(inputs, targets)
+        self._last_loss = loss.detach()
         self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by ThroughputMonitor for MFU
         tokens = inputs.numel() * self.trainer.world_size
         # Derived from the loop's batch count, which a resumed run restores.
@@ -84,8 +104,31 @@ class LanguageModel(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer):
-        norms = grad_norm(self.backbone, norm_type=2)
-        self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        norm = grad_norm(self.backbone, norm_type=2).get("grad_2.0_norm_total", torch.zeros(()))
+        self.log("train/grad_norm", norm)
+        self.stop_if_diverged(norm)
+
+    def stop_if_diverged(self, norm: torch.Tensor) -> None:
+        """A non-finite loss or gradient stops the run before the optimizer applies it, so the weights (and every
+        checkpoint) stay finite. Under fp16 the grad scaler skips steps with inf gradients itself; only the loss
+        counts there. One host sync per optimizer step; all ranks decide together."""
+        loss = self._last_loss if self._last_loss is not None else torch.zeros(())
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        finite = torch.isfinite(loss) & (torch.isfinite(norm.to(loss.device)) if scaler is None else True)
+        if self.trainer.strategy.reduce_boolean_decision(not bool(finite), all=False):
+            saved = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or None
+            raise RunFailedError(
+                f"training diverged at step {self.global_step}: loss {loss.item():.4g}, gradient norm {norm.item():.4g}; "
+                "the update was not applied and no checkpoint was written from it; "
+                + (f"the last checkpoint is {saved}: resume from it" if saved else "no checkpoint was written before it: restart")
+                + " with a lower model.lr or longer model.warmup_steps")
+
+    def on_save_checkpoint(self, checkpoint):
+        # A checkpoint must never hold non-finite weights (a finite but huge update can overflow them).
+        bad = [name for name, p in self.backbone.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise RunFailedError(f"weights at step {self.global_step} are not finite ({bad[0]} and {len(bad) - 1} more); "
+                                 "not saving them; the checkpoints already written are finite")
 
     def configure_optimizers(self):
         h = self.hparams
@@ -113,6 +156,8 @@ class LanguageModel(L.LightningModule):
         key = self.spec_key(length, stride)
         if length in self.unsupported_lengths:
             return None
+        if batch_idx == 0:
+            self.check_token_ids(batch["tokens"], "validation")
         inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx)
         targets = scored_targets(targets, batch["first_scored"])
         start = time.perf_counter()
@@ -131,11 +176,15 @@ class LanguageModel(L.LightningModule):
         """Logs ``val_ppl/len_<L>`` (non-overlapping) and ``val_ppl_sliding/len_<L>``, and keeps the
         rows in ``self.length_results`` for the length-evaluation callback."""
         self.length_results = []
+        fitting = self.trainer.state.fn == "fit"
+        # Outside fit the loop's step is 0; a re-validation is recorded at the loaded checkpoint's step.
+        step = self.global_step if fitting or self.loaded_step is None else self.loaded_step
+        checkpoint = None if fitting or not self.trainer.ckpt_path else os.path.abspath(self.trainer.ckpt_path)
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
             mode = "nonoverlap" if stride == length else "sliding"
-            row = {"step": self.global_step, "length": length, "mode": mode, "stride": stride}
+            row = {"step": step, "checkpoint": checkpoint, "length": length, "mode": mode, "stride": stride}
             if length in self.unsupported_lengths:
                 self.length_results.append({**row, "ppl": None, "loss": None, "tokens": 0, "seconds": 0.0, "tokens_per_sec": None})
                 continue
@@ -150,14 +199,42 @@ class LanguageModel(L.LightningModule):
                 self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False)
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
             seconds = self._eval_time[key]
-            self.length_results.append({**row, "ppl": math.exp(loss.item()), "loss": loss.item(), "tokens": tokens,
+            ppl = math.exp(loss.item()) if loss.item() < MAX_LOG_PPL else math.inf  # float64 overflows past 709
+            self.length_results.append({**row, "ppl": ppl, "loss": loss.item(), "tokens": tokens,
                                         "seconds": seconds, "tokens_per_sec": tokens / seconds if seconds else None})
             metric.reset()
 
     def on_load_checkpoint(self, checkpoint):
-        saved = (checkpoint.get("hyper_parameters") or {}).get("data") or {}
-        if self.data_info is not None and saved.get("tokenizer"):
-            self.data_info.check_tokenizer(saved["tokenizer"])
+        """Before the weights are loaded: the checkpoint must be of this model (same shapes, PE family, tokenizer,
+        training length), so that a mismatch is one line naming the setting, not a state-dict error."""
+        hparams = checkpoint.get("hyper_parameters") or {}
+        saved_data = hparams.get("data") or {}
+        if self.data_info is not None and saved_data.get("tokenizer"):
+            self.data_info.check_tokenizer(saved_data["tokenizer"])
+        if self.data_info is not None and saved_data.get("block_size") not in (None, self.data_info.block_size):
+            raise ConfigError(f"the checkpoint was trained at block_size {saved_data['block_size']} but data.block_size is "
+                              f"{self.data_info.block_size}; set --data.block_size {saved_data['block_size']} (data.eval_lengths "
+                              "sets the evaluation lengths)")
+        if isinstance(hparams.get("backbone"), dict):
+            differ = weight_setting_differences(hparams["backbone"], self.config)
+            if differ:
+                raise ConfigError("the checkpoint's model differs from the configured one in settings that define the weights: "
+                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
+                                  + "; drop them from the command line to use the checkpoint's")
+        self.loaded_step = int(checkpoint.get("global_step", 0))
+
+
+MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
+
+
+def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
+    """(name, saved, configured) for each backbone setting that defines the weights and differs; vocabulary and
+    training length come from the data and are checked there, and runtime settings (attention backend, RoPE
+    scaling, dropout) may change freely."""
+    skip = set(RUNTIME_FIELDS) | {"preset", "vocab_size", "block_size"}
+    saved_config = BackboneConfig(**{k: v for k, v in saved.items() if k in BackboneConfig.__dataclass_fields__})
+    return [(name, getattr(saved_config, name), getattr(config, name)) for name in BackboneConfig.__dataclass_fields__
+            if name not in skip and getattr(saved_config, name) != getattr(config, name)]
 
 
 class CausalLM(LanguageModel):
@@ -181,13 +258,13 @@ class MaskedLM(LanguageModel):
         backbone = backbone or BackboneConfig(preset="bert-base")
         super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile, activation_checkpointing)
         if self.config.causal:
-            raise ValueError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
+            raise ConfigError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
         info = self.data_info
         self.mask_id = mask_id if mask_id is not None or info is None else info.mask_id
         self.special_ids = tuple(special_ids) or (info.special_ids if info else ())
         if self.mask_id is None:
             name = info.tokenizer["name"] if info else "(no data given)"
-            raise ValueError(f"MaskedLM needs a mask token, and tokenizer {name!r} has none; prepare the data with a "
+            raise ConfigError(f"MaskedLM needs a mask token, and tokenizer {name!r} has none; prepare the data with a "
                              "tokenizer that has [MASK] or <|mask|> (bpe:N, bert-base-uncased, gpt2) or pass model.mask_id")
 
     def split_batch(self, batch, train, batch_idx=0):

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+
 
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on parameters of 2+ dimensions (matmul weights, embeddings); none on biases,
@@ -30,7 +32,7 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, lr: float, min_l
 
 def build_optimizer(model, lr, min_lr, warmup_steps, max_steps, betas, eps, weight_decay):
     if max_steps is None or max_steps <= 0:
-        raise ValueError(f"the learning-rate schedule needs trainer.max_steps > 0, got {max_steps}; set --trainer.max_steps")
+        raise ConfigError(f"the learning-rate schedule needs trainer.max_steps > 0, got {max_steps}; set --trainer.max_steps")
     optimizer = torch.optim.AdamW(adamw_param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, warmup_steps, max_steps, lr, min_lr) / lr

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import ConfigError
 from ..positional.base import ScoreBias
 
 BACKENDS = ("auto", "sdpa", "fold", "flex", "chunked", "materialized")
@@ -36,7 +37,7 @@ _compiled_flex = None
 
 def resolve_backend(backend: str, bias: ScoreBias | None, device: torch.device, q_offset: int = 0) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     if bias is None:
@@ -53,14 +54,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | None, causal: b
     backend = resolve_backend(backend, bias, q.device, q_offset)
     if backend == "fold" and bias is not None:
         if not bias.foldable:
-            raise ValueError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
+            raise ConfigError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
                              f"(causal={bias.causal}) does not: use auto, flex or chunked")
         head_dim = q.shape[-1]
         folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
         return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5)[..., :head_dim]
     if backend in ("sdpa", "fold"):
         if bias is not None:
-            raise ValueError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
+            raise ConfigError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
         return _unbiased(q, k, v, causal, q_offset)
     if backend == "flex":
         return _flex(q, k, v, bias, causal, q_offset)

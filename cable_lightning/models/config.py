@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
+from ..errors import ConfigError
+
 PRESETS: dict[str, dict] = {
     # The CABLE paper's GPT-2 sizes; gpt2-small uses 12 heads (the paper's "10" does not divide 768).
     "gpt2-tiny": dict(n_layer=6, n_head=8, n_embd=512, vocab_size=50257, causal=True),
@@ -13,6 +15,8 @@ PRESETS: dict[str, dict] = {
     "bert-base": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=30522, causal=False),
 }
 _DEFAULTS = dict(mlp_ratio=4.0, dropout=0.0)
+# Settings that may differ from a checkpoint's: they change how the weights are run, not what they are.
+RUNTIME_FIELDS = ("dropout", "attention_backend", "rope_scaling", "rope_scaling_factor")
 
 
 @dataclass
@@ -40,14 +44,14 @@ class BackboneConfig:
 
     def __post_init__(self):
         if self.preset not in PRESETS:
-            raise ValueError(f"unknown backbone preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown backbone preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
         for name, value in {**_DEFAULTS, **PRESETS[self.preset]}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head size {self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
+            raise ConfigError(f"head size {self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import ConfigError
 from .base import PositionalEncoding, ScoreBias
 from .registry import register
 
@@ -59,7 +60,7 @@ class Cable(PositionalEncoding):
         for p in self.proj:
             nn.init.normal_(p.weight, std=0.02)
         if config.cable_bias_activation not in ("relu", "softplus"):
-            raise ValueError(f"cable_bias_activation must be 'relu' or 'softplus', got {config.cable_bias_activation!r}")
+            raise ConfigError(f"cable_bias_activation must be 'relu' or 'softplus', got {config.cable_bias_activation!r}")
         self.activation = F.relu if config.cable_bias_activation == "relu" else F.softplus
 
     def score_bias(self, h, layer, offset, state):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import ConfigError
+
 _REGISTRY: dict[str, type] = {}
 
 
@@ -21,5 +23,5 @@ def available() -> list[str]:
 def build_positional(config):
     name = config.pos_encoding
     if name not in _REGISTRY:
-        raise ValueError(f"unknown positional encoding {name!r}; valid names: {', '.join(available())}")
+        raise ConfigError(f"unknown positional encoding {name!r}; valid names: {', '.join(available())}")
     return _REGISTRY[name](config)

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
 from .base import PositionalEncoding
 from .registry import register
 
@@ -17,9 +18,9 @@ SCALINGS = ("none", "linear", "ntk", "yarn")
 def rope_frequencies(head_dim: int, base: float, scaling: str, factor: float, original_length: int):
     """Inverse frequencies (head_dim/2,), the position divisor, and the logit temperature factor."""
     if scaling not in SCALINGS:
-        raise ValueError(f"unknown rope_scaling {scaling!r}; valid: {', '.join(SCALINGS)}")
+        raise ConfigError(f"unknown rope_scaling {scaling!r}; valid: {', '.join(SCALINGS)}")
     if factor < 1:
-        raise ValueError(f"rope_scaling_factor must be >= 1, got {factor}")
+        raise ConfigError(f"rope_scaling_factor must be >= 1, got {factor}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))

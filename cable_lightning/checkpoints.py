@@ -1,0 +1,129 @@
+"""Checkpoint files: written so that a kill or a full disk never destroys a good one, read with a clear word when
+one is corrupt, and ``--ckpt_path last``/``auto`` resolved to the newest one that can be read.
+
+Lightning's own writer stages the file in the system temp directory and moves it into place, which is a copy
+(not atomic) when that directory is on another filesystem; :class:`AtomicCheckpointIO` writes next to the target,
+fsyncs and renames instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import zipfile
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from .errors import ConfigError, CorruptCheckpointError, RunFailedError
+
+PARTIAL_SUFFIX = ".partial"
+RESUME_CHOICES = ("last", "auto")  # last: must exist; auto: resume when there is a checkpoint, else start afresh
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Cheap structural check (the zip directory written last by ``torch.save`` is intact): catches truncated and
+    foreign files without reading the tensors."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if not any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):
+                raise zipfile.BadZipFile("no data.pkl inside")
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt or truncated ({exc}); use another checkpoint "
+                                     "(the step*.ckpt files beside it) or --ckpt_path last") from None
+
+
+def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: Optional[bool] = True, mmap: bool = False) -> dict:
+    """``torch.load`` that names the file when it is missing, truncated or refused."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint {path} does not exist; give a checkpoint file, 'last' or 'auto'")
+    check_checkpoint_file(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError... for a damaged file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CorruptCheckpointError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {first}); "
+                                     "use another checkpoint") from None
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes ``<path>.partial`` beside the target, fsyncs it, checks it reads back as a checkpoint, then renames
+    it over the target: the target is always the old complete file or the new one. A failed write is an error
+    (the previous checkpoints are untouched) and leaves no partial file; partial files left by a killed run are
+    removed by the next save into the same folder."""
+
+    def __init__(self) -> None:
+        self._cleaned: set[str] = set()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        path = os.fspath(path)
+        if "://" in path:  # object stores put whole objects; Lightning's writer handles them
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        folder = os.path.dirname(os.path.abspath(path))
+        partial = path + PARTIAL_SUFFIX
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if folder not in self._cleaned:
+                for stale in glob.glob(os.path.join(glob.escape(folder), "*" + PARTIAL_SUFFIX)):
+                    os.remove(stale)
+                self._cleaned.add(folder)
+            with open(partial, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            check_checkpoint_file(partial)
+            os.replace(partial, path)
+            _fsync_dir(folder)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            if isinstance(exc, (OSError, CorruptCheckpointError)):
+                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {exc}); "
+                                     "the checkpoints already in that folder are intact") from exc
+            raise
+
+    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = os.fspath(path)
+        if "://" in path:
+            return super().load_checkpoint(path, map_location, weights_only)
+        return read_checkpoint(path, map_location, weights_only)
+
+
+def resolve_ckpt_path(value: Optional[str], folder: str) -> Optional[str]:
+    """The checkpoint file ``--ckpt_path`` means. ``last``: the newest loadable ``*.ckpt`` in ``folder`` (a corrupt
+    ``last.ckpt`` falls back to the newest step checkpoint), an error when there is none; ``auto``: the same, but
+    a folder with no checkpoint at all starts a new run (None). A file path must exist."""
+    if value is None or "://" in str(value) or value in ("best", "hpc", "registry"):
+        return value
+    if value not in RESUME_CHOICES:
+        if not os.path.isfile(value):
+            raise ConfigError(f"--ckpt_path {value}: no such file; give a checkpoint file, or one of {', '.join(RESUME_CHOICES)}")
+        return value
+    found = sorted(glob.glob(os.path.join(glob.escape(folder), "*.ckpt")), key=lambda p: (os.path.getmtime(p), os.path.basename(p) == "last.ckpt"),
+                   reverse=True)
+    for path in found:
+        try:
+            check_checkpoint_file(path)
+        except CorruptCheckpointError as err:
+            print(f"--ckpt_path {value}: skipping {err}", flush=True)
+            continue
+        if path != found[0] or os.path.basename(path) != "last.ckpt":
+            print(f"--ckpt_path {value}: resuming from {path}, the newest loadable checkpoint", flush=True)
+        return path
+    if value == "auto" and not found:
+        print(f"--ckpt_path auto: no checkpoint in {folder}; starting a new run", flush=True)
+        return None
+    what = f"none of the {len(found)} checkpoints in {folder} can be read" if found else f"no checkpoint in {folder}"
+    hint = "drop --ckpt_path to start a new run" if value == "last" else "remove them or point --checkpoint.dirpath elsewhere"
+    raise ConfigError(f"--ckpt_path {value}: {what}; {hint} (--ckpt_path auto resumes when there is one)")

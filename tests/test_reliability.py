@@ -1,0 +1,274 @@
+"""Faults and bad inputs: checkpoints that survive kills and full disks, divergence, SIGTERM, --ckpt_path handling,
+seeds, and user errors as one line. Each test proves one fix; the runs are the CLI's own on the tiny corpus."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_cli import args
+
+from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, resolve_ckpt_path
+from cable_lightning.cli import main, run
+from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import report  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+@pytest.fixture(scope="module")
+def rope_run(tiny_corpus_dir, tmp_path_factory):
+    """A 4-step RoPE run with checkpoints at steps 2 and 4; returns its runs folder."""
+    runs = str(tmp_path_factory.mktemp("rope_runs"))
+    main(["fit", *args(tiny_corpus_dir, runs, pe="rope")])
+    return runs
+
+
+def checkpoints(runs, pe="rope"):
+    return os.path.join(runs, "test", pe, "checkpoints")
+
+
+def jsonl_rows(runs, pe="rope"):
+    return [json.loads(line) for f in sorted(glob.glob(os.path.join(runs, "test", pe, "version_*", "length_eval.jsonl")))
+            for line in open(f)]
+
+
+def user_error_line(capsys, argv, status=2):
+    """Runs the command line; asserts the exit status and that stderr holds one ``error:`` line and no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv)
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+# --- --ckpt_path FILE: the command line wins, weight-defining settings must match ------------------------------------
+
+def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(tiny_corpus_dir, rope_run, tmp_path):
+    ckpt = os.path.join(checkpoints(rope_run), "last.ckpt")
+    longer = ["--data.eval_lengths", "[32, 128]", "--ckpt_path", ckpt]
+    plain = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer])
+    scaled = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer,
+                   "--model.init_args.backbone.rope_scaling", "linear", "--model.init_args.backbone.rope_scaling_factor", "4"])
+    assert (scaled.model.config.rope_scaling, scaled.model.config.rope_scaling_factor) == ("linear", 4.0)
+    assert plain.model.config.rope_scaling == "none"
+    ppl = {name: {r["length"]: r["ppl"] for r in cli.model.length_results} for name, cli in [("plain", plain), ("scaled", scaled)]}
+    assert ppl["plain"][128] != ppl["scaled"][128]  # the scaling reached the model that was evaluated
+    saved = open(os.path.join(scaled.trainer.log_dir, "config.yaml")).read()
+    assert "rope_scaling: linear" in saved
+
+    # Settings the command line leaves out come from the checkpoint (here: everything but the class).
+    bare = ["--model", "cable_lightning.lit.CausalLM", *args(tiny_corpus_dir, rope_run, pe="rope")[14:]]
+    cli = main(["validate", *bare, "--ckpt_path", ckpt])
+    assert (cli.model.config.pos_encoding, cli.model.config.n_layer, cli.model.config.n_embd) == ("rope", 2, 32)
+
+    with pytest.raises(ConfigError, match=r"pos_encoding \(checkpoint 'rope', configured 'alibi'\)"):
+        main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="alibi"), "--ckpt_path", ckpt])
+    with pytest.raises(ConfigError, match=r"n_layer \(checkpoint 2, configured 3\)"):
+        main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--model.init_args.backbone.n_layer", "3", "--ckpt_path", ckpt])
+    with pytest.raises(ConfigError, match="trained at block_size 32 but data.block_size is 64"):
+        main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.block_size", "64", "--ckpt_path", ckpt])
+
+
+def test_revalidation_rows_carry_the_checkpoint_step_and_reach_the_report(tiny_corpus_dir, rope_run):
+    folder = checkpoints(rope_run)
+    main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.eval_lengths", "[32, 64, 128]",
+          "--ckpt_path", os.path.join(folder, "step0000002.ckpt")])
+    main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.eval_lengths", "[32, 64, 128]",
+          "--ckpt_path", "last"])
+    revalidated = [r for r in jsonl_rows(rope_run) if r["stage"] == "validate" and r["length"] == 128]
+    assert [(r["step"], os.path.basename(r["checkpoint"])) for r in revalidated][-2:] == [(2, "step0000002.ckpt"), (4, "last.ckpt")]
+    latest = report.latest_rows(report.find_records([os.path.join(rope_run, "test", "rope")]))
+    assert {r["length"] for r in latest} == {32, 64, 128} and {r["step"] for r in latest} == {4}
+
+
+def test_report_reads_runs_in_the_order_they_were_written(tmp_path):
+    """version_10 was written after version_9: its rows win at the same step even though its name sorts first."""
+    for version, ppl in [("version_9", 50.0), ("version_10", 40.0)]:
+        os.makedirs(tmp_path / version)
+        row = {"pe": "cable", "train_length": 32, "step": 4, "length": 64, "mode": "nonoverlap", "ppl": ppl}
+        (tmp_path / version / "length_eval.jsonl").write_text(json.dumps(row) + "\n")
+        time.sleep(0.01)  # distinct modification times (ordering only, nothing is timed)
+    assert [r["ppl"] for r in report.latest_rows(report.find_records([str(tmp_path)]))] == [40.0]
+
+
+# --- seeds ---------------------------------------------------------------------------------------------------------
+
+def test_first_fit_that_prepares_its_data_honours_the_seed(tiny_corpus_docs, tmp_path):
+    """litdata's optimize reseeds everything to 42; a run that prepares its data must equal one that finds it done."""
+    jsonl, _ = tiny_corpus_docs
+    data = str(tmp_path / "data")
+    source = ["--data.source", jsonl, "--data.tokenizer", "bpe:512", "--data.num_workers", "0"]
+    first = main(["fit", *args(data, str(tmp_path / "a"), steps=1, every=1), *source])
+    second = main(["fit", *args(data, str(tmp_path / "b"), steps=1, every=1), *source])
+    for (name, p), q in zip(first.model.named_parameters(), second.model.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
+
+
+# --- divergence -------------------------------------------------------------------------------------------------------
+
+def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tiny_corpus_dir, tmp_path, capsys):
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=8, every=2),
+                                    "--trainer.callbacks+=recorders.NanGradientsAt", "--trainer.callbacks.step=3"], status=1)
+    assert line.startswith("error: training diverged at step 3: loss ") and "gradient norm nan" in line
+    folder = checkpoints(str(tmp_path), "cable")
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "step0000002.ckpt"]
+    last = torch.load(os.path.join(folder, "last.ckpt"), weights_only=True)
+    assert last["global_step"] == 2
+    assert all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    resumed = main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=4, every=2), "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 4
+
+
+def test_perplexity_overflow_is_recorded_as_inf(tiny_corpus_dir, rope_run, tmp_path):
+    state = torch.load(os.path.join(checkpoints(rope_run), "last.ckpt"), weights_only=True)
+    state["state_dict"]["backbone.ln_f.weight"] *= 1e5  # logits ~1e5: mean NLL far beyond exp's float64 range
+    broken = str(tmp_path / "huge.ckpt")
+    torch.save(state, broken)
+    cli = main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="rope"), "--ckpt_path", broken])
+    rows = cli.model.length_results
+    assert rows and all(r["ppl"] == float("inf") and r["loss"] > 709 for r in rows)
+
+
+# --- --ckpt_path last / auto, corrupt checkpoints -------------------------------------------------------------------
+
+def test_ckpt_path_last_skips_a_corrupt_last_and_refuses_when_nothing_loads(tiny_corpus_dir, tmp_path, capsys):
+    runs = str(tmp_path / "runs")
+    main(["fit", *args(tiny_corpus_dir, runs)])
+    folder = checkpoints(runs, "cable")
+    with open(os.path.join(folder, "last.ckpt"), "r+b") as f:
+        f.truncate(1000)  # as a kill during a non-atomic copy would leave it
+    assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
+    cli = main(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", "last"])
+    assert cli.model.length_results[0]["step"] == 4
+
+    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", os.path.join(folder, "last.ckpt")])
+    assert "last.ckpt is corrupt or truncated" in line
+    with pytest.raises(CorruptCheckpointError, match="not-a-checkpoint.ckpt"):
+        (tmp_path / "not-a-checkpoint.ckpt").write_text("hello")
+        main(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", str(tmp_path / "not-a-checkpoint.ckpt")])
+
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), "r+b") as f:
+            f.truncate(100)
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, runs), "--ckpt_path", "last"])
+    assert "none of the 3 checkpoints in" in line
+    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, str(tmp_path / "empty"))])
+    assert "validate needs trained weights" in line
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path / "empty")), "--ckpt_path", "last"])
+    assert "no checkpoint in" in line and "--ckpt_path auto" in line
+    assert resolve_ckpt_path("auto", str(tmp_path / "empty")) is None
+    fresh = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "auto"), steps=2), "--ckpt_path", "auto"])
+    assert fresh.trainer.global_step == 2
+    again = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "auto"), steps=4), "--ckpt_path", "auto"])
+    assert again.trainer.global_step == 4
+
+
+# --- atomic checkpoint writes -----------------------------------------------------------------------------------------
+
+SAVER = """
+import sys, torch
+from cable_lightning.checkpoints import AtomicCheckpointIO
+io, version = AtomicCheckpointIO(), 0
+while True:
+    io.save_checkpoint({"version": version, "weights": torch.full((8_000_000,), float(version))}, sys.argv[1])
+    print(version, flush=True)
+    version += 1
+"""
+
+
+def test_kill_during_checkpoint_writes_leaves_a_loadable_last(tmp_path):
+    """SIGKILL at arbitrary points of a stream of 32 MB saves: last.ckpt always loads and is one whole version; the
+    system temp directory (on another path here) is never used; the next save removes the stale partial file."""
+    target, temp = tmp_path / "ckpt" / "last.ckpt", tmp_path / "other-tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": ROOT}
+    for delay in (0.05, 0.2, 0.35):
+        saver = subprocess.Popen([sys.executable, "-c", SAVER, str(target)], env=env, stdout=subprocess.PIPE, text=True)
+        assert saver.stdout.readline()  # one save finished
+        time.sleep(delay)  # then kill somewhere in the following ones
+        saver.send_signal(signal.SIGKILL)
+        saver.wait()
+        loaded = torch.load(target, weights_only=True)
+        assert (loaded["weights"] == loaded["version"]).all()
+    assert os.listdir(temp) == []
+    AtomicCheckpointIO().save_checkpoint({"version": -1}, str(target))
+    assert os.listdir(target.parent) == ["last.ckpt"]
+
+
+def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, monkeypatch):
+    target = str(tmp_path / "last.ckpt")
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"version": 1}, target)
+
+    def disk_full(obj, f):
+        f.write(b"PK partial bytes")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("cable_lightning.checkpoints.torch.save", disk_full)
+    with pytest.raises(RunFailedError, match=r"could not write checkpoint .*last.ckpt \(OSError: \[Errno 28\] No space left"):
+        io.save_checkpoint({"version": 2}, target)
+    assert torch.load(target, weights_only=True) == {"version": 1}
+    assert not os.path.exists(target + PARTIAL_SUFFIX)
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_fails_the_run(tiny_corpus_dir, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), "--checkpoint.dirpath",
+                                    str(tmp_path / "a-file" / "checkpoints")], status=1)
+    assert "could not write checkpoint" in line and "Not a directory" in line
+
+
+# --- SIGTERM ---------------------------------------------------------------------------------------------------------
+
+def test_sigterm_saves_last_exits_143_and_the_run_continues(tiny_corpus_dir, tmp_path):
+    runs = str(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
+    done = subprocess.run([sys.executable, "-m", "cable_lightning", "fit", *args(tiny_corpus_dir, runs, steps=6, every=4),
+                           "--trainer.callbacks+=recorders.SigtermAt", "--trainer.callbacks.step=3"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGTERM; saved ")
+    last = torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)
+    assert last["global_step"] == 3
+    resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=4), "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 6
+
+
+# --- one-line user errors -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model.init_args.backbone.pos_encoding", "fourier"], "unknown positional encoding 'fourier'; valid names: alibi"),
+    (["--model.init_args.backbone.preset", "gpt5"], "unknown backbone preset 'gpt5'"),
+    (["--model.init_args.backbone.n_embd", "33"], "n_embd=33 is not divisible by n_head=2"),
+    (["--data.micro_batch_size", "-1"], "micro_batch_size must be an integer >= 1, got -1"),
+    (["--data.eval_lengths", "[0]"], "eval_lengths must be a non-empty list of positive lengths"),
+    (["--data.path", "/nonexistent/data"], "no prepared data at /nonexistent/data"),
+    (["--global_batch_tokens", "1000"], "global_batch_tokens=1000 is not a multiple of"),
+    (["--trainer.max_stepz", "3"], "unrecognized arguments: --trainer.max_stepz 3"),
+])
+def test_user_errors_are_one_line_with_exit_status_2(tiny_corpus_dir, tmp_path, capsys, extra, message):
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1), *extra])
+    assert message in line
+
+
+def test_token_ids_beyond_the_vocabulary_are_named(tiny_corpus_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_corpus_dir, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["vocab_size"] = 100  # as if the folder said another (smaller) tokenizer made it
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"token id \d+ in the training data is outside the model's vocabulary of 100 ids"):
+        main(["fit", *args(str(data), str(tmp_path / "runs"), steps=1)])
