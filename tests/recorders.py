@@ -30,16 +30,18 @@ class StopAt(L.Callback):
 
 
 class SigtermAt(L.Callback):
-    """Sends SIGTERM to this process after optimizer step ``step``, as a cluster's preemption would."""
+    """Sends SIGTERM to this process as the batch after optimizer step ``step`` starts (mid-accumulation when
+    accumulating), as a cluster's preemption would; only on ``rank`` when given."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None):
+        self.step, self.rank, self.sent = step, rank, False
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent and self.rank in (None, trainer.global_rank):
             import os
             import signal
 
+            self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -233,18 +233,35 @@ def test_a_checkpoint_folder_that_cannot_be_written_fails_the_run(tiny_corpus_di
 
 # --- SIGTERM ---------------------------------------------------------------------------------------------------------
 
-def test_sigterm_saves_last_exits_143_and_the_run_continues(tiny_corpus_dir, tmp_path):
-    runs = str(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
-    done = subprocess.run([sys.executable, "-m", "cable_lightning", "fit", *args(tiny_corpus_dir, runs, steps=6, every=4),
-                           "--trainer.callbacks+=recorders.SigtermAt", "--trainer.callbacks.step=3"],
+def sigterm_run(data, runs, extra, sigterm_args=()):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "cable_lightning", "fit", *args(data, runs, steps=6, every=4), *extra,
+                           "--trainer.callbacks+=recorders.SigtermAt", "--trainer.callbacks.step=3", *sigterm_args],
                           env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sigterm_saves_last_at_the_optimizer_step_exits_143_and_the_resumed_run_is_the_same(tiny_corpus_dir, tmp_path):
+    """SIGTERM arrives mid-accumulation (2 micro-batches per step): the run finishes that step, saves last.ckpt, exits
+    143; resuming it with --ckpt_path last ends with the weights of a run that was never stopped."""
+    accumulate = ["--global_batch_tokens", "256"]  # 2 x (4 x 32)
+    straight = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "straight"), steps=6, every=4), *accumulate])
+    runs = str(tmp_path / "stopped")
+    done = sigterm_run(tiny_corpus_dir, runs, accumulate)
     assert done.returncode == 143, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGTERM; saved ")
-    last = torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)
-    assert last["global_step"] == 3
-    resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=4), "--ckpt_path", "last"])
+    assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
+    resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=4), *accumulate, "--ckpt_path", "last"])
     assert resumed.trainer.global_step == 6
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_corpus_dir, tmp_path):
+    runs = str(tmp_path)
+    done = sigterm_run(tiny_corpus_dir, runs, ["--trainer.devices", "2", "--trainer.strategy", "ddp"],
+                       sigterm_args=["--trainer.callbacks.rank=0"])
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
 
 
 # --- one-line user errors -------------------------------------------------------------------------------------------

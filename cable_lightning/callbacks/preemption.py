@@ -1,28 +1,39 @@
-"""Save on preemption: clusters stop jobs with SIGTERM, and Lightning turns it into ``SIGTERMException`` at the
-next batch boundary; this saves ``last.ckpt`` there so that the requeued job continues with ``--ckpt_path last``
-(the command line then exits with status 143, not 0)."""
+"""Save on preemption: clusters stop jobs with SIGTERM; this saves ``last.ckpt`` at the next optimizer step and
+stops the run with ``SIGTERMException``, so that the command line exits with status 143 (not 0) and the requeued
+job continues with ``--ckpt_path last``."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class PreemptionCheckpoint(L.Callback):
-    """Writes ``<dirpath>/last.ckpt`` when fit stops on SIGTERM, and only then: any other exception (a divergence, a
-    bug) must not replace the last good checkpoint. (Lightning's OnExceptionCheckpoint saves on every exception and
-    deletes its file at teardown, so it cannot be the file a requeued job resumes from.)
-
-    With gradient accumulation, a SIGTERM between micro-batches saves mid-accumulation: the resumed run makes that
-    one optimizer step from the remaining micro-batches only.
-    """
+    """Replaces Lightning's SIGTERM handler for fit. Lightning's handler runs a ``broadcast`` inside the signal
+    handler, which deadlocks DDP when a rank is signalled twice (by the scheduler and by rank 0's forwarding) or in
+    the middle of another collective. Here the handler only sets a flag; at the end of each optimizer step the ranks
+    agree on it with one small all-reduce (nothing on a single device), all save ``<dirpath>/last.ckpt`` together,
+    and fit stops. Waiting for the optimizer step keeps a gradient accumulation whole, so the resumed run is the
+    run that was not interrupted. A SIGTERM during validation takes effect after it."""
 
     def __init__(self, dirpath: str):
         self.path = os.path.join(dirpath, "last.ckpt")
+        self.requested = False
 
-    def on_exception(self, trainer, pl_module, exception):
-        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
+    def on_train_start(self, trainer, pl_module):
+        signal.signal(signal.SIGTERM, self._request)  # Lightning restores the original handler at teardown
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # mid-accumulation: wait for the optimizer step
+        if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
             trainer.save_checkpoint(self.path, weights_only=False)
-            exception.saved_checkpoint = os.path.abspath(self.path)  # for the command line's last word
+            stop = SIGTERMException()
+            stop.saved_checkpoint = os.path.abspath(self.path)  # for the command line's last word
+            raise stop
