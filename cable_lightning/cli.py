@@ -20,6 +20,8 @@ What it adds to the stock CLI:
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import random
 import sys
@@ -79,9 +81,11 @@ def checkpoint_model(ckpt_path: str) -> Optional[dict]:
     class_path = hparams.pop("_class_path", None)
     if class_path is None:
         return None
-    for key in ("_instantiator", "data"):
-        hparams.pop(key, None)
-    return {"class_path": class_path, "init_args": hparams}
+    module, _, name = class_path.rpartition(".")
+    # Only what the class takes now: the data description is linked from the data section, and settings an older
+    # version saved (vocab_size, block_size before they came from the data) would stop the parse.
+    accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    return {"class_path": class_path, "init_args": {k: v for k, v in hparams.items() if k in accepted and k != "data"}}
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:
