@@ -23,6 +23,8 @@ from ..positional import UnsupportedLengthError
 from .masking import mask_tokens
 from .optim import build_optimizer
 
+MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
+
 
 class LanguageModel(L.LightningModule):
     """Shared training/validation logic; subclasses say how a batch becomes (inputs, targets).
@@ -199,7 +201,7 @@ class LanguageModel(L.LightningModule):
                 self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False)
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
             seconds = self._eval_time[key]
-            ppl = math.exp(loss.item()) if loss.item() < MAX_LOG_PPL else math.inf  # float64 overflows past 709
+            ppl = math.exp(loss.item()) if loss.item() < MAX_LOG_PPL else math.inf
             self.length_results.append({**row, "ppl": ppl, "loss": loss.item(), "tokens": tokens,
                                         "seconds": seconds, "tokens_per_sec": tokens / seconds if seconds else None})
             metric.reset()
@@ -222,9 +224,6 @@ class LanguageModel(L.LightningModule):
                                   + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
                                   + "; drop them from the command line to use the checkpoint's")
         self.loaded_step = int(checkpoint.get("global_step", 0))
-
-
-MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
 
 
 def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
