@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import fcntl
 import os
+import shutil
 import zipfile
 from typing import Any, Optional
 
@@ -87,9 +89,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.remove(partial)
-            if isinstance(exc, (OSError, CorruptCheckpointError)):
-                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {exc}); "
-                                     "the checkpoints already in that folder are intact") from exc
+            if isinstance(exc, (OSError, RuntimeError, CorruptCheckpointError)):  # torch.save wraps ENOSPC in RuntimeError
+                free = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else None
+                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {str(exc).strip()}"
+                                     + (f"; {free:.0f} MiB free there" if free is not None else "")
+                                     + "); the checkpoints written before it are intact") from exc
             raise
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
@@ -100,30 +104,68 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return read_checkpoint(path, map_location, weights_only)
 
 
-def resolve_ckpt_path(value: Optional[str], folder: str) -> Optional[str]:
-    """The checkpoint file ``--ckpt_path`` means. ``last``: the newest loadable ``*.ckpt`` in ``folder`` (a corrupt
-    ``last.ckpt`` falls back to the newest step checkpoint), an error when there is none; ``auto``: the same, but
-    a folder with no checkpoint at all starts a new run (None). A file path must exist."""
+def checkpoint_step(path: str) -> int:
+    """The global step stored in a checkpoint (memory-mapped: the tensors are not read)."""
+    return int(read_checkpoint(path, mmap=True).get("global_step", -1))
+
+
+def resolve_ckpt_path(value: Optional[str], folder: str, subcommand: str = "fit") -> Optional[str]:
+    """The checkpoint file ``--ckpt_path`` means. ``last``: the checkpoint in ``folder`` with the highest step that
+    loads (``last.ckpt`` first among equals; a corrupt one is skipped, said in one line), an error when there is
+    none; ``auto``: the same, but a folder with no checkpoint at all starts a new run (None). A file must exist.
+    By step, not modification time: a restored or copied folder keeps its order."""
     if value is None or "://" in str(value) or value in ("best", "hpc", "registry"):
         return value
     if value not in RESUME_CHOICES:
         if not os.path.isfile(value):
             raise ConfigError(f"--ckpt_path {value}: no such file; give a checkpoint file, or one of {', '.join(RESUME_CHOICES)}")
         return value
-    found = sorted(glob.glob(os.path.join(glob.escape(folder), "*.ckpt")), key=lambda p: (os.path.getmtime(p), os.path.basename(p) == "last.ckpt"),
-                   reverse=True)
+    found = glob.glob(os.path.join(glob.escape(folder), "*.ckpt"))
+    readable = []
     for path in found:
         try:
-            check_checkpoint_file(path)
+            readable.append((checkpoint_step(path), os.path.basename(path) == "last.ckpt", path))
         except CorruptCheckpointError as err:
             print(f"--ckpt_path {value}: skipping {err}", flush=True)
-            continue
-        if path != found[0] or os.path.basename(path) != "last.ckpt":
-            print(f"--ckpt_path {value}: resuming from {path}, the newest loadable checkpoint", flush=True)
+    if readable:
+        step, is_last, path = max(readable)
+        if not is_last:
+            print(f"--ckpt_path {value}: using {path} (step {step}), the newest checkpoint that loads", flush=True)
         return path
-    if value == "auto" and not found:
+    if value == "auto" and not found and subcommand == "fit":
         print(f"--ckpt_path auto: no checkpoint in {folder}; starting a new run", flush=True)
         return None
     what = f"none of the {len(found)} checkpoints in {folder} can be read" if found else f"no checkpoint in {folder}"
-    hint = "drop --ckpt_path to start a new run" if value == "last" else "remove them or point --checkpoint.dirpath elsewhere"
-    raise ConfigError(f"--ckpt_path {value}: {what}; {hint} (--ckpt_path auto resumes when there is one)")
+    if subcommand != "fit":
+        hint = "pass a checkpoint file or point --checkpoint.dirpath (or --experiment) at the run to evaluate"
+    elif found:
+        hint = "remove them or choose another --experiment or --checkpoint.dirpath"
+    else:
+        hint = "drop --ckpt_path to start a new run (--ckpt_path auto resumes when there is a checkpoint)"
+    raise ConfigError(f"--ckpt_path {value}: {what}; {hint}")
+
+
+def claim_checkpoint_folder(folder: str, resuming: bool, lock: bool):
+    """Before fit writes anything: the folder can be created, it holds no earlier run's checkpoints unless this run
+    resumes (a new run would overwrite them), and (``lock``, rank 0) no other run writes into it at the same time.
+    Returns the open lock file, which holds the lock until the process ends."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the checkpoint folder {folder} ({type(exc).__name__}: {exc.strerror}); "
+                          "choose another --runs_dir or --checkpoint.dirpath") from None
+    earlier = sorted(glob.glob(os.path.join(glob.escape(folder), "*.ckpt")))
+    if earlier and not resuming:
+        raise ConfigError(f"{folder} already holds {len(earlier)} checkpoints of an earlier run ({', '.join(map(os.path.basename, earlier[:3]))}"
+                          f"{', ...' if len(earlier) > 3 else ''}); resume it with --ckpt_path last, or start elsewhere "
+                          "with another --experiment or --checkpoint.dirpath")
+    if not lock:
+        return None
+    handle = open(folder.rstrip(os.sep) + ".lock", "a")  # beside the folder, as prepare locks <out>.lock
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ConfigError(f"another run is writing checkpoints into {folder}; wait for it to end, or choose another "
+                          "--experiment or --checkpoint.dirpath") from None
+    return handle

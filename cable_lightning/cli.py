@@ -14,7 +14,8 @@ What it adds to the stock CLI:
   ``--ckpt_path last`` (the newest readable checkpoint, or an error) and ``auto`` (resume if there is one).
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
   set wins, and a setting that defines the weights must match the checkpoint (checked before loading).
-- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM);
+- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM,
+  130 after Ctrl-C);
   ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
 """
 
@@ -24,6 +25,7 @@ import importlib
 import inspect
 import os
 import random
+import signal
 import sys
 from typing import Optional
 
@@ -36,12 +38,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import BiasPictures, LengthEvalRecorder, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, read_checkpoint, resolve_ckpt_path
+from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, read_checkpoint, resolve_ckpt_path
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, user_error
 from .lit import LanguageModel
 
-EXIT_USER_ERROR, EXIT_RUN_FAILED, EXIT_PREEMPTED = 2, 1, 143
+EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 
 
 def describe_prepared(data: TokenDataModule) -> dict:
@@ -131,7 +133,7 @@ class CableCLI(LightningCLI):
         config = self.config[subcommand]
         if "ckpt_path" not in config:
             return
-        path = resolve_ckpt_path(config.ckpt_path, checkpoint_folder(config))
+        path = resolve_ckpt_path(config.ckpt_path, checkpoint_folder(config), subcommand)
         if path is None and subcommand in ("validate", "test"):
             raise ConfigError(f"{subcommand} needs trained weights: pass --ckpt_path FILE, or last for the newest "
                               f"checkpoint in {checkpoint_folder(config)}")
@@ -184,6 +186,15 @@ class CableCLI(LightningCLI):
         config = self.config["fit"]
         apply_global_batch(self.trainer, config.global_batch_tokens, self.datamodule.micro_batch_size, self.datamodule.block_size,
                            config.checkpoint.every_n_train_steps if self._validate_every_checkpoint else None)
+        self._folder_lock = claim_checkpoint_folder(config.checkpoint.dirpath, resuming=config.ckpt_path is not None,
+                                                    lock=self.trainer.global_rank == 0)
+
+    def _run_subcommand(self, subcommand):
+        try:
+            super()._run_subcommand(subcommand)
+        finally:  # the checkpoint folder's lock ends with the run, also when it fails
+            if getattr(self, "_folder_lock", None) is not None:
+                self._folder_lock.close()
 
     def after_fit(self):
         # Every run ends with a perplexity-vs-length record of its final weights (unless the last
@@ -202,14 +213,16 @@ def main(args: list[str] | None = None) -> CableCLI:
 def run(args: list[str] | None = None) -> None:
     """``python -m cable_lightning``: :func:`main` with user errors as one line and an exit status for schedulers:
     2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
-    after SIGTERM (``last.ckpt`` saved; requeue with ``--ckpt_path last``). Bugs keep their traceback."""
+    after SIGTERM and 130 after Ctrl-C (``last.ckpt`` saved; continue with ``--ckpt_path last``). Bugs keep their
+    traceback."""
     try:
         main(args)
-    except SIGTERMException as exc:
+    except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
+        signum = getattr(exc, "signum", signal.SIGTERM)
         saved = getattr(exc, "saved_checkpoint", None)
-        print("error: stopped by SIGTERM" + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
+        print(f"error: stopped by {signal.Signals(signum).name}" + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
               file=sys.stderr, flush=True)
-        sys.exit(EXIT_PREEMPTED)
+        sys.exit(128 + signum)
     except Exception as exc:
         known = user_error(exc)
         if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):

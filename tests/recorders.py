@@ -30,11 +30,12 @@ class StopAt(L.Callback):
 
 
 class SigtermAt(L.Callback):
-    """Sends SIGTERM to this process as the batch after optimizer step ``step`` starts (mid-accumulation when
-    accumulating), as a cluster's preemption would; only on ``rank`` when given."""
+    """Sends ``signame`` (SIGTERM, or SIGINT as Ctrl-C would) to this process as the batch after optimizer step
+    ``step`` starts (mid-accumulation when accumulating), as a cluster's preemption would; only on ``rank`` when
+    given."""
 
-    def __init__(self, step: int, rank: int | None = None):
-        self.step, self.rank, self.sent = step, rank, False
+    def __init__(self, step: int, rank: int | None = None, signame: str = "SIGTERM"):
+        self.step, self.rank, self.signame, self.sent = step, rank, signame, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step and not self.sent and self.rank in (None, trainer.global_rank):
@@ -42,7 +43,7 @@ class SigtermAt(L.Callback):
             import signal
 
             self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, self.signame))
 
 
 class NanGradientsAt(L.Callback):

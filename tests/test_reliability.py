@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_cli import args
 
-from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, resolve_ckpt_path
+from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
 
@@ -66,8 +66,10 @@ def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(ti
     assert plain.model.config.rope_scaling == "none"
     ppl = {name: {r["length"]: r["ppl"] for r in cli.model.length_results} for name, cli in [("plain", plain), ("scaled", scaled)]}
     assert ppl["plain"][128] != ppl["scaled"][128]  # the scaling reached the model that was evaluated
-    saved = open(os.path.join(scaled.trainer.log_dir, "config.yaml")).read()
-    assert "rope_scaling: linear" in saved
+    with open(os.path.join(scaled.trainer.log_dir, "config.yaml")) as f:
+        assert "rope_scaling: linear" in f.read()
+    with open(os.path.join(scaled.trainer.log_dir, "length_eval.jsonl")) as f:
+        assert {json.loads(line)["pe"] for line in f} == {"rope+linear4"}  # its own column in reports
 
     # Settings the command line leaves out come from the checkpoint (here: everything but the class).
     bare = ["--model", "cable_lightning.lit.CausalLM", *args(tiny_corpus_dir, rope_run, pe="rope")[14:]]
@@ -151,6 +153,9 @@ def test_ckpt_path_last_skips_a_corrupt_last_and_refuses_when_nothing_loads(tiny
     with open(os.path.join(folder, "last.ckpt"), "r+b") as f:
         f.truncate(1000)  # as a kill during a non-atomic copy would leave it
     assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
+    future = time.time() + 3600
+    os.utime(os.path.join(folder, "step0000002.ckpt"), (future, future))  # a copied folder: times say nothing
+    assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
     cli = main(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", "last"])
     assert cli.model.length_results[0]["step"] == 4
 
@@ -165,8 +170,12 @@ def test_ckpt_path_last_skips_a_corrupt_last_and_refuses_when_nothing_loads(tiny
             f.truncate(100)
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, runs), "--ckpt_path", "last"])
     assert "none of the 3 checkpoints in" in line
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, runs)])
+    assert "already holds 3 checkpoints of an earlier run" in line  # a new run would overwrite them
     line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, str(tmp_path / "empty"))])
     assert "validate needs trained weights" in line
+    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, str(tmp_path / "empty")), "--ckpt_path", "last"])
+    assert "no checkpoint in" in line and "pass a checkpoint file" in line
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path / "empty")), "--ckpt_path", "last"])
     assert "no checkpoint in" in line and "--ckpt_path auto" in line
     assert resolve_ckpt_path("auto", str(tmp_path / "empty")) is None
@@ -208,27 +217,41 @@ def test_kill_during_checkpoint_writes_leaves_a_loadable_last(tmp_path):
     assert os.listdir(target.parent) == ["last.ckpt"]
 
 
-def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")])
+def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, monkeypatch, error):
+    """torch.save reports a full disk as OSError or, from its zip writer, as RuntimeError."""
     target = str(tmp_path / "last.ckpt")
     io = AtomicCheckpointIO()
     io.save_checkpoint({"version": 1}, target)
 
     def disk_full(obj, f):
         f.write(b"PK partial bytes")
-        raise OSError(28, "No space left on device")
+        raise error
 
     monkeypatch.setattr("cable_lightning.checkpoints.torch.save", disk_full)
-    with pytest.raises(RunFailedError, match=r"could not write checkpoint .*last.ckpt \(OSError: \[Errno 28\] No space left"):
+    with pytest.raises(RunFailedError, match=rf"could not write checkpoint .*last.ckpt \({type(error).__name__}: .* MiB free there"):
         io.save_checkpoint({"version": 2}, target)
     assert torch.load(target, weights_only=True) == {"version": 1}
     assert not os.path.exists(target + PARTIAL_SUFFIX)
 
 
-def test_a_checkpoint_folder_that_cannot_be_written_fails_the_run(tiny_corpus_dir, tmp_path, capsys):
+def test_a_checkpoint_folder_that_cannot_be_made_fails_before_training(tiny_corpus_dir, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), "--checkpoint.dirpath",
-                                    str(tmp_path / "a-file" / "checkpoints")], status=1)
-    assert "could not write checkpoint" in line and "Not a directory" in line
+                                    str(tmp_path / "a-file" / "checkpoints"), "--trainer.callbacks+=recorders.RecordBatches"])
+    assert "cannot create the checkpoint folder" in line and "NotADirectoryError" in line
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path / "a-file"))])  # --runs_dir is a file
+    assert "cannot create the checkpoint folder" in line
+
+
+def test_two_runs_cannot_write_into_one_checkpoint_folder(tiny_corpus_dir, tmp_path, capsys):
+    folder = checkpoints(str(tmp_path), "cable")
+    held = claim_checkpoint_folder(folder, resuming=False, lock=True)  # as a run that is still going would
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path))])
+    assert f"another run is writing checkpoints into {folder}" in line
+    held.close()
+    assert main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2)]).trainer.global_step == 2
 
 
 # --- SIGTERM ---------------------------------------------------------------------------------------------------------
@@ -252,8 +275,16 @@ def test_sigterm_saves_last_at_the_optimizer_step_exits_143_and_the_resumed_run_
     assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
     resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=4), *accumulate, "--ckpt_path", "last"])
     assert resumed.trainer.global_step == 6
+    assert {r["step"] for r in jsonl_rows(runs, "cable") if "version_1" in resumed.trainer.log_dir} == {6}
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+def test_ctrl_c_saves_last_and_exits_130(tiny_corpus_dir, tmp_path):
+    done = sigterm_run(tiny_corpus_dir, str(tmp_path), [], sigterm_args=["--trainer.callbacks.signame=SIGINT"])
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGINT; saved ")
+    assert torch.load(os.path.join(checkpoints(str(tmp_path), "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
 
 
 def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_corpus_dir, tmp_path):
@@ -289,3 +320,23 @@ def test_token_ids_beyond_the_vocabulary_are_named(tiny_corpus_dir, tmp_path):
     (data / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"token id \d+ in the training data is outside the model's vocabulary of 100 ids"):
         main(["fit", *args(str(data), str(tmp_path / "runs"), steps=1)])
+
+
+def test_a_resumed_schedule_follows_the_configured_learning_rate():
+    """Resuming with a lower lr (what the divergence message advises) gives the new recipe's rate from the first
+    resumed step; the checkpoint carries only the step."""
+    from cable_lightning.lit.optim import build_optimizer, warmup_cosine
+
+    model = torch.nn.Linear(4, 4)
+    first = build_optimizer(model, 1e-3, 1e-4, 2, 10, (0.9, 0.95), 1e-8, 0.1)
+    for _ in range(5):
+        first["optimizer"].step()
+        first["lr_scheduler"]["scheduler"].step()
+    resumed = build_optimizer(model, 1e-4, 1e-5, 2, 20, (0.9, 0.95), 1e-8, 0.1)
+    resumed["optimizer"].load_state_dict(first["optimizer"].state_dict())
+    resumed["lr_scheduler"]["scheduler"].load_state_dict(first["lr_scheduler"]["scheduler"].state_dict())
+    expected = warmup_cosine(5, 2, 20, 1e-4, 1e-5)
+    assert [g["lr"] for g in resumed["optimizer"].param_groups] == [expected, expected]
+    resumed["optimizer"].step()
+    resumed["lr_scheduler"]["scheduler"].step()
+    assert resumed["optimizer"].param_groups[0]["lr"] == warmup_cosine(6, 2, 20, 1e-4, 1e-5)

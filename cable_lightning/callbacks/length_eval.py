@@ -51,6 +51,14 @@ def format_table(rows: list[dict], train_length: int) -> str:
     return "\n".join(lines)
 
 
+def pe_label(config) -> str:
+    """The PE as the records and the report name it: RoPE evaluated with a scaling is its own column
+    (``rope+linear4``), not mixed into the plain RoPE numbers."""
+    if config.pos_encoding == "rope" and config.rope_scaling != "none":
+        return f"rope+{config.rope_scaling}{config.rope_scaling_factor:g}"
+    return config.pos_encoding
+
+
 class LengthEvalRecorder(L.Callback):
     """Writes ``<log_dir>/length_eval.jsonl`` rows (step, length, mode, ppl, loss, tokens, seconds,
     tokens/s), logs a perplexity-vs-length figure to TensorBoard, and prints the table."""
@@ -65,18 +73,18 @@ class LengthEvalRecorder(L.Callback):
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
-        config = pl_module.config
-        extra = {"pe": config.pos_encoding, "train_length": config.block_size, "stage": trainer.state.fn.value}
+        config, step = pl_module.config, rows[0]["step"]
+        extra = {"pe": pe_label(config), "train_length": config.block_size, "stage": trainer.state.fn.value}
         os.makedirs(log_dir, exist_ok=True)
         with open(os.path.join(log_dir, "length_eval.jsonl"), "a") as f:
             for row in rows:
                 f.write(json.dumps({**extra, **row}) + "\n")
         experiment = getattr(trainer.logger, "experiment", None)
         if self.figure and hasattr(experiment, "add_figure"):
-            title = f"{config.pos_encoding}, step {trainer.global_step}"
+            title = f"{extra['pe']}, step {step}"
             series = {mode: [(r["length"], r["ppl"]) for r in rows if r["mode"] == mode]
                       for mode in sorted({r["mode"] for r in rows})}
-            experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), trainer.global_step)
+            experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), step)
         if self.print_table:
-            print(f"validation perplexity by length ({config.pos_encoding}, trained at {config.block_size} tokens, "
-                  f"step {trainer.global_step}):\n{format_table(rows, config.block_size)}", flush=True)
+            print(f"validation perplexity by length ({extra['pe']}, trained at {config.block_size} tokens, "
+                  f"step {step}):\n{format_table(rows, config.block_size)}", flush=True)

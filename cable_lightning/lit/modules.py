@@ -178,10 +178,11 @@ class LanguageModel(L.LightningModule):
         """Logs ``val_ppl/len_<L>`` (non-overlapping) and ``val_ppl_sliding/len_<L>``, and keeps the
         rows in ``self.length_results`` for the length-evaluation callback."""
         self.length_results = []
-        fitting = self.trainer.state.fn == "fit"
-        # Outside fit the loop's step is 0; a re-validation is recorded at the loaded checkpoint's step.
-        step = self.global_step if fitting or self.loaded_step is None else self.loaded_step
-        checkpoint = None if fitting or not self.trainer.ckpt_path else os.path.abspath(self.trainer.ckpt_path)
+        # A validate/test that loaded a checkpoint is recorded at that checkpoint's step (its loop starts at 0);
+        # fit, and the validation after fit, at the trainer's.
+        loaded = self.trainer.state.fn != "fit" and self.trainer.ckpt_path and self.loaded_step is not None
+        step = self.loaded_step if loaded else self.global_step
+        checkpoint = os.path.abspath(self.trainer.ckpt_path) if loaded else None
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]

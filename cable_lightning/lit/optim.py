@@ -30,11 +30,31 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, lr: float, min_l
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
+class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
+    """:func:`warmup_cosine` as a scheduler whose checkpointed state is the step alone: a resumed run takes lr,
+    min_lr, warm-up and max_steps from its configuration (a lower lr after a divergence, more steps), from its first
+    step. (LambdaLR would restore the old base lr and scale it by the new recipe.)"""
+
+    def __init__(self, optimizer, lr: float, min_lr: float, warmup_steps: int, max_steps: int):
+        self.recipe = dict(warmup_steps=warmup_steps, max_steps=max_steps, lr=lr, min_lr=min_lr)
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [warmup_cosine(self.last_epoch, **self.recipe)] * len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr  # the optimizer state restored before this carries the old recipe's rate
+
+
 def build_optimizer(model, lr, min_lr, warmup_steps, max_steps, betas, eps, weight_decay):
     if max_steps is None or max_steps <= 0:
         raise ConfigError(f"the learning-rate schedule needs trainer.max_steps > 0, got {max_steps}; set --trainer.max_steps")
     optimizer = torch.optim.AdamW(adamw_param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, warmup_steps, max_steps, lr, min_lr) / lr
-    )
+    schedule = WarmupCosine(optimizer, lr, min_lr, warmup_steps, max_steps)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
