@@ -5,7 +5,8 @@
         --pes cable alibi kerple_log --print-only      # commands for a cluster, one per line
 
 Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>), and the
-report to runs/<experiment>/report_<mode>.{md,csv,png}.
+report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the same sweep
+again continues the runs that were interrupted, and finished ones only re-validate.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def commands(args) -> list[tuple[str, list[str]]]:
             cmd = [sys.executable, "-m", "cable_lightning", "fit"]
             for config in args.config:
                 cmd += ["--config", config]
-            cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir, "--model.init_args.backbone.pos_encoding", pe]
+            # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
+            cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir, "--model.init_args.backbone.pos_encoding", pe,
+                    "--ckpt_path", "auto"]
             if length is not None:
                 cmd += ["--data.block_size", str(length)]
             runs.append((experiment, cmd + args.extra))
