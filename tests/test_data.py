@@ -200,6 +200,94 @@ def test_jsonl_without_text_field_names_file_and_line(tmp_path):
     assert f"{path}:2" in one_line(exc)
 
 
+# Run in a child interpreter: forked workers run `dying`, which SIGKILLs the worker that reads doc2.txt, but only
+# once the watchdog has looked at it (it writes `go` on the first look after `ready` exists), so the kill is always
+# seen; a watchdog that missed it would let the run "succeed" without doc2/doc3, and a hang would hit the timeout.
+KILL_SCRIPT = """
+import functools, os, signal, sys, time
+import cable_lightning.data.prepare as prep
+
+ready, go = sys.argv[1] + ".ready", sys.argv[1] + ".go"
+real_tokenize, real_look = prep.tokenize_work, prep._Watchdog.look
+
+def dying(work, **kwargs):
+    if work[0] == (".txt", 2):
+        open(ready, "w").close()
+        for _ in range(600):
+            if os.path.exists(go):
+                break
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    yield from real_tokenize(work, **kwargs)
+
+def look(self):
+    seen = os.path.exists(ready)
+    cause = real_look(self)
+    if seen:
+        open(go, "w").close()
+    return cause
+
+prep.tokenize_work, prep._Watchdog.look = dying, look
+prep.prepare = functools.partial(prep.prepare, start_method="fork")
+sys.exit(prep.main(sys.argv[2:]))
+"""
+
+
+def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir, tmp_path):
+    """A worker killed mid-run (say, for memory): prepare stops with one line, writes no <out>, releases the lock,
+    leaves no helper process holding its output pipe, and the same command then succeeds."""
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "out")
+    args = ["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val-tokens", "50",
+            "--num-workers", "2", "--quiet"]
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "flag"), *args],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"prepare: error: tokenizing into {out} failed: worker pid "), proc.stderr
+    assert "was killed by signal 9 (SIGKILL; out of memory?)" in error and "run the same command again" in error
+    assert not os.path.exists(out) and os.path.isdir(out + ".partial")
+    manifest = fast_prepare(source=small_txt_dir, tokenizer="bpe:300", out=out, val_tokens=50, num_workers=2)
+    stream = np.concatenate([read_split_tokens(out, "val"), read_split_tokens(out, "train")])
+    tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
+    assert tok.decode(stream.tolist()) == joined(SMALL_DOCS) and manifest["splits"]["train"]["tokens"] > 0
+    assert not os.path.exists(out + ".partial")
+
+
+@pytest.mark.parametrize("case", ["jsonl-row-with-other-fields", "txt-not-utf8"])
+def test_bad_file_read_by_a_worker_is_named_with_its_cause(case, tmp_path):
+    """The bad file is past the validation head and the tokenizer is a file (no BPE training reads the corpus
+    here), so a litdata worker is the first to read it; its error must come back with the file and the cause."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    suffix = case.split("-")[0]
+    for i, doc in enumerate(SMALL_DOCS):
+        text = json.dumps({"text": doc}) + "\n" if suffix == "jsonl" else doc
+        (folder / f"doc{i}.{suffix}").write_text(text, encoding="utf-8")
+    bad = folder / f"doc2.{suffix}"
+    if suffix == "jsonl":
+        bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+        named, cause = str(bad), "CastError: Couldn't cast"  # datasets' multi-line error, naming no file
+    else:
+        bad.write_bytes("café in latin-1 ".encode("latin-1") * 20)
+        named, cause = str(bad), "UnicodeDecodeError"
+    with pytest.raises(ValueError) as exc:  # read here, in this process
+        list(get_source(str(folder)).documents())
+    assert named in one_line(exc) and cause in str(exc.value)
+
+    tokenizer = str(tmp_path / "tokenizer.json")
+    train_bpe(SMALL_DOCS, 300).save(tokenizer)
+    out = str(tmp_path / "out")
+    with pytest.raises(RuntimeError) as exc:
+        fast_prepare(source=str(folder), tokenizer=tokenizer, out=out, val_tokens=50, num_workers=2)
+    message = one_line(exc)
+    assert f"tokenizing into {out} failed in a worker: ValueError: {named}" in message, message
+    assert cause in message and f"nothing was written to {out}" in message
+    assert not os.path.exists(out)
+
+
 # ------------------------------------------------------------------------------------------------ sources
 
 
@@ -615,3 +703,15 @@ def test_concurrent_prepares_of_one_folder_both_succeed_with_one_result(small_tx
     assert sum("nothing to do" in log for log in logs) == 1 and sum("wrote" in log for log in logs) == 1
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
     assert not os.path.exists(out + ".partial")
+
+
+def test_empty_or_one_document_sources_say_so(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty.txt holds no text"):
+        fast_prepare(source=str(empty), tokenizer="bpe:300", out=str(tmp_path / "a"))
+    one = tmp_path / "one.txt"
+    one.write_text("a single document " * 500)
+    with pytest.raises(ValueError, match=r"validation took all 1 documents.*a \.txt file is one document"):
+        fast_prepare(source=str(one), tokenizer="bpe:300", out=str(tmp_path / "b"), val_fraction=0.01)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

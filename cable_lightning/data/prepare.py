@@ -19,9 +19,12 @@ import fcntl
 import functools
 import itertools
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
@@ -31,11 +34,19 @@ import numpy as np
 
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from cable_lightning.data.sources import VALID_SOURCES, DatasetSource, get_source
-from cable_lightning.data.tokenizers import TOKENIZER_FILE, VALID_SPECS, Tokenizer, get_tokenizer, parse_bpe_spec, train_bpe
+from cable_lightning.data.tokenizers import (
+    TOKENIZER_FILE,
+    VALID_SPECS,
+    Tokenizer,
+    get_tokenizer,
+    parse_bpe_spec,
+    train_bpe,
+)
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
 PIECE_TOKENS = 1 << 20  # largest array a worker yields at once (the writer cannot split items)
+WATCH_SECONDS = 0.05  # how often the watchdog looks at litdata's workers
 DEFAULT_VAL_FRACTION = 0.05
 ENCODE_BATCH = 64
 
@@ -80,7 +91,10 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
                 return np.concatenate(head), [(item, used)] + [(rest, 0) for rest in items[index + 1 :]]
             head.append(ids)
             taken += len(doc) if by_chars else len(ids)
-    raise ValueError(f"{src.name} is too small: validation took every document; lower --val-fraction/--val-tokens")
+    if not head:
+        raise ValueError(f"{src.name} holds no text (empty files?); give a source with documents")
+    raise ValueError(f"{src.name} is too small: validation took all {len(head)} documents; lower --val-fraction/--val-tokens"
+                     " (a .txt file is one document: use several files, or jsonl with one document per line)")
 
 
 def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str = "data/pydocs-bpe4096",
@@ -110,7 +124,9 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
     log = functools.partial(print, "[prepare]", flush=True) if verbose else None
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second prepare of this out waits here, then finds it done
+        # A second prepare of this out waits here, then finds it done. A POSIX lock belongs to this process alone:
+        # forked litdata helpers that outlive a killed worker cannot keep it (an flock would stay held by them).
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         if (done := _existing(out, request, overwrite)) is not None:
             (log or _silent)(f"{out} is already prepared for this request ({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
@@ -141,6 +157,8 @@ def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | Non
     if src.splits is None:
         by_chars = request["val_tokens"] is None
         budget = request["val_fraction"] * sum(map(len, src.documents())) if by_chars else request["val_tokens"]
+        if budget == 0:
+            raise ValueError(f"{src.name} holds no text (empty files?); give a source with documents")
         held_out["val"], train_work = split_head(src, tok, budget, by_chars, dtype)
     else:
         for split in (s for s in src.splits if s != "train"):
@@ -155,14 +173,15 @@ def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | Non
     workers = max(1, min(num_workers or os.cpu_count() or 1, len(train_work)))
     log(f"tokenizing train: {len(train_work)} work items, {workers} workers")
     fn = functools.partial(tokenize_work, source=src, tokenizer_ref=tokenizer_ref, tokenizer_name=tok.name, dtype=dtype)
-    _optimize(os.path.join(partial, "train"), train_work, fn, workers, start_method, verbose=printer is not None)
+    _optimize(out, os.path.join(partial, "train"), train_work, fn, workers, start_method, verbose=printer is not None)
     with open(os.path.join(partial, "train", "index.json"), encoding="utf-8") as f:
         chunks = json.load(f)["chunks"]
     splits["train"] = {"tokens": sum(int(c["dim"]) for c in chunks), "chunks": len(chunks)}
     log(f"train: {splits['train']['tokens']} tokens in {len(chunks)} chunks")
 
-    import cable_lightning
     import litdata
+
+    import cable_lightning
 
     manifest = {
         "format": FORMAT_VERSION, "request": request, "source": src.describe(),
@@ -193,21 +212,129 @@ def _existing(out: str, request: dict[str, Any], overwrite: bool) -> dict[str, A
     return read_manifest(out)
 
 
-def _optimize(out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None, verbose: bool) -> None:
+def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None,
+              verbose: bool) -> None:
+    """litdata's ``optimize`` under a :class:`_Watchdog`; any failure is one line that names its cause."""
     from litdata import TokensLoader, optimize
 
+    watchdog, sigint, error = _Watchdog(), signal.getsignal(signal.SIGINT), None
+    watchdog.start()
     try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
         optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
                  num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method,
                  verbose=verbose)
-    except RuntimeError as exc:
-        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-        raise RuntimeError(f"tokenizing into {out_dir} failed in a worker: {lines[-1] if lines else exc}") from None
+    except Exception as exc:  # noqa: BLE001 - kept to be raised below, after a watchdog's cause
+        error = exc
+    finally:
+        watchdog.finish()
+        if sigint is not None:  # litdata leaves its SIGINT handler behind: a later Ctrl-C would exit with status 0
+            signal.signal(signal.SIGINT, sigint)
+    if isinstance(error, RuntimeError) and "Traceback" in str(error):  # a worker raised: litdata passes on its text
+        cause = f"failed in a worker: {_exception_line(str(error))}; nothing was written to {out}"
+    elif watchdog.cause:
+        cause = f"failed: {watchdog.cause}; nothing was written to {out}; run the same command again"
+    elif error:
+        raise error
+    else:
+        return
+    raise RuntimeError(f"tokenizing into {out} {cause}") from None
+
+
+def _exception_line(text: str) -> str:
+    """The first ``Type: message`` line (one that follows a frame's indented lines) of a traceback's text: the root
+    cause, as chained tracebacks print it first (litdata wraps a worker's error in its own RuntimeError)."""
+    lines = [line for line in text.splitlines() if line.strip() not in ("", ".")]
+    found = [line for prev, line in itertools.pairwise(lines) if prev.startswith(" ") and not line.startswith(" ")]
+    return (found or lines[-1:] or [text])[0].strip()
+
+
+class _Watchdog(threading.Thread):
+    """Watches the processes ``optimize`` starts. litdata 0.2.76 does not notice a worker that dies without raising
+    (killed for memory, say): it finishes without that worker's share of the data, or waits for it. On such a death
+    this thread ends the other workers, so ``optimize`` returns, and keeps the cause. :meth:`finish` also ends the
+    workers' own children (litdata's helpers), which a dead worker leaves behind holding our stdout."""
+
+    def __init__(self) -> None:
+        super().__init__(name="prepare-watchdog", daemon=True)
+        self.before = set(_started_children())
+        self.workers: dict[int, Any] = {}  # pid -> Process, every child started while watching
+        self.helpers: dict[int, str | None] = {}  # pid -> start time of the workers' children
+        self.cause: str | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(WATCH_SECONDS) and self.look() is None:
+            pass
+        if self.cause:
+            self.end()
+
+    def look(self) -> str | None:
+        """Note new workers and their children; the first abnormal exit is the cause."""
+        for proc in _started_children():
+            if proc not in self.before:
+                self.workers.setdefault(proc.pid, proc)
+                self.helpers.update((pid, _start_time(pid)) for pid in _children(proc.pid) if pid not in self.helpers)
+        for pid, proc in self.workers.items():
+            if proc.exitcode and self.cause is None:  # None: running, 0: done, < 0: killed by that signal
+                self.cause = _death(pid, proc.exitcode)
+        return self.cause
+
+    def end(self) -> None:
+        for proc in self.workers.values():
+            if proc.is_alive():
+                proc.terminate()
+        for pid, started in self.helpers.items():
+            if started is not None and _start_time(pid) == started:  # still that process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def finish(self) -> None:
+        """Stop watching (always: the thread never outlives ``optimize``), then a last look and clean-up."""
+        self.done.set()
+        self.join()
+        self.look()
+        self.end()
+
+
+def _started_children() -> list:
+    """This process's multiprocessing children, dead ones not yet reaped included: ``active_children()`` reaps and
+    drops those, so a worker that died before the watchdog first saw it would go unnoticed."""
+    return list(getattr(multiprocessing.process, "_children", None) or multiprocessing.active_children())
+
+
+def _death(pid: int, code: int) -> str:
+    if code > 0:
+        return f"worker pid {pid} exited with code {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else "unknown signal"
+    hint = "; out of memory?" if -code == signal.SIGKILL else ""
+    return f"worker pid {pid} was killed by signal {-code} ({name}{hint})"
+
+
+def _children(pid: int) -> list[int]:
+    """Child pids of ``pid``'s main thread (Linux; none elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (field 22 of /proc/pid/stat), to tell it from a later process given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _first_chars(docs: Iterator[str], limit: int) -> Iterator[str]:
     seen = 0
-    for doc in itertools.takewhile(lambda _: seen < limit, docs):
+    for doc in docs:
+        if seen >= limit:
+            return
         seen += len(doc)
         yield doc
 

@@ -167,7 +167,7 @@ class DatasetSource:
             try:
                 self._open[key] = datasets.load_dataset(builder, streaming=True, **kwargs)
             except Exception as exc:
-                raise RuntimeError(f"cannot stream {self.name} ({key}): {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+                raise RuntimeError(f"cannot stream {self.name} ({key}): {type(exc).__name__}: {(str(exc).splitlines() or ['no message (an empty file?)'])[0]}") from None
         return self._open[key]
 
     def check(self) -> None:
@@ -183,18 +183,23 @@ class DatasetSource:
         return [(key, i) for i in range(self._stream(key).n_shards)]
 
     def read(self, item: Any) -> Iterator[str]:
-        from pyarrow import ArrowException
-
+        """The item's documents; any error names the file (or shard) and fits on one line, as prepare relays
+        errors from its workers (the builders' own, e.g. a multi-line CastError for other fields, name neither)."""
         key, index = item
         stream = self._stream(key)
         where = self.streams[key][1]["data_files"][index] if self.files is not None else f"{self.name} shard {index}"
-        try:
-            for row, record in enumerate(stream.shard(num_shards=stream.n_shards, index=index), 1):
-                if not isinstance(record.get("text"), str):
-                    raise ValueError(f"{where}:{row} has no 'text' string (fields: {', '.join(record)})")
-                yield record["text"]
-        except (UnicodeDecodeError, ArrowException) as exc:
-            raise ValueError(f"{where} cannot be read as {key} text ({type(exc).__name__}: {str(exc)[:200]})") from None
+        records = iter(stream.shard(num_shards=stream.n_shards, index=index))
+        for row in itertools.count(1):
+            try:
+                record = next(records, None)
+            except Exception as exc:  # noqa: BLE001 - bad bytes, JSON, schema: re-raised with the file's name
+                cause = " ".join(str(exc).split())[:300]
+                raise ValueError(f"{where} cannot be read as {key} text ({type(exc).__name__}: {cause})") from None
+            if record is None:
+                return
+            if not isinstance(record.get("text"), str):
+                raise ValueError(f"{where}:{row} has no 'text' string (fields: {', '.join(record)})")
+            yield record["text"]
 
     def documents(self, split: str | None = None) -> Iterator[str]:
         """All documents in order (of one of the source's own splits, when it has them)."""
