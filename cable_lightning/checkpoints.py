@@ -125,7 +125,7 @@ def resolve_ckpt_path(value: Optional[str], folder: str, subcommand: str = "fit"
     for path in found:
         try:
             readable.append((checkpoint_step(path), os.path.basename(path) == "last.ckpt", path))
-        except CorruptCheckpointError as err:
+        except ConfigError as err:  # corrupt, or a dangling link
             print(f"--ckpt_path {value}: skipping {err}", flush=True)
     if readable:
         step, is_last, path = max(readable)

@@ -158,6 +158,9 @@ class CableCLI(LightningCLI):
             "checkpoint.every_n_train_steps": 1000,
             "checkpoint.filename": "step{step:07d}",
             "checkpoint.auto_insert_metric_name": False,
+            # one run per folder (claim_checkpoint_folder): a resumed run overwrites last.ckpt (atomically) instead of
+            # writing last-v1.ckpt beside a stale last.ckpt
+            "checkpoint.enable_version_counter": False,
             "trainer.gradient_clip_val": 1.0,
         })
         parser.link_arguments("data", "model.init_args.data", compute_fn=describe_prepared, apply_on="instantiate")

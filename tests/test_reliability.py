@@ -153,6 +153,9 @@ def test_ckpt_path_last_skips_a_corrupt_last_and_refuses_when_nothing_loads(tiny
     with open(os.path.join(folder, "last.ckpt"), "r+b") as f:
         f.truncate(1000)  # as a kill during a non-atomic copy would leave it
     assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
+    os.symlink(os.path.join(folder, "gone.ckpt"), os.path.join(folder, "dangling.ckpt"))  # a link to a deleted file
+    assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
+    os.remove(os.path.join(folder, "dangling.ckpt"))
     future = time.time() + 3600
     os.utime(os.path.join(folder, "step0000002.ckpt"), (future, future))  # a copied folder: times say nothing
     assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
@@ -275,6 +278,8 @@ def test_sigterm_saves_last_at_the_optimizer_step_exits_143_and_the_resumed_run_
     assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
     resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=4), *accumulate, "--ckpt_path", "last"])
     assert resumed.trainer.global_step == 6
+    # the resumed run's checkpoints replace last.ckpt (no last-v1.ckpt beside a stale one)
+    assert sorted(os.listdir(checkpoints(runs, "cable"))) == ["last.ckpt", "step0000004.ckpt"]
     assert {r["step"] for r in jsonl_rows(runs, "cable") if "version_1" in resumed.trainer.log_dir} == {6}
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
