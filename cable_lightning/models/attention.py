@@ -8,6 +8,9 @@
   is O(rows x T), never O(T^2).
 - ``materialized``: the obvious formula with the full (B, H, T, T) bias; the reference for tests.
 
+Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run only ``chunked``
+(``auto``) or ``materialized`` (one block of all rows).
+
 Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix).
 """
 
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..positional.base import ScoreBias
+from ..positional.base import LogitScores, ScoreBias, causal_allowed
 
 BACKENDS = ("auto", "sdpa", "fold", "flex", "chunked", "materialized")
 # The chunked path sizes its row blocks so one block's bias holds at most this many elements.
@@ -35,9 +38,14 @@ FOLD_PIECES_LOW_PRECISION = 3
 _compiled_flex = None
 
 
-def resolve_backend(backend: str, bias: ScoreBias | None, device: torch.device, q_offset: int = 0) -> str:
+def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: torch.device, q_offset: int = 0) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if isinstance(bias, LogitScores):
+        if backend not in ("auto", "chunked", "materialized"):
+            raise ConfigError(f"attention backend {backend!r} cannot run {type(bias).__name__}: its scores need the "
+                              "q.k logits (CoPE, DAPEv2); use auto, chunked or materialized")
+        return "chunked" if backend == "auto" else backend
     if backend != "auto":
         return backend
     if bias is None:
@@ -48,9 +56,10 @@ def resolve_backend(backend: str, bias: ScoreBias | None, device: torch.device, 
     return "flex" if device.type == "cuda" and q_offset == 0 else "chunked"
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | None, causal: bool, q_offset: int = 0,
+def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
               backend: str = "auto") -> Tensor:
-    """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D)."""
+    """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
+    :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v."""
     backend = resolve_backend(backend, bias, q.device, q_offset)
     if backend == "fold" and bias is not None:
         if not bias.foldable:
@@ -126,12 +135,20 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v
 
 
-def _causal_allowed(rows: range, n_keys: int, q_offset: int, device) -> Tensor:
-    q_pos = torch.arange(rows.start, rows.stop, device=device)[:, None] + q_offset
-    return torch.arange(n_keys, device=device)[None, :] <= q_pos
+def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, scale=None):
+    """Attention of query rows [start, start + rows) whose scores are a function of their logits."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    stop = start + q.shape[-2]
+    logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    out = scores.scores(logits, q, start, stop)
+    if causal:
+        out = out.masked_fill(~causal_allowed(start, stop, k.shape[-2], q_offset, q.device), float("-inf"))
+    return (out.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
 
 
 def _materialized(q, k, v, bias, causal, q_offset):
+    if isinstance(bias, LogitScores):
+        return _from_logits(q, k, v, bias, 0, causal, q_offset)
     b, h, tq, d = q.shape
     tk = k.shape[-2]
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
@@ -139,22 +156,27 @@ def _materialized(q, k, v, bias, causal, q_offset):
     if bias is not None:
         scores = scores + bias.rows(0, tq, tk, b, h, q.device)
     if causal:
-        scores = scores.masked_fill(~_causal_allowed(range(tq), tk, q_offset, q.device), float("-inf"))
+        scores = scores.masked_fill(~causal_allowed(0, tq, tk, q_offset, q.device), float("-inf"))
     return (scores.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
 
 
 def _chunked(q, k, v, bias, causal, q_offset, scale=None):
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
-    rows_per_block = max(1, CHUNK_ELEMENTS // (b * h * tk))
+    maps = h * (bias.maps_per_head if isinstance(bias, LogitScores) else 1)
+    rows_per_block = max(1, CHUNK_ELEMENTS // (b * maps * tk))
     outputs = []
     for start in range(0, tq, rows_per_block):
         stop = min(tq, start + rows_per_block)
         # Causal rows never see keys past their own position: drop those columns entirely.
         n_keys = min(tk, q_offset + stop) if causal else tk
+        if isinstance(bias, LogitScores):
+            outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
+                                        q_offset, scale))
+            continue
         mask = bias.rows(start, stop, n_keys, b, h, q.device) if bias is not None else None
         if causal:
-            allowed = _causal_allowed(range(start, stop), n_keys, q_offset, q.device)
+            allowed = causal_allowed(start, stop, n_keys, q_offset, q.device)
             if mask is None:
                 mask = allowed
             else:

@@ -15,6 +15,7 @@ PRESETS: dict[str, dict] = {
     "bert-base": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=30522, causal=False),
 }
 _DEFAULTS = dict(mlp_ratio=4.0, dropout=0.0)
+DAPE_VERSIONS = ("none", "v2")
 # Settings that may differ from a checkpoint's: they change how the weights are run, not what they are.
 RUNTIME_FIELDS = ("dropout", "attention_backend", "rope_scaling", "rope_scaling_factor")
 
@@ -41,6 +42,12 @@ class BackboneConfig:
     rope_base: float = 10000.0
     rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
     rope_scaling_factor: float = 1.0
+    # DAPEv2 (Zheng et al., 2024): a convolution over [logits, bias] that corrects any score-bias PE.
+    dape: Literal["none", "v2"] = "none"
+    dape_width: int = 32
+    dape_kernel: int = 3
+    # CoPE (Golovneva et al., 2024): contextual positions are clamped to [0, cope_positions - 1].
+    cope_positions: int = 64
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -52,6 +59,13 @@ class BackboneConfig:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"head size {self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
+        if self.dape not in DAPE_VERSIONS:
+            raise ConfigError(f"unknown dape {self.dape!r}; valid: {', '.join(DAPE_VERSIONS)}")
+        if self.dape_width < 1 or self.dape_kernel < 1 or self.dape_kernel % 2 == 0:
+            raise ConfigError(f"dape_width must be >= 1 and dape_kernel odd and >= 1 (it is centred on each key), "
+                              f"got dape_width={self.dape_width}, dape_kernel={self.dape_kernel}")
+        if self.cope_positions < 2:
+            raise ConfigError(f"cope_positions must be >= 2 (interpolation needs two positions), got {self.cope_positions}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -63,5 +77,28 @@ class BackboneConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def encoding_name(self) -> str:
+        """The PE as runs, records and reports name it: ``cable``, or ``dape_v2+cable`` when DAPEv2 augments it."""
+        return encoding_name(self.pos_encoding, self.dape)
+
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DAPE_PREFIX = "dape_"
+
+
+def encoding_name(pos_encoding: str, dape: str = "none") -> str:
+    """``cable`` or ``dape_v2+cable``: one name for a PE and its augmentation (run folders, records, reports)."""
+    return pos_encoding if dape == "none" else f"{DAPE_PREFIX}{dape}+{pos_encoding}"
+
+
+def parse_encoding_name(name: str) -> dict:
+    """The inverse of :func:`encoding_name`: ``dape_v2+cable`` -> ``{"pos_encoding": "cable", "dape": "v2"}``."""
+    augmentation, plus, pos_encoding = name.rpartition("+")
+    if not plus:
+        return {"pos_encoding": name, "dape": "none"}
+    if not augmentation.startswith(DAPE_PREFIX):
+        raise ConfigError(f"unknown augmentation {augmentation!r} in {name!r}; valid: {DAPE_PREFIX}v2+<pe>")
+    return {"pos_encoding": pos_encoding, "dape": augmentation[len(DAPE_PREFIX):]}

@@ -14,6 +14,12 @@ import torch
 from torch import Tensor, nn
 
 
+def causal_allowed(start: int, stop: int, n_keys: int, q_offset: int, device) -> Tensor:
+    """(rows, n_keys) True where query row i (at position q_offset + i) may attend key j: j <= q_offset + i."""
+    q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
+    return torch.arange(n_keys, device=device)[None, :] <= q_pos
+
+
 class UnsupportedLengthError(ValueError):
     """A positional encoding cannot serve this sequence length (a learnable table that is too short)."""
 
@@ -64,6 +70,32 @@ class ScoreBias:
         return add_bias
 
 
+class LogitScores:
+    """Attention scores that need the q.k logits themselves, not only positions and tokens: CoPE's gates
+    and DAPEv2's convolution over [logits, bias]. No pointwise form exists, so attention computes them
+    one block of query rows at a time (the chunked path; no fused kernel can run them).
+
+    :meth:`scores` gets the scaled logits of query rows [start, stop) against keys [0, n_keys)
+    (B, H, rows, n_keys), those rows' queries (B, H, rows, D), and returns the scores before the causal
+    mask. Every row must depend only on its own logits (and, causally, on keys up to its position), so
+    that blocks of rows, cached decoding and the full forward agree.
+    """
+
+    # (row, key) maps of one head's size that scores() holds at once per head; sizes the row blocks.
+    maps_per_head = 1
+
+    def __init__(self, q_offset: int, causal: bool):
+        self.q_offset = q_offset
+        self.causal = causal
+
+    def scores(self, logits: Tensor, q: Tensor, start: int, stop: int) -> Tensor:
+        raise NotImplementedError
+
+    def future(self, start: int, stop: int, n_keys: int, device) -> Tensor:
+        """(rows, n_keys) True where a key lies after its query row (never attended to when causal)."""
+        return ~causal_allowed(start, stop, n_keys, self.q_offset, device)
+
+
 class PositionalEncoding(nn.Module):
     """Base class: every hook is the identity; a PE overrides the hooks it needs."""
 
@@ -84,7 +116,7 @@ class PositionalEncoding(nn.Module):
     def rotate(self, q: Tensor, k: Tensor, offset: int) -> tuple[Tensor, Tensor]:
         return q, k
 
-    def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None) -> ScoreBias | None:
+    def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None) -> ScoreBias | LogitScores | None:
         """``h``: the layer's normalised input (B, T, C) at positions offset..offset+T-1;
         ``state``: this layer's decoding cache (a dict the PE may extend) or None."""
         return None

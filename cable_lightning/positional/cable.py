@@ -1,4 +1,4 @@
-"""CABLE: context-aware additive biases (and its NW and kernelised variants).
+"""CABLE: context-aware additive biases (and its NW and kernelised variants, and FoX, which is one of them).
 
 Per layer and head, from the layer's normalised input x_t:
     b_t = ReLU(w_c . x_t) >= 0        (softplus in the paper's first version: ``cable_bias_activation``)
@@ -51,24 +51,33 @@ class Cable(PositionalEncoding):
     has_score_bias = True
     weighted = True
     kernel = "linear"
+    gate_offset = False  # FoX: the projection has a learned offset per head
 
     def __init__(self, config):
         super().__init__(config)
         outputs = 2 if self.weighted else 1
         # One linear map per layer giving, per head, the bias logit (and the weight logit).
-        self.proj = nn.ModuleList(nn.Linear(config.n_embd, outputs * config.n_head, bias=False) for _ in range(config.n_layer))
+        self.proj = nn.ModuleList(nn.Linear(config.n_embd, outputs * config.n_head, bias=self.gate_offset)
+                                  for _ in range(config.n_layer))
         for p in self.proj:
             nn.init.normal_(p.weight, std=0.02)
+            if p.bias is not None:
+                nn.init.zeros_(p.bias)
+        self.activation = self.token_activation(config)
+
+    def token_activation(self, config):
+        """The map from a token's bias logit to its (non-negative) bias b."""
         if config.cable_bias_activation not in ("relu", "softplus"):
             raise ConfigError(f"cable_bias_activation must be 'relu' or 'softplus', got {config.cable_bias_activation!r}")
-        self.activation = F.relu if config.cable_bias_activation == "relu" else F.softplus
+        return F.relu if config.cable_bias_activation == "relu" else F.softplus
 
     def score_bias(self, h, layer, offset, state):
         # Cumulative sums run in fp32 (or wider): at 15k tokens bf16 would lose the small differences S_i - S_j.
-        weight = self.proj[layer].weight
-        dtype = torch.promote_types(weight.dtype, torch.float32)
+        proj = self.proj[layer]
+        dtype = torch.promote_types(proj.weight.dtype, torch.float32)
         with torch.autocast(device_type=h.device.type, enabled=False):
-            out = F.linear(h.to(dtype), weight.to(dtype)).transpose(1, 2)  # (B, outputs*H, T)
+            offsets = proj.bias.to(dtype) if proj.bias is not None else None
+            out = F.linear(h.to(dtype), proj.weight.to(dtype), offsets).transpose(1, 2)  # (B, outputs*H, T)
             b = self.activation(out[:, : self.n_head])
             g = F.softplus(out[:, self.n_head :]) if self.weighted else None
             s_q = torch.cumsum(b, dim=-1)
@@ -99,3 +108,25 @@ class KernelCable(Cable):
     """K-CABLE: CABLE's weighted distance through the kernel -log(1 + x^2)."""
 
     kernel = "log"
+
+
+def negative_log_sigmoid(logit: Tensor) -> Tensor:
+    """-log sigmoid(z) = softplus(-z) >= 0: the penalty a forget gate sigmoid(z) adds per token."""
+    return F.softplus(-logit)
+
+
+@register("fox")
+class ForgettingGate(Cable):
+    """FoX (Lin et al., 2025): a forget gate per head and token, f_t = sigmoid(w . x_t + c), and
+    bias[i, j] = sum_{j < u <= i} log f_u. With S_t = sum_{u <= t} -log f_u this is -(S_i - S_j):
+    CABLE_NW with b_t = -log f_t, so it shares CABLE's cumulative sums, cache and fold path.
+
+    Initialisation as FoX's data-dependent gate: weights N(0, 0.02), offset c = 0 (f = 1/2 at the start,
+    a strong recency bias the model learns away from where it needs distant tokens).
+    """
+
+    weighted = False
+    gate_offset = True
+
+    def token_activation(self, config):
+        return negative_log_sigmoid

@@ -20,6 +20,11 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def score_bias_encodings() -> list[str]:
+    """The PEs whose bias is a pointwise :class:`ScoreBias` (what DAPEv2 can augment)."""
+    return [name for name in available() if _REGISTRY[name].has_score_bias]
+
+
 def build_positional(config):
     name = config.pos_encoding
     if name not in _REGISTRY:
