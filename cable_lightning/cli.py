@@ -42,6 +42,7 @@ from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, read_check
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, user_error
 from .lit import LanguageModel
+from .models.config import encoding_name
 
 EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 
@@ -69,7 +70,7 @@ def describe_prepared(data: TokenDataModule) -> dict:
 def run_folder(config) -> str:
     """``<runs_dir>/<experiment>/<pe>``: TensorBoard versions and the checkpoints folder live under it."""
     backbone = config.model.init_args.backbone if config.model is not None else None
-    pe = backbone.pos_encoding if backbone is not None else "cable"
+    pe = encoding_name(backbone.pos_encoding, backbone.dape) if backbone is not None else "cable"
     return f"{config.runs_dir}/{config.experiment}/{pe}"
 
 

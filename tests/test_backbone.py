@@ -6,16 +6,21 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
+from cable_lightning.models.config import encoding_name, parse_encoding_name
 from cable_lightning.models import attention as attn_mod
-from cable_lightning.positional import UnsupportedLengthError, available
+from cable_lightning.positional import UnsupportedLengthError, available, score_bias_encodings
 from cable_lightning.positional.rope import Rope
 
 ALL_PES = available()
+# Every PE, and DAPEv2 over every PE it can augment: the properties below hold for all of them.
+VARIANTS = ALL_PES + [encoding_name(pe, "v2") for pe in score_bias_encodings()]
 
 
 def tiny(pe, causal=True, **overrides):
+    """``pe``: a PE name or a variant such as ``dape_v2+cable``."""
     torch.manual_seed(0)
-    config = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal, block_size=64, **overrides)
+    config = BackboneConfig(**parse_encoding_name(pe), n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal,
+                            block_size=64, **overrides)
     model = build_backbone(config).eval()
     with torch.no_grad():  # make learned PE parameters non-trivial (T5 starts at zero)
         for p in model.pe.parameters():
@@ -23,12 +28,12 @@ def tiny(pe, causal=True, **overrides):
     return model
 
 
-def test_twelve_encodings_are_registered():
+def test_fourteen_encodings_are_registered():
     assert ALL_PES == sorted(["cable", "cable_nw", "k_cable", "alibi", "kerple_log", "kerple_power", "fire", "t5",
-                              "rope", "learnable", "sinusoidal", "nope"])
+                              "rope", "learnable", "sinusoidal", "nope", "fox", "cope"])
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
+@pytest.mark.parametrize("pe", VARIANTS)
 def test_no_future_token_leaks(pe, monkeypatch):
     monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 4 * 40 * 8)  # several query blocks
     model = tiny(pe)
@@ -42,7 +47,7 @@ def test_no_future_token_leaks(pe, monkeypatch):
     assert not torch.allclose(a[:, t], b[:, t])
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
+@pytest.mark.parametrize("pe", VARIANTS)
 def test_bidirectional_encoder_sees_both_directions(pe):
     model = tiny(pe, causal=False)
     x = torch.randint(0, 97, (1, 12))
@@ -52,7 +57,7 @@ def test_bidirectional_encoder_sees_both_directions(pe):
         assert not torch.allclose(model(x)[:, 2], model(y)[:, 2])
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
+@pytest.mark.parametrize("pe", VARIANTS)
 def test_incremental_decoding_equals_full_forward(pe):
     model = tiny(pe)
     x = torch.randint(0, 97, (2, 14))

@@ -1,7 +1,8 @@
 """Pictures of each head's positional bias in the last layer, for one fixed validation text.
 
-Score-bias PEs (the CABLE family, ALiBi, KERPLE, FIRE, T5) show their additive bias matrix; the
-others (RoPE, absolute, NoPE) show the last layer's pre-softmax attention scores. One image grid
+Score-bias PEs (the CABLE family, FoX, ALiBi, KERPLE, FIRE, T5) show their additive bias matrix, CoPE
+and DAPEv2 what they add to the logits; the others (RoPE, absolute, NoPE) show the last layer's
+pre-softmax attention scores. One image grid
 per evaluation in TensorBoard, like the CABLE paper's figures 4 and 8-15.
 """
 
@@ -11,6 +12,8 @@ import math
 
 import lightning as L
 import torch
+
+from ..positional import ScoreBias
 
 
 @torch.no_grad()
@@ -25,13 +28,16 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
         handle.remove()
     h = captured["h"]
     t, heads = tokens.shape[1], backbone.config.n_head
-    bias = backbone.pe.score_bias(h, len(backbone.blocks) - 1, 0, None)
-    if bias is not None:
-        maps, what = bias.rows(0, t, t, 1, heads, tokens.device)[0].float(), "additive bias"
+    terms = block.attn.score_terms(h, backbone.pe, 0, None)
+    if isinstance(terms, ScoreBias):
+        maps, what = terms.rows(0, t, t, 1, heads, tokens.device)[0].float(), "additive bias"
     else:
-        q, k, _ = (x.view(1, t, heads, -1).transpose(1, 2) for x in block.attn.qkv(h).split(h.shape[-1], dim=-1))
-        q, k = backbone.pe.rotate(q, k, 0)
-        maps, what = (q @ k.transpose(-1, -2))[0].float() / math.sqrt(q.shape[-1]), "attention scores"
+        q, k, _ = block.attn.queries_keys_values(h, backbone.pe, 0)
+        logits = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+        if terms is None:
+            maps, what = logits[0], "attention scores"
+        else:  # what CoPE or DAPEv2 adds to the logits (DAPEv2: the PE's bias plus its correction)
+            maps, what = (terms.scores(logits, q, 0, t) - logits)[0], "additive bias (from the logits)"
     maps = maps.expand(heads, t, t).clone()
     if backbone.causal:
         maps.masked_fill_(~torch.ones(t, t, dtype=torch.bool, device=maps.device).tril(), float("nan"))
@@ -77,5 +83,5 @@ class BiasPictures(L.Callback):
         if trainer.sanity_checking or self.text is None or not trainer.is_global_zero or not hasattr(experiment, "add_figure"):
             return
         maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
-        title = f"{pl_module.config.pos_encoding}: last layer {what}, step {trainer.global_step}"
+        title = f"{pl_module.config.encoding_name}: last layer {what}, step {trainer.global_step}"
         experiment.add_figure("bias/last_layer", draw_grid(maps, title), trainer.global_step)

@@ -53,10 +53,10 @@ def format_table(rows: list[dict], train_length: int) -> str:
 
 def pe_label(config) -> str:
     """The PE as the records and the report name it: RoPE evaluated with a scaling is its own column
-    (``rope+linear4``), not mixed into the plain RoPE numbers."""
+    (``rope+linear4``), not mixed into the plain RoPE numbers; DAPEv2 prefixes its PE (``dape_v2+cable``)."""
     if config.pos_encoding == "rope" and config.rope_scaling != "none":
         return f"rope+{config.rope_scaling}{config.rope_scaling_factor:g}"
-    return config.pos_encoding
+    return config.encoding_name
 
 
 class LengthEvalRecorder(L.Callback):
