@@ -20,21 +20,24 @@ import time
 import torch
 
 from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.models.config import parse_encoding_name
 from cable_lightning.positional import available
 
 
 def make_config(args, variant: str, block_size: int) -> BackboneConfig:
-    """``variant`` is a PE name, optionally with an attention backend: ``cable:materialized`` is the
+    """``variant`` is a PE name (``dape_v2+kerple_log``: augmented by DAPEv2), optionally with an attention backend: ``cable:materialized`` is the
     naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax, times v)."""
-    pe, _, backend = variant.partition(":")
+    name, _, backend = variant.partition(":")
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size") if getattr(args, k) is not None}
-    return BackboneConfig(preset=args.preset, pos_encoding=pe, block_size=block_size, attention_backend=backend or "auto", **overrides)
+    return BackboneConfig(preset=args.preset, **parse_encoding_name(name), block_size=block_size,
+                          attention_backend=backend or "auto", **overrides)
 
 
 def comparison_variants(device) -> list[str]:
-    """CABLE and ALiBi on the bias paths ``auto`` no longer picks for them (it folds them), and the naive CABLE."""
+    """CABLE and ALiBi on the bias paths ``auto`` no longer picks for them (it folds them), the naive CABLE, and
+    DAPEv2 over CABLE and KERPLE (the CABLE paper's cost comparison)."""
     bias_path = "flex" if device.type == "cuda" else "chunked"
-    return [f"cable:{bias_path}", f"alibi:{bias_path}", "cable:materialized"]
+    return [f"cable:{bias_path}", f"alibi:{bias_path}", "cable:materialized", "dape_v2+cable", "dape_v2+kerple_log"]
 
 
 def out_of_memory(err: Exception) -> bool:
@@ -201,7 +204,7 @@ def main(argv=None):
     parser.add_argument("--vocab-size", dest="vocab_size", type=int)
     parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
                         "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
-                        "pe:backend forces a backend")
+                        "pe:backend forces a backend; dape_v2+pe augments pe with DAPEv2")
     parser.add_argument("--naive-max-length", type=int, default=8192, help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
