@@ -135,11 +135,11 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v
 
 
-def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, scale=None):
+def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int):
     """Attention of query rows [start, start + rows) whose scores are a function of their logits."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
-    logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5
     out = scores.scores(logits, q, start, stop)
     if causal:
         out = out.masked_fill(~causal_allowed(start, stop, k.shape[-2], q_offset, q.device), float("-inf"))
@@ -172,7 +172,7 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None):
         n_keys = min(tk, q_offset + stop) if causal else tk
         if isinstance(bias, LogitScores):
             outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
-                                        q_offset, scale))
+                                        q_offset))
             continue
         mask = bias.rows(start, stop, n_keys, b, h, q.device) if bias is not None else None
         if causal:
