@@ -4,6 +4,7 @@ at 4x, the same greedy generation (transformers' generate on our KV cache) and t
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -187,3 +188,34 @@ def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
         exported = hf_tokenizer(tok, max_length=TRAIN_LEN)
         assert exported(text).input_ids == tok.encode_batch([text])[0], type(tok).__name__
         assert exported.eos_token_id == tok.eot_id and exported.mask_token_id in (tok.mask_id, None)
+
+
+def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, tmp_path, monkeypatch, capsys):
+    from cable_lightning.cli import main as cli
+    from cable_lightning.hf.export import checkpoint_backbone
+    from cable_lightning.hf.export import main as export
+
+    cli(["fit", "--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.n_layer", "2",
+         "--model.init_args.backbone.n_head", "2", "--model.init_args.backbone.n_embd", "32",
+         "--data.path", tiny_corpus_dir, "--data.block_size", "32", "--data.micro_batch_size", "2",
+         "--data.eval_tokens", "64", "--trainer.max_steps", "2", "--trainer.accelerator", "cpu",
+         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+         "--trainer.num_sanity_val_steps", "0", "--runs_dir", str(tmp_path / "runs"), "--experiment", "export"])
+    ckpt = tmp_path / "runs" / "export" / "cable" / "checkpoints" / "last.ckpt"
+    out = tmp_path / "hf"
+    export(["--ckpt_path", str(ckpt), "--out", str(out)])  # the data path comes from the run's config.yaml
+    trained, _ = checkpoint_backbone(str(ckpt))
+    exported = load_backbone(str(out))
+    assert all(torch.equal(v, exported.state_dict()[k]) for k, v in trained.state_dict().items())
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32 and config["auto_map"]["AutoModelForCausalLM"]
+    assert (out / "tokenizer.json").is_file() and (out / "cable_core" / "positional" / "registry.py").is_file()
+
+    # `python -m cable_lightning export` (the module's __main__, in this process): an existing folder is a one-line
+    # error with exit status 2
+    monkeypatch.setattr(sys, "argv", ["cable_lightning", "export", "--ckpt_path", str(ckpt), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_status:
+        runpy.run_module("cable_lightning", run_name="__main__")
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {out} already exists; pass --overwrite to replace it or choose another --out"]

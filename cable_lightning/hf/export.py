@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
                         "data.path from its config.yaml); its tokenizer is exported")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one line of output: what was written where
     try:
         out = export_checkpoint(args.ckpt_path, args.out, args.data_path, args.overwrite)
     except Exception as exc:
