@@ -20,6 +20,7 @@ from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available
 
 SEPARATED = "one document<|endoftext|>the next"
+BEAM_PES = ("cable", "rope")
 TRAIN_LEN, PROMPT, NEW_TOKENS = 16, 6, 14  # generation runs to 20 tokens, past the training length
 SAMPLE = "The os module provides a portable way of using operating system dependent functionality, 42 times."
 
@@ -48,6 +49,9 @@ for name, spec in job["models"].items():
     if spec["causal"]:
         prompt = ids[:1, : job["prompt"]]
         out["generated"] = model.generate(prompt, max_new_tokens=spec["new_tokens"], do_sample=False)
+        if spec.get("beams"):  # beam search reorders the cache (PE state included): it must match running without one
+            out["beams"] = [model.generate(prompt, max_new_tokens=spec["new_tokens"], num_beams=3, do_sample=False,
+                                           use_cache=use_cache) for use_cache in (True, False)]
     else:
         encoder = AutoModel.from_pretrained(spec["folder"], trust_remote_code=True).eval()
         mask = torch.tensor(job["padding_mask"])
@@ -99,7 +103,8 @@ def round_trip(tiny_corpus_dir, tmp_path_factory):
             backbones[name] = tiny_backbone(pe, causal, tok.vocab_size)
             folder = export_backbone(backbones[name], str(root / name), tok)
             new_tokens = TRAIN_LEN - PROMPT if pe == "learnable" else NEW_TOKENS
-            models[name] = {"folder": folder, "causal": causal, "train_len": TRAIN_LEN, "new_tokens": new_tokens}
+            models[name] = {"folder": folder, "causal": causal, "train_len": TRAIN_LEN, "new_tokens": new_tokens,
+                            "beams": causal and pe in BEAM_PES}
     padding_mask = [[1] * 12 + [0] * 4, [0] * 3 + [1] * 13]  # right and left padding
     job = {"models": models, "ids": ids.tolist(), "prompt": PROMPT, "padding_mask": padding_mask, "text": SAMPLE,
            "separated": SEPARATED,
@@ -130,6 +135,12 @@ def test_greedy_generate_through_transformers_equals_backbone_generate(round_tri
     ours = backbones[name].generate(ids[:1, :PROMPT], max_new_tokens=models[name]["new_tokens"], temperature=0)
     assert results[name]["generated"].tolist() == ours.tolist()
     assert ours.shape[1] == PROMPT + models[name]["new_tokens"]
+
+
+@pytest.mark.parametrize("pe", BEAM_PES)
+def test_beam_search_reorders_the_cache_with_the_pe_state(round_trip, pe):
+    with_cache, without_cache = round_trip[4][f"{pe}-causal"]["beams"]
+    assert with_cache.tolist() == without_cache.tolist()
 
 
 @pytest.mark.parametrize("pe", ["cable", "rope", "t5"])
