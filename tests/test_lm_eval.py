@@ -27,8 +27,6 @@ DOCS = [{"context": "The os module provides", "choices": [" a portable way", " z
 
 @pytest.fixture(scope="module")
 def export(tiny_corpus_dir, tmp_path_factory):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
     torch.manual_seed(0)
     backbone = build_backbone(BackboneConfig(pos_encoding="cable", n_layer=2, n_head=2, n_embd=64,

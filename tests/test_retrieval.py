@@ -33,8 +33,6 @@ EXTRA_TRIPLES = [("vrentish lamps", "vrentish lamps light the long hallway", "Re
 
 @pytest.fixture(scope="module")
 def encoder_folder(tiny_corpus_dir, tmp_path_factory):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
     torch.manual_seed(0)
     backbone = build_backbone(BackboneConfig(preset="bert-base", pos_encoding="cable", n_layer=2, n_head=2, n_embd=64,
