@@ -9,4 +9,5 @@ python -m pip install "torch==${TORCH_VERSION}"
 echo "torch==${TORCH_VERSION}" > /tmp/cable_lightning_constraints.txt
 python -m pip install -c /tmp/cable_lightning_constraints.txt -e ".[dev,hf]"
 python -m pip uninstall -y torchvision >/dev/null 2>&1 || true
-python -c "import lightning, litdata, torch, transformers; print(f'cable_lightning ready: torch {torch.__version__}, lightning {lightning.__version__}, litdata {litdata.__version__}, transformers {transformers.__version__}')"
+python -c "import lightning, litdata, torch, transformers; print(f'cable_lightning ready: torch {torch.__version__}, \
+lightning {lightning.__version__}, litdata {litdata.__version__}, transformers {transformers.__version__}')"
