@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("sentence_transformers")  # the hf extra: tools/install.sh installs it, so this runs in CI
 
+from safetensors.torch import load_file
+
 from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.hf import export_backbone
 from cable_lightning.models import BackboneConfig, build_backbone
@@ -29,6 +31,16 @@ DISTRACTORS = ["The os module provides a portable way of using operating system 
 EXTRA_TRIPLES = [("vrentish lamps", "vrentish lamps light the long hallway", "Return the absolute value of a number."),
                  ("glorbax stones", "glorbax stones are found near rivers", "Format a string with the given values."),
                  ("snivvel birds", "snivvel birds sing before the rain comes", "The pickle module serialises objects.")]
+
+
+@pytest.fixture(autouse=True)
+def hub_offline(monkeypatch):
+    """Offline mode for these tests (the libraries read HF_HUB_OFFLINE once, at import): nothing may wait on the hub."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +86,11 @@ def test_finetune_then_ndcg_beats_a_shuffled_ranking_and_table_layout(encoder_fo
     (tmp_path / "triples.jsonl").write_text(
         "".join(json.dumps({"query": q, "positive": p, "negative": n}) + "\n" for q, p, n in triples))
     tuned = retrieval.finetune(folder, str(tmp_path / "triples.jsonl"), str(tmp_path / "tuned"), max_seq_length=32,
-                               batch_size=3, max_steps=30, lr=1e-3)
+                               batch_size=3, max_steps=10, lr=1e-3)
     assert {"model.safetensors", "config.json", "cable_core", "tokenizer.json"} <= set(os.listdir(tuned))
+    before, after = (load_file(os.path.join(f, "model.safetensors")) for f in (folder, tuned))
+    assert before.keys() == after.keys()
+    assert not torch.equal(before["backbone.wte.weight"], after["backbone.wte.weight"])
     truth = {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()}
     shuffled = dict(zip(truth, list(truth.values())[1:] + list(truth.values())[:1]))  # every query's answer is wrong
     model = retrieval.encoder(tuned, 32)
@@ -91,9 +106,7 @@ def test_finetune_then_ndcg_beats_a_shuffled_ranking_and_table_layout(encoder_fo
     assert f"{100 * trained:.2f}" in lines[5]
 
 
-def test_mldr_offline_is_one_line(encoder_folder, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+def test_mldr_offline_is_one_line(encoder_folder):
     with pytest.raises(SystemExit) as stop:
         retrieval.ndcg_mldr(retrieval.encoder(encoder_folder[0], 16))
     message = str(stop.value)
