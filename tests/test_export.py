@@ -49,6 +49,10 @@ for name, spec in job["models"].items():
     if spec["causal"]:
         prompt = ids[:1, : job["prompt"]]
         out["generated"] = model.generate(prompt, max_new_tokens=spec["new_tokens"], do_sample=False)
+        if spec.get("beams"):  # a loaded model saved again is a whole folder (the copied model code included)
+            model.save_pretrained(spec["folder"] + "-resaved")
+            again = AutoModelForCausalLM.from_pretrained(spec["folder"] + "-resaved", trust_remote_code=True).eval()
+            out["resaved"] = again(ids).logits
         if spec.get("beams"):  # beam search reorders the cache (PE state included): it must match running without one
             out["beams"] = [model.generate(prompt, max_new_tokens=spec["new_tokens"], num_beams=3, do_sample=False,
                                            use_cache=use_cache) for use_cache in (True, False)]
@@ -141,6 +145,14 @@ def test_greedy_generate_through_transformers_equals_backbone_generate(round_tri
 def test_beam_search_reorders_the_cache_with_the_pe_state(round_trip, pe):
     with_cache, without_cache = round_trip[4][f"{pe}-causal"]["beams"]
     assert with_cache.tolist() == without_cache.tolist()
+
+
+@pytest.mark.parametrize("pe", BEAM_PES)
+def test_a_loaded_model_saved_again_loads_with_the_same_logits(round_trip, pe):
+    backbones, _, ids, _, results = round_trip
+    with torch.no_grad():
+        expected = backbones[f"{pe}-causal"](ids)
+    torch.testing.assert_close(results[f"{pe}-causal"]["resaved"], expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("pe", ["cable", "rope", "t5"])

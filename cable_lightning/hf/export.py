@@ -219,7 +219,8 @@ def load_backbone(folder: str) -> Backbone:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cable_lightning export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning export",
+                                     description="Write a fit checkpoint as a Hugging Face model folder.")
     parser.add_argument("--ckpt_path", required=True,
                         help="a checkpoint written by fit (e.g. runs/<exp>/<pe>/checkpoints/last.ckpt)")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")

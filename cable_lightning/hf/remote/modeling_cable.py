@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
 
 import torch
@@ -34,14 +35,19 @@ from .configuration_cable import CableConfig
 CORE = "cable_core"
 
 
-def load_core(config):
-    """The exported folder's copy of cable_lightning's model code, imported under a name unique to its contents
-    (two exports of different code versions load side by side; an installed cable_lightning is never used)."""
+def core_paths(config):
+    """Where the folder's (or hub repository's, once fetched) copy of the model code is: one path per core file."""
     if not config.core_files or not config.name_or_path:
         raise ValueError(f"{type(config).__name__} has no core_files or name_or_path: load it with from_pretrained "
                          "from a folder written by `python -m cable_lightning export`")
-    files = [cached_file(config.name_or_path, f"{CORE}/{name}", _commit_hash=getattr(config, "_commit_hash", None))
-             for name in config.core_files]
+    return [cached_file(config.name_or_path, f"{CORE}/{name}", _commit_hash=getattr(config, "_commit_hash", None))
+            for name in config.core_files]
+
+
+def load_core(config):
+    """The exported folder's copy of cable_lightning's model code, imported under a name unique to its contents
+    (two exports of different code versions load side by side; an installed cable_lightning is never used)."""
+    files = core_paths(config)
     digest = hashlib.sha256()
     for name, path in zip(config.core_files, files):
         with open(path, "rb") as f:
@@ -128,6 +134,15 @@ class CablePreTrainedModel(PreTrainedModel):
             for name, buffer in module.named_buffers():
                 with torch.no_grad():
                     buffer.copy_(fresh_buffers[name])
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save (config, weights, these two files), plus the copy of the model code they import."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        for name, source in zip(self.config.core_files, core_paths(self.config)):
+            target = os.path.join(save_directory, CORE, name)
+            if not (os.path.exists(target) and os.path.samefile(source, target)):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(source, target)
 
     def get_input_embeddings(self):
         return self.backbone.wte
