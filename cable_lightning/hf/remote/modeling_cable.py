@@ -127,13 +127,14 @@ class CablePreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """Weights come from the file (the backbone initialises its own when built from a config); only the
         positional encoding's non-persistent buffers (RoPE frequencies, ALiBi slopes), which transformers leaves
-        empty when it builds the model on the meta device, are computed again."""
-        if module is getattr(getattr(self, "backbone", None), "pe", None):
-            fresh = self._core.positional.build_positional(self.backbone.config)
-            fresh_buffers = dict(fresh.named_buffers())
-            for name, buffer in module.named_buffers():
-                with torch.no_grad():
-                    buffer.copy_(fresh_buffers[name])
+        empty when it builds the model on the meta device, are computed again, module by module."""
+        pe = getattr(getattr(self, "backbone", None), "pe", None)
+        where = {id(m): name for name, m in pe.named_modules()} if pe is not None else {}
+        if id(module) in where and module._non_persistent_buffers_set:
+            fresh = self._core.positional.build_positional(self.backbone.config).get_submodule(where[id(module)])
+            with torch.no_grad():
+                for name in module._non_persistent_buffers_set:
+                    getattr(module, name).copy_(getattr(fresh, name))
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save (config, weights, these two files), plus the copy of the model code they import."""
