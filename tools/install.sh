@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 python -m pip install "torch==${TORCH_VERSION}"
 echo "torch==${TORCH_VERSION}" > /tmp/cable_lightning_constraints.txt
-python -m pip install -c /tmp/cable_lightning_constraints.txt -e ".[dev]"
+python -m pip install -c /tmp/cable_lightning_constraints.txt -e ".[dev,hf]"
 python -m pip uninstall -y torchvision >/dev/null 2>&1 || true
-python -c "import lightning, litdata, torch; print(f'cable_lightning ready: torch {torch.__version__}, lightning {lightning.__version__}, litdata {litdata.__version__}')"
+python -c "import lightning, litdata, torch, transformers; print(f'cable_lightning ready: torch {torch.__version__}, \
+lightning {lightning.__version__}, litdata {litdata.__version__}, transformers {transformers.__version__}')"

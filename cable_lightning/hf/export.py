@@ -1,0 +1,242 @@
+"""``python -m cable_lightning export --ckpt_path CKPT --out DIR``: a checkpoint as a Hugging Face model folder.
+
+The folder holds ``config.json`` (with ``auto_map``), ``model.safetensors``, the data's tokenizer as a
+``tokenizer.json`` that ``AutoTokenizer`` loads (with its end-of-text, mask and padding tokens), the two files in
+``cable_lightning/hf/remote/`` that wrap the backbone as transformers models, and ``cable_core/``: a copy of this
+package's model code (``CORE_SOURCES``) that those files import. Nothing in the folder imports cable_lightning, so
+``AutoModelForCausalLM`` / ``AutoModel`` / ``AutoModelForMaskedLM.from_pretrained(DIR, trust_remote_code=True)``,
+lm-evaluation-harness and sentence-transformers load it where this package is not installed.
+:func:`load_backbone` reads a folder back into this package's own ``Backbone``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from ..checkpoints import read_checkpoint
+from ..data.manifest import read_manifest
+from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
+from ..errors import ConfigError, MissingFileError, user_error
+from ..models import Backbone, BackboneConfig, build_backbone
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
+REMOTE_FILES = ("configuration_cable.py", "modeling_cable.py")
+# What the backbone imports, relative to the package root: copied whole into <out>/cable_core/ (new positional
+# encodings registered in positional/ come along).
+CORE_SOURCES = ("errors.py", "models", "positional")
+CORE = "cable_core"
+WEIGHTS = "model.safetensors"
+
+
+def _core_files(root: str = PACKAGE_ROOT) -> list[str]:
+    files = []
+    for source in CORE_SOURCES:
+        path = os.path.join(root, source)
+        found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.py"), recursive=True))
+        files += [os.path.relpath(f, root).replace(os.sep, "/") for f in found]
+    return files
+
+
+def copy_core(out: str) -> list[str]:
+    """Copy the model code into ``<out>/cable_core/``; returns its files (relative paths, ``__init__.py`` first)."""
+    target = os.path.join(out, CORE)
+    os.makedirs(target, exist_ok=True)
+    with open(os.path.join(target, "__init__.py"), "w", encoding="utf-8") as f:
+        f.write('"""A copy of cable_lightning\'s model code (models/, positional/, errors.py), written by '
+                '`python -m cable_lightning export`."""\n')
+    files = _core_files()
+    for name in files:
+        os.makedirs(os.path.dirname(os.path.join(target, name)), exist_ok=True)
+        shutil.copyfile(os.path.join(PACKAGE_ROOT, name), os.path.join(target, name))
+    return ["__init__.py", *files]
+
+
+def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
+    """The trained backbone of a fit checkpoint (built by its LightningModule class, as validate does) and the
+    data description it was trained with (vocabulary, ids, tokenizer identity, training length)."""
+    ckpt = read_checkpoint(ckpt_path, weights_only=True)
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    class_path = hparams.get("_class_path")
+    if not class_path or "data" not in hparams or "state_dict" not in ckpt:
+        raise ConfigError(f"{ckpt_path} is not a checkpoint written by `python -m cable_lightning fit` (no model "
+                          "class, data description or weights); export a checkpoint from a fit run")
+    module_name, _, class_name = class_path.rpartition(".")
+    model = getattr(importlib.import_module(module_name), class_name)(
+        backbone=BackboneConfig(**hparams["backbone"]), data=hparams["data"])
+    model.load_state_dict(ckpt["state_dict"])
+    return model.backbone.eval(), hparams["data"]
+
+
+def run_data_path(ckpt_path: str) -> str | None:
+    """``data.path`` of the run that wrote ``ckpt_path`` (the ``config.yaml`` LightningCLI saved in the newest
+    ``version_*`` folder beside its checkpoints folder), or None."""
+    import yaml
+
+    run = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))
+    configs = sorted(glob.glob(os.path.join(run, "version_*", "config.yaml")), key=os.path.getmtime)
+    for config in reversed(configs):
+        with open(config, encoding="utf-8") as f:
+            path = ((yaml.safe_load(f) or {}).get("data") or {}).get("path")
+        if path:
+            return str(path)
+    return None
+
+
+def data_tokenizer(data_path: str, trained_with: dict):
+    """The prepared data's tokenizer, checked to be the one the checkpoint was trained with."""
+    manifest = read_manifest(data_path, check_files=False)
+    info = manifest["tokenizer"]
+    tok = get_tokenizer(os.path.join(data_path, info["file"]) if info.get("file") else info["spec"],
+                        name=info["identity"]["name"])
+    if (tok.identity["kind"], tok.identity["hash"]) != (trained_with.get("kind"), trained_with.get("hash")):
+        raise ConfigError(f"the data at {data_path} uses tokenizer {tok.identity['name']!r} "
+                          f"(hash {tok.identity['hash'][:12]}) "
+                          f"but the checkpoint was trained with {trained_with.get('name')!r} (hash "
+                          f"{str(trained_with.get('hash'))[:12]}); pass --data_path with the run's prepared data")
+    return tok
+
+
+def write_tiktoken_ranks(ranks: dict[bytes, int], path: str) -> None:
+    """A ``.tiktoken`` rank file (base64 token, rank per line; tiktoken's own writer needs ``blobfile``)."""
+    with open(path, "w", encoding="ascii") as f:
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+
+
+def hf_tokenizer(tok, max_length: int):
+    """Our tokenizer as a transformers ``PreTrainedTokenizerFast`` that encodes text to the same ids (no special
+    tokens added: the model was trained on plain ids with end-of-text between documents)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(tok, TiktokenTokenizer):
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = os.path.join(tmp, "ranks.tiktoken")
+            write_tiktoken_ranks(tok.enc._mergeable_ranks, ranks)
+            backend = TikTokenConverter(vocab_file=ranks, pattern=tok.enc._pat_str,
+                                        extra_special_tokens=tok.enc._special_tokens).converted()
+    elif isinstance(tok, HFTokenizer):
+        backend = Tokenizer.from_str(tok.tok.to_str())
+        backend.post_processor = None  # WordPiece's [CLS] ... [SEP] template: our data has none
+    else:
+        raise ConfigError(f"cannot export tokenizer {type(tok).__name__}; valid: tiktoken (gpt2), WordPiece, bpe:N")
+    backend.encode_special_tokens = False
+    vocab = backend.get_vocab(with_added_tokens=True)
+    names = {i: t for t, i in vocab.items()}
+    eot = names.get(tok.eot_id, "<|endoftext|>")
+    pad = next((t for t in ("[PAD]", "<pad>") if t in vocab), eot)
+    special = {"eos_token": eot, "bos_token": eot, "pad_token": pad}
+    if tok.mask_id in names:
+        special["mask_token"] = names[tok.mask_id]
+    for key, token in (("unk_token", "[UNK]"), ("cls_token", "[CLS]"), ("sep_token", "[SEP]")):
+        if token in vocab:
+            special[key] = token
+    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length,
+                                   model_input_names=["input_ids", "attention_mask"], **special)
+
+
+def training_length(config: BackboneConfig) -> int:
+    """The length the model was trained at; for a learnable table, the table's size (it cannot go further)."""
+    return (config.max_positions or config.block_size) if config.pos_encoding == "learnable" else config.block_size
+
+
+def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False) -> str:
+    """Write ``backbone`` (and ``tokenizer``, one of this package's tokenizers) as a Hugging Face folder ``out``.
+
+    The folder is built beside ``out`` and renamed into place: a failed export leaves no half folder."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise ConfigError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    config = backbone.config
+    partial = out + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        core_files = copy_core(partial)
+        for name in REMOTE_FILES:
+            shutil.copyfile(os.path.join(REMOTE, name), os.path.join(partial, name))
+        from .remote.configuration_cable import CableConfig
+        from .remote.modeling_cable import CableForCausalLM, CableForMaskedLM
+
+        head, head_class = (("AutoModelForCausalLM", CableForCausalLM) if config.causal
+                            else ("AutoModelForMaskedLM", CableForMaskedLM))
+        auto_map = {"AutoConfig": "configuration_cable.CableConfig", "AutoModel": "modeling_cable.CableModel",
+                    head: f"modeling_cable.{head_class.__name__}"}
+        eot = getattr(tokenizer, "eot_id", None)
+        hf_config = CableConfig(
+            backbone=config.to_dict(), core_files=core_files, auto_map=auto_map, architectures=[head_class.__name__],
+            name_or_path=partial, vocab_size=config.vocab_size, hidden_size=config.n_embd,
+            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+            max_position_embeddings=training_length(config), is_decoder=config.causal, use_cache=config.causal,
+            bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, tie_word_embeddings=False)
+        model = head_class(hf_config)
+        model.backbone.load_state_dict(backbone.state_dict())
+        model.save_pretrained(partial)
+        if tokenizer is not None:
+            hf_tokenizer(tokenizer, training_length(config)).save_pretrained(partial)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, overwrite: bool = False) -> str:
+    """Export a fit checkpoint with its data's tokenizer (``data_path``, or the run's own ``data.path``)."""
+    backbone, data = checkpoint_backbone(ckpt_path)
+    data_path = data_path or run_data_path(ckpt_path)
+    if data_path is None:
+        raise MissingFileError(f"no run config.yaml beside {ckpt_path} names the prepared data; pass --data_path "
+                               "<the prepared folder the run trained on> (its tokenizer is exported)")
+    return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite)
+
+
+def load_backbone(folder: str) -> Backbone:
+    """An exported folder back as this package's ``Backbone`` (the same weights, through ``safetensors``)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        saved = json.load(f)["backbone"]
+    known = BackboneConfig.__dataclass_fields__
+    backbone = build_backbone(BackboneConfig(**{k: v for k, v in saved.items() if k in known}))
+    weights = load_file(os.path.join(folder, WEIGHTS))
+    backbone.load_state_dict({k.removeprefix("backbone."): v for k, v in weights.items()})
+    return backbone.eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning export",
+                                     description="Write a fit checkpoint as a Hugging Face model folder.")
+    parser.add_argument("--ckpt_path", required=True,
+                        help="a checkpoint written by fit (e.g. runs/<exp>/<pe>/checkpoints/last.ckpt)")
+    parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--data_path", default=None, help="the prepared data the run trained on (default: the run's "
+                        "data.path from its config.yaml); its tokenizer is exported")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one line of output: what was written where
+    try:
+        out = export_checkpoint(args.ckpt_path, args.out, args.data_path, args.overwrite)
+    except Exception as exc:
+        known = user_error(exc)
+        if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):
+            raise
+        print(f"error: {known}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f"exported {args.ckpt_path} to {out}")

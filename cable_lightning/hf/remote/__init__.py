@@ -1,0 +1,1 @@
+"""The two files every export carries (copied verbatim; they must not import cable_lightning)."""

@@ -1,0 +1,244 @@
+"""Hugging Face export: every positional encoding round-trips through transformers, loaded where cable_lightning
+cannot be imported (a subprocess whose import system refuses it), with the same logits at the training length and
+at 4x, the same greedy generation (transformers' generate on our KV cache) and the same tokenizer ids."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # the hf extra: tools/install.sh installs it, so this runs in CI
+
+from cable_lightning.data.tokenizers import get_tokenizer
+from cable_lightning.hf import export_backbone, load_backbone
+from cable_lightning.hf.export import hf_tokenizer, write_tiktoken_ranks
+from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.positional import available
+
+SEPARATED = "one document<|endoftext|>the next"
+BEAM_PES = ("cable", "rope")
+TRAIN_LEN, PROMPT, NEW_TOKENS = 16, 6, 14  # generation runs to 20 tokens, past the training length
+SAMPLE = "The os module provides a portable way of using operating system dependent functionality, 42 times."
+
+# Run in a fresh interpreter: cable_lightning is refused by the import system itself (the editable install's
+# finder and any path entry included), so the folder must carry everything it needs.
+LOADER = r'''
+import importlib.abc, json, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "cable_lightning":
+            raise ImportError(f"{name} is hidden from this process")
+sys.meta_path.insert(0, Refuse())
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+job = json.load(open(sys.argv[1]))
+results = {}
+for name, spec in job["models"].items():
+    head = AutoModelForCausalLM if spec["causal"] else AutoModelForMaskedLM
+    model = head.from_pretrained(spec["folder"], trust_remote_code=True).eval()
+    ids = torch.tensor(job["ids"])
+    out = {"train": model(ids[:, : spec["train_len"]]).logits}
+    try:
+        out["long"] = model(ids).logits
+    except ValueError as err:
+        out["long_error"] = str(err)
+    if spec["causal"]:
+        prompt = ids[:1, : job["prompt"]]
+        out["generated"] = model.generate(prompt, max_new_tokens=spec["new_tokens"], do_sample=False)
+        if spec.get("beams"):  # a loaded model saved again is a whole folder (the copied model code included)
+            model.save_pretrained(spec["folder"] + "-resaved")
+            again = AutoModelForCausalLM.from_pretrained(spec["folder"] + "-resaved", trust_remote_code=True).eval()
+            out["resaved"] = again(ids).logits
+        if spec.get("beams"):  # beam search reorders the cache (PE state included): it must match running without one
+            out["beams"] = [model.generate(prompt, max_new_tokens=spec["new_tokens"], num_beams=3, do_sample=False,
+                                           use_cache=use_cache) for use_cache in (True, False)]
+    else:
+        encoder = AutoModel.from_pretrained(spec["folder"], trust_remote_code=True).eval()
+        mask = torch.tensor(job["padding_mask"])
+        out["hidden_padded"] = encoder(input_ids=ids[:, : mask.shape[1]], attention_mask=mask).last_hidden_state
+    results[name] = out
+tok = AutoTokenizer.from_pretrained(job["tokenizer_folder"], trust_remote_code=True)
+results["tokenizer"] = {"ids": tok(job["text"]).input_ids, "eos": tok.eos_token_id, "pad": tok.pad_token_id,
+                        "separated": tok(job["separated"]).input_ids}
+results["cable_lightning_modules"] = sorted(m for m in sys.modules if m.split(".")[0] == "cable_lightning")
+torch.save(results, job["out"])
+'''
+
+
+def load_without_package(job: dict, tmp_path) -> dict:
+    """Run LOADER on ``job`` in a subprocess that cannot import cable_lightning; returns its results."""
+    job = {**job, "out": str(tmp_path / "results.pt")}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "loader.py").write_text(LOADER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(tmp_path / "job.json")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(job["out"], weights_only=False)
+
+
+def tiny_backbone(pe: str, causal: bool, vocab_size: int) -> torch.nn.Module:
+    torch.manual_seed(sum(map(ord, pe)) + causal)
+    config = BackboneConfig(preset="gpt2-tiny", pos_encoding=pe, n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size,
+                            causal=causal, block_size=TRAIN_LEN)
+    backbone = build_backbone(config).eval()
+    with torch.no_grad():  # move every weight off its initial value, so that each one matters to the comparison
+        for p in backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return backbone
+
+
+@pytest.fixture(scope="module")
+def round_trip(tiny_corpus_dir, tmp_path_factory):
+    """Every registered PE, causal and bidirectional, exported and loaded back through transformers."""
+    root = tmp_path_factory.mktemp("exports")
+    tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
+    ids = torch.tensor(tok.encode_batch([SAMPLE * 8])[0][: 4 * TRAIN_LEN]).view(1, -1).repeat(2, 1)
+    ids[1] = ids[1].roll(7)
+    backbones, models = {}, {}
+    for pe in available():
+        for causal in (True, False):
+            name = f"{pe}-{'causal' if causal else 'bidirectional'}"
+            backbones[name] = tiny_backbone(pe, causal, tok.vocab_size)
+            folder = export_backbone(backbones[name], str(root / name), tok)
+            new_tokens = TRAIN_LEN - PROMPT if pe == "learnable" else NEW_TOKENS
+            models[name] = {"folder": folder, "causal": causal, "train_len": TRAIN_LEN, "new_tokens": new_tokens,
+                            "beams": causal and pe in BEAM_PES}
+    padding_mask = [[1] * 12 + [0] * 4, [0] * 3 + [1] * 13]  # right and left padding
+    job = {"models": models, "ids": ids.tolist(), "prompt": PROMPT, "padding_mask": padding_mask, "text": SAMPLE,
+           "separated": SEPARATED,
+           "tokenizer_folder": models[f"{available()[0]}-causal"]["folder"]}
+    return backbones, models, ids, tok, load_without_package(job, tmp_path_factory.mktemp("loader"))
+
+
+@pytest.mark.parametrize("pe", available())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_transformers_logits_equal_the_backbone_at_1x_and_4x(round_trip, pe, causal):
+    backbones, _, ids, _, results = round_trip
+    name = f"{pe}-{'causal' if causal else 'bidirectional'}"
+    backbone, got = backbones[name], results[name]
+    with torch.no_grad():
+        torch.testing.assert_close(got["train"], backbone(ids[:, :TRAIN_LEN]), rtol=0, atol=1e-5)
+        if pe == "learnable":  # the table cannot go past its size: the same one-line error, through transformers
+            with pytest.raises(ValueError) as ours:
+                backbone(ids)
+            assert got["long_error"] == str(ours.value) and "exceeds the learnable position table" in got["long_error"]
+        else:
+            torch.testing.assert_close(got["long"], backbone(ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pe", available())
+def test_greedy_generate_through_transformers_equals_backbone_generate(round_trip, pe):
+    backbones, models, ids, _, results = round_trip
+    name = f"{pe}-causal"
+    ours = backbones[name].generate(ids[:1, :PROMPT], max_new_tokens=models[name]["new_tokens"], temperature=0)
+    assert results[name]["generated"].tolist() == ours.tolist()
+    assert ours.shape[1] == PROMPT + models[name]["new_tokens"]
+
+
+@pytest.mark.parametrize("pe", BEAM_PES)
+def test_beam_search_reorders_the_cache_with_the_pe_state(round_trip, pe):
+    with_cache, without_cache = round_trip[4][f"{pe}-causal"]["beams"]
+    assert with_cache.tolist() == without_cache.tolist()
+
+
+@pytest.mark.parametrize("pe", BEAM_PES)
+def test_a_loaded_model_saved_again_loads_with_the_same_logits(round_trip, pe):
+    backbones, _, ids, _, results = round_trip
+    with torch.no_grad():
+        expected = backbones[f"{pe}-causal"](ids)
+    torch.testing.assert_close(results[f"{pe}-causal"]["resaved"], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pe", ["cable", "rope", "t5"])
+def test_padded_encoder_batch_gives_each_row_its_unpadded_hidden_states(round_trip, pe):
+    """sentence-transformers pads batches; the backbone has no padding mask, so rows must not see the pads."""
+    backbones, _, ids, _, results = round_trip
+    backbone, got = backbones[f"{pe}-bidirectional"], results[f"{pe}-bidirectional"]["hidden_padded"]
+    with torch.no_grad():
+        torch.testing.assert_close(got[0, :12], backbone.hidden_states(ids[:1, :12])[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[1, 3:16], backbone.hidden_states(ids[1:, 3:16])[0], rtol=0, atol=1e-5)
+    assert not got[0, 12:].any() and not got[1, :3].any()
+
+
+def test_loaded_folder_never_imported_cable_lightning_and_tokenizer_ids_match(round_trip):
+    _, _, _, tok, results = round_trip
+    assert results["cable_lightning_modules"] == []
+    assert results["tokenizer"]["ids"] == tok.encode_batch([SAMPLE])[0]
+    assert results["tokenizer"]["eos"] == tok.eot_id == results["tokenizer"]["pad"]
+    # transformers' convention: a special token written in the text is that token (our data keeps it as text)
+    assert tok.eot_id in results["tokenizer"]["separated"] and tok.eot_id not in tok.encode_batch([SEPARATED])[0]
+
+
+@pytest.mark.parametrize("pe", ["cable", "learnable"])
+def test_load_backbone_gives_back_the_same_weights(round_trip, pe):
+    backbones, models, *_ = round_trip
+    for causal in ("causal", "bidirectional"):
+        original, loaded = backbones[f"{pe}-{causal}"], load_backbone(models[f"{pe}-{causal}"]["folder"])
+        assert loaded.config == original.config
+        assert original.state_dict().keys() == loaded.state_dict().keys()
+        assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in original.state_dict().items())
+
+
+def test_export_refuses_an_existing_folder_and_leaves_no_partial_one(tmp_path):
+    backbone = tiny_backbone("nope", True, 300)
+    out = tmp_path / "model"
+    out.mkdir()
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        export_backbone(backbone, str(out))
+    assert list(tmp_path.iterdir()) == [out]
+    export_backbone(backbone, str(out), overwrite=True)
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "model.partial").exists()
+
+
+def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
+    text = "the theme of the thesis: then, there! 42"
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in (b"th", b"the", b" the", b"he", b"er", b" th"):
+        ranks[merge] = len(ranks)
+    write_tiktoken_ranks(ranks, str(tmp_path / "tiny.tiktoken"))
+    gpt2_like = get_tokenizer(f"gpt2:{tmp_path / 'tiny.tiktoken'}")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "theme", "of", "the", "##sis", "then", "there",
+             ":", ",", "!", "4", "##2", "t", "##h", "##e", "<", ">", "|"]
+    (tmp_path / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    wordpiece = get_tokenizer(f"bert:{tmp_path / 'vocab.txt'}")
+    for tok in (gpt2_like, wordpiece):
+        exported = hf_tokenizer(tok, max_length=TRAIN_LEN)
+        assert exported(text).input_ids == tok.encode_batch([text])[0], type(tok).__name__
+        assert exported.eos_token_id == tok.eot_id and exported.mask_token_id in (tok.mask_id, None)
+
+
+def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, tmp_path, monkeypatch, capsys):
+    from cable_lightning.cli import main as cli
+    from cable_lightning.hf.export import checkpoint_backbone
+    from cable_lightning.hf.export import main as export
+
+    cli(["fit", "--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.n_layer", "2",
+         "--model.init_args.backbone.n_head", "2", "--model.init_args.backbone.n_embd", "32",
+         "--data.path", tiny_corpus_dir, "--data.block_size", "32", "--data.micro_batch_size", "2",
+         "--data.eval_tokens", "64", "--trainer.max_steps", "2", "--trainer.accelerator", "cpu",
+         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+         "--trainer.num_sanity_val_steps", "0", "--runs_dir", str(tmp_path / "runs"), "--experiment", "export"])
+    ckpt = tmp_path / "runs" / "export" / "cable" / "checkpoints" / "last.ckpt"
+    out = tmp_path / "hf"
+    export(["--ckpt_path", str(ckpt), "--out", str(out)])  # the data path comes from the run's config.yaml
+    trained, _ = checkpoint_backbone(str(ckpt))
+    exported = load_backbone(str(out))
+    assert all(torch.equal(v, exported.state_dict()[k]) for k, v in trained.state_dict().items())
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32 and config["auto_map"]["AutoModelForCausalLM"]
+    assert (out / "tokenizer.json").is_file() and (out / "cable_core" / "positional" / "registry.py").is_file()
+
+    # `python -m cable_lightning export` (the module's __main__, in this process): an existing folder is a one-line
+    # error with exit status 2
+    monkeypatch.setattr(sys, "argv", ["cable_lightning", "export", "--ckpt_path", str(ckpt), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_status:
+        runpy.run_module("cable_lightning", run_name="__main__")
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {out} already exists; pass --overwrite to replace it or choose another --out"]

@@ -1,0 +1,89 @@
+"""lm-evaluation-harness on an export, offline: a local multiple-choice task (a task YAML over a jsonl written here)
+through the harness's own evaluation at two maximum lengths, and the harness's log-likelihood of one continuation
+checked against our model's summed token log-probabilities, with and without the harness cutting the context."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")  # the hf extra: tools/install.sh installs it, so this runs in CI
+
+from cable_lightning.data.tokenizers import get_tokenizer
+from cable_lightning.hf import export_backbone
+from cable_lightning.models import BackboneConfig, build_backbone
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import lm_eval_lengths  # noqa: E402
+
+TRAIN_LEN = 16
+DOCS = [{"context": "The os module provides", "choices": [" a portable way", " zebra zebra", " of the"], "label": 0},
+        {"context": "Return the value of", "choices": [" the key", " xyzzy"], "label": 0},
+        {"context": "import sys and", "choices": [" os", " qqq"], "label": 1}]
+
+
+@pytest.fixture(scope="module")
+def export(tiny_corpus_dir, tmp_path_factory):
+    tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
+    torch.manual_seed(0)
+    backbone = build_backbone(BackboneConfig(pos_encoding="cable", n_layer=2, n_head=2, n_embd=64,
+                                             vocab_size=tok.vocab_size, block_size=TRAIN_LEN)).eval()
+    with torch.no_grad():
+        for p in backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    folder = export_backbone(backbone, str(tmp_path_factory.mktemp("lm_eval") / "model"), tok)
+    return backbone, tok, folder
+
+
+def our_loglikelihood(backbone, tok, context: str, continuation: str, max_length: int) -> tuple[float, bool]:
+    """log p(continuation | context) summed over its tokens, with the context cut on the left so that the model sees
+    at most ``max_length`` tokens (the harness's rule), and whether each token is the argmax."""
+    context_ids = tok.encode_batch([context])[0]
+    whole = tok.encode_batch([context + continuation])[0]
+    n_cont = len(whole) - len(context_ids)
+    window = torch.tensor([whole[-(max_length + 1):]])
+    with torch.no_grad():
+        logprobs = backbone(window[:, :-1]).log_softmax(-1)[0, -n_cont:]
+    targets = window[0, -n_cont:]
+    return logprobs.gather(-1, targets[:, None]).sum().item(), bool((logprobs.argmax(-1) == targets).all())
+
+
+@pytest.mark.parametrize("max_length", [None, 8])
+def test_harness_loglikelihood_equals_our_summed_token_logprobs(export, max_length):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    backbone, tok, folder = export
+    lm = HFLM(pretrained=folder, trust_remote_code=True, batch_size=1, device="cpu", max_length=max_length)
+    assert lm.max_length == (max_length or TRAIN_LEN)  # the export's max_position_embeddings: its training length
+    context, continuation = "The os module provides a portable way of using the operating", " system"
+    assert len(tok.encode_batch([context + continuation])[0]) > TRAIN_LEN + 1  # the harness cuts the context
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=(context, continuation), idx=0)]
+    (got, greedy), = lm.loglikelihood(requests)
+    expected, expected_greedy = our_loglikelihood(backbone, tok, context, continuation, lm.max_length)
+    assert got == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
+
+
+def test_local_multiple_choice_task_at_two_lengths_gives_finite_accuracy(export, tmp_path):
+    _, _, folder = export
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tmp_path / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
+    lm_eval_lengths.main(["--model", folder, "--tasks", "tiny_mc", "--lengths", "16", "12", "--batch_size", "2",
+                          "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out"),
+                          "--bootstrap_iters", "0"])
+    scores = {length: json.loads((tmp_path / "out" / f"len_{length}.json").read_text()) for length in (16, 12)}
+    for per_task in scores.values():
+        for metric in ("acc", "acc_norm"):
+            value = per_task["tiny_mc"][metric]
+            assert math.isfinite(value) and value * len(DOCS) == pytest.approx(round(value * len(DOCS)))
+    table = (tmp_path / "out" / "table.md").read_text().splitlines()
+    assert table[0] == "| length | tiny_mc/acc | tiny_mc/acc_norm |"
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| 16", "| 12"]

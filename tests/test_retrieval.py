@@ -1,0 +1,114 @@
+"""tools/retrieval.py offline: an exported encoder under sentence-transformers (mean pooling, truncation at the
+requested length), a few steps of MultipleNegativesRankingLoss on local triples, nDCG@10 on a local BEIR set where
+the answers are known, the Table-3 layout, and MLDR's one-line error when the hub cannot be reached."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")  # the hf extra: tools/install.sh installs it, so this runs in CI
+
+from safetensors.torch import load_file
+
+from cable_lightning.data.tokenizers import get_tokenizer
+from cable_lightning.hf import export_backbone
+from cable_lightning.models import BackboneConfig, build_backbone
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import retrieval  # noqa: E402
+
+TRAIN_LEN = 16
+# Each query shares a rare made-up word with its one relevant document; the rest of the corpus is distractors.
+ANSWERS = {"q1": ("zygomorphic quokka", "d1", "the zygomorphic quokka sleeps in the afternoon sun"),
+           "q2": ("xylofrint bells", "d2", "xylofrint bells ring at the old harbour every evening"),
+           "q3": ("plumbrask soup", "d3", "a bowl of plumbrask soup is served with bread")}
+DISTRACTORS = ["The os module provides a portable way of using operating system dependent functionality.",
+               "Return the value of the named attribute of object.", "This module implements pseudo-random numbers.",
+               "Open file and return a corresponding file object.", "The sys module gives access to the interpreter."]
+EXTRA_TRIPLES = [("vrentish lamps", "vrentish lamps light the long hallway", "Return the absolute value of a number."),
+                 ("glorbax stones", "glorbax stones are found near rivers", "Format a string with the given values."),
+                 ("snivvel birds", "snivvel birds sing before the rain comes", "The pickle module serialises objects.")]
+
+
+@pytest.fixture(autouse=True)
+def hub_offline(monkeypatch):
+    """Offline mode for these tests (the libraries read HF_HUB_OFFLINE once, at import): nothing may wait on the hub."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(scope="module")
+def encoder_folder(tiny_corpus_dir, tmp_path_factory):
+    tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
+    torch.manual_seed(0)
+    backbone = build_backbone(BackboneConfig(preset="bert-base", pos_encoding="cable", n_layer=2, n_head=2, n_embd=64,
+                                             vocab_size=tok.vocab_size, block_size=TRAIN_LEN))
+    return export_backbone(backbone, str(tmp_path_factory.mktemp("retrieval") / "encoder"), tok), tok
+
+
+def write_beir(folder, relevant: dict[str, str]) -> list[str]:
+    folder.mkdir(exist_ok=True)
+    docs = [{"_id": doc_id, "text": text} for _, doc_id, text in ANSWERS.values()]
+    docs += [{"_id": f"x{i}", "text": text} for i, text in enumerate(DISTRACTORS)]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    queries = [{"_id": qid, "text": query} for qid, (query, _, _) in ANSWERS.items()]
+    (folder / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    qrels = "".join(f"{query}\t{doc}\t1\n" for query, doc in relevant.items())
+    (folder / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + qrels)
+    return [str(folder / name) for name in ("corpus.jsonl", "queries.jsonl", "qrels.tsv")]
+
+
+@pytest.mark.parametrize("length", [8, 24])  # 24: past the training length
+def test_encoder_mean_pools_and_truncates_inputs_at_the_requested_length(encoder_folder, length):
+    folder, tok = encoder_folder
+    model = retrieval.encoder(folder, length)
+    seen = []
+    model[0].auto_model.backbone.wte.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    long_text, short_text = " ".join(DISTRACTORS), "short"
+    embeddings = model.encode([long_text, short_text], batch_size=1, convert_to_tensor=True)
+    assert seen == [length, len(tok.encode_batch([short_text])[0])]
+    assert len(tok.encode_batch([long_text])[0]) > length
+    ids = torch.tensor([tok.encode_batch([long_text])[0][:length]])
+    with torch.no_grad():  # mean over the real tokens of the truncated input
+        expected = model[0].auto_model.backbone.hidden_states(ids).mean(dim=1)[0]
+    torch.testing.assert_close(embeddings[0], expected, rtol=0, atol=1e-5)
+
+
+def test_finetune_then_ndcg_beats_a_shuffled_ranking_and_table_layout(encoder_folder, tmp_path):
+    folder, _ = encoder_folder
+    triples = [(q, text, DISTRACTORS[i]) for i, (q, _, text) in enumerate(ANSWERS.values())] + EXTRA_TRIPLES
+    (tmp_path / "triples.jsonl").write_text(
+        "".join(json.dumps({"query": q, "positive": p, "negative": n}) + "\n" for q, p, n in triples))
+    tuned = retrieval.finetune(folder, str(tmp_path / "triples.jsonl"), str(tmp_path / "tuned"), max_seq_length=32,
+                               batch_size=3, max_steps=10, lr=1e-3)
+    assert {"model.safetensors", "config.json", "cable_core", "tokenizer.json"} <= set(os.listdir(tuned))
+    before, after = (load_file(os.path.join(f, "model.safetensors")) for f in (folder, tuned))
+    assert before.keys() == after.keys()
+    assert not torch.equal(before["backbone.wte.weight"], after["backbone.wte.weight"])
+    truth = {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()}
+    shuffled = dict(zip(truth, list(truth.values())[1:] + list(truth.values())[:1]))  # every query's answer is wrong
+    model = retrieval.encoder(tuned, 32)
+    trained = retrieval.ndcg_local(model, *retrieval.read_beir(*write_beir(tmp_path / "truth", truth)))
+    wrong = retrieval.ndcg_local(model, *retrieval.read_beir(*write_beir(tmp_path / "shuffled", shuffled)))
+    assert 0 <= wrong < trained <= 1 and trained > 0.8, (trained, wrong)
+
+    corpus, queries, qrels = write_beir(tmp_path / "truth", truth)
+    retrieval.main(["evaluate", "--models", f"tuned={tuned}", f"base={folder}", "--lengths", "8", "32",
+                    "--corpus", corpus, "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table")])
+    lines = (tmp_path / "table" / "table.md").read_text().splitlines()
+    assert lines[2] == "| length | tuned | base |" and [line.split(" | ")[0] for line in lines[4:]] == ["| 8", "| 32"]
+    assert f"{100 * trained:.2f}" in lines[5]
+
+
+def test_mldr_offline_is_one_line(encoder_folder):
+    with pytest.raises(SystemExit) as stop:
+        retrieval.ndcg_mldr(retrieval.encoder(encoder_folder[0], 16))
+    message = str(stop.value)
+    assert message.startswith("error: MTEB could not run MultiLongDocRetrieval") and "\n" not in message
+    assert "--corpus/--queries/--qrels" in message

@@ -1,0 +1,98 @@
+"""lm-evaluation-harness tasks on an exported model at several maximum input lengths, as one table.
+
+    python tools/lm_eval_lengths.py --model exports/gpt2-tiny-cable --tasks hellaswag --lengths 1024 2048 4096 \
+        --out results/hellaswag --device cuda --batch_size 16
+
+Each length is one run of the harness's own evaluation (``lm_eval.simple_evaluate`` with the ``hf`` model and
+``max_length=L``: the harness keeps the last L tokens of each input), the same as
+
+    lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,max_length=L --tasks hellaswag
+
+Lengths only matter for inputs longer than them: HellaSwag's fit in about 150 tokens, so its numbers do not move
+with the length; long-context tasks' do. Writes ``<out>/table.md`` and ``table.csv`` (rows: length, columns:
+task/metric) and the harness's results per length (``<out>/len_<L>.json``); prints the table. ``--include_path``
+adds a folder of task YAMLs (a local task over local files runs offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+
+
+def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_path: str | None = None,
+             batch_size: int = 1, device: str = "cpu", limit: float | None = None,
+             bootstrap_iters: int = 100000, include_defaults: bool = True) -> dict[int | None, dict]:
+    """``{length: {task: {metric: value}}}``; ``None`` is the model's own maximum (its training length)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    scores = {}
+    for length in lengths:
+        model_args = {"pretrained": model, "trust_remote_code": True}
+        if length is not None:
+            model_args["max_length"] = length
+        results = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=manager,
+                                          batch_size=batch_size, device=device, limit=limit, log_samples=False,
+                                          bootstrap_iters=bootstrap_iters)
+        # the harness names a metric "<metric>,<filter>" (beside it: "alias", "sample_len" and the stderr entries)
+        scores[length] = {task: {name.split(",")[0]: value for name, value in metrics.items()
+                                 if "," in name and "_stderr" not in name and isinstance(value, (int, float))}
+                          for task, metrics in results["results"].items()}
+    return scores
+
+
+def table(scores: dict[int | None, dict]) -> tuple[list[str], list[list[str]]]:
+    columns = sorted({f"{task}/{metric}" for per_task in scores.values() for task, metrics in per_task.items()
+                      for metric in metrics})
+    rows = []
+    for length, per_task in scores.items():
+        values = {f"{task}/{metric}": v for task, metrics in per_task.items() for metric, v in metrics.items()}
+        rows.append([str(length) if length is not None else "model"] +
+                    [f"{values[c]:.4f}" if c in values and math.isfinite(values[c]) else "-" for c in columns])
+    return ["length", *columns], rows
+
+
+def write(scores: dict[int | None, dict], out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    header, rows = table(scores)
+    with open(os.path.join(out, "table.csv"), "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([header, *rows])
+    markdown = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                         ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
+        f.write(markdown)
+    for length, per_task in scores.items():
+        with open(os.path.join(out, f"len_{length or 'model'}.json"), "w", encoding="utf-8") as f:
+            json.dump(per_task, f, indent=2)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a folder written by `python -m cable_lightning export`")
+    parser.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names (e.g. hellaswag)")
+    parser.add_argument("--lengths", nargs="+", type=int, default=None,
+                        help="maximum input lengths (default: the model's training length)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--include_path", default=None, help="a folder of extra task YAMLs")
+    parser.add_argument("--only_include_path", action="store_true",
+                        help="index only --include_path's tasks (the harness's built-in ones take about 20 s to index)")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--limit", type=float, default=None, help="documents per task (for a quick look)")
+    parser.add_argument("--bootstrap_iters", type=int, default=100000, help="for standard errors; 0 skips them")
+    args = parser.parse_args(argv)
+    if args.lengths is not None and min(args.lengths) < 1:
+        parser.error(f"--lengths must be positive, got {args.lengths}")
+    scores = evaluate(args.model, args.tasks, args.lengths or [None], args.include_path, args.batch_size, args.device,
+                      args.limit, args.bootstrap_iters, include_defaults=not args.only_include_path)
+    print(write(scores, args.out), end="")
+
+
+if __name__ == "__main__":
+    main()

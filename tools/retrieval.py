@@ -1,0 +1,220 @@
+"""Retrieval with an exported encoder (the paper's Table 3): sentence-transformers fine-tuning, nDCG@10 by length.
+
+    # (b) fine-tune with MultipleNegativesRankingLoss on (query, positive, negative) triples: MS MARCO with mined
+    #     hard negatives from the hub, or any local jsonl of {"query", "positive", "negative"} rows
+    python tools/retrieval.py finetune --model exports/bert-cable --triples msmarco --out exports/bert-cable-msmarco \
+        --max_seq_length 512 --batch_size 32 --max_steps 20000
+    # (c) nDCG@10 at several maximum input lengths: MLDR (English) through MTEB, or a local BEIR-style set
+    python tools/retrieval.py evaluate --models cable=exports/bert-cable-msmarco alibi=exports/bert-alibi-msmarco \
+        --lengths 512 1024 2048 4096 8192 --mldr --out results/mldr
+    python tools/retrieval.py evaluate --models cable=DIR --lengths 128 512 --corpus corpus.jsonl \
+        --queries queries.jsonl --qrels qrels.tsv --out results/local
+
+(a) An export is a sentence-transformers model as is: transformers' ``AutoModel`` (the folder's own code) under
+mean pooling over the real tokens; ``max_seq_length`` truncates every input to the length being evaluated.
+A fine-tuned model is saved as an export again (the input folder with the new ``model.safetensors``).
+Local sets use the BEIR layout: ``corpus.jsonl`` and ``queries.jsonl`` rows ``{"_id", "text"}`` (corpus rows may
+have a ``title``), ``qrels.tsv`` with a header and ``query-id<TAB>corpus-id<TAB>score`` rows. Writes
+``<out>/table.md`` and ``table.csv`` (rows: length, columns: model, nDCG@10 x 100) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import sys
+
+MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
+MLDR = "MultiLongDocRetrieval"
+WEIGHTS = "model.safetensors"
+
+
+def encoder(folder: str, max_seq_length: int, device: str | None = None):
+    """An exported encoder as a sentence-transformers model: the folder's AutoModel, then mean pooling."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    words = Transformer(folder, max_seq_length=max_seq_length, model_kwargs={"trust_remote_code": True},
+                        config_kwargs={"trust_remote_code": True}, processor_kwargs={"trust_remote_code": True})
+    pooling = Pooling(words.get_embedding_dimension(), pooling_mode="mean")
+    return SentenceTransformer(modules=[words, pooling], device=device)
+
+
+def load_triples(triples: str):
+    """``msmarco`` (the hub) or a local jsonl of query/positive/negative rows, as a datasets.Dataset."""
+    from datasets import load_dataset
+
+    if triples == "msmarco":
+        try:
+            return load_dataset(*MSMARCO, split="train")
+        except Exception as exc:  # datasets raises several types for "no network"
+            raise SystemExit(f"error: cannot load {MSMARCO[0]} ({MSMARCO[1]}) from the Hugging Face hub "
+                             f"({type(exc).__name__}); offline, pass --triples a local jsonl of "
+                             "query/positive/negative rows")
+    if not os.path.isfile(triples):
+        raise SystemExit(f"error: --triples {triples!r} is neither 'msmarco' nor a jsonl file")
+    dataset = load_dataset("json", data_files=triples, split="train")
+    if dataset.column_names[:3] != ["query", "positive", "negative"]:
+        raise SystemExit(f"error: {triples} has columns {dataset.column_names}; valid: query, positive, negative")
+    return dataset.select_columns(["query", "positive", "negative"])
+
+
+def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batch_size: int = 32,
+             max_steps: int = 1000, lr: float = 2e-5, warmup_ratio: float = 0.1, seed: int = 42) -> str:
+    """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and hard negatives); save the result
+    as an export (the input folder's files with the new weights)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.base.sampler import BatchSamplers
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    st_model = encoder(model, max_seq_length)
+    dataset = load_triples(triples)
+    with tempfile.TemporaryDirectory() as scratch:
+        args = SentenceTransformerTrainingArguments(
+            output_dir=scratch, max_steps=max_steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+            warmup_steps=warmup_ratio, seed=seed, save_strategy="no", report_to=[],  # a float below 1: a ratio
+            logging_steps=max(1, max_steps // 20),
+            batch_sampler=BatchSamplers.NO_DUPLICATES, use_cpu=not _cuda())
+        SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
+                                   loss=MultipleNegativesRankingLoss(st_model)).train()
+    if os.path.abspath(out) != os.path.abspath(model):
+        shutil.copytree(model, out, dirs_exist_ok=True)
+    weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
+    save_file(weights, os.path.join(out, WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
+    def rows(path):
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    docs = {str(r["_id"]): (r.get("title", "") + " " + r["text"]).strip() for r in rows(corpus)}
+    questions = {str(r["_id"]): r["text"] for r in rows(queries)}
+    relevant: dict[str, set] = {}
+    with open(qrels, encoding="utf-8") as f:
+        reader = csv.reader(f, delimiter="\t")
+        next(reader, None)
+        for query_id, doc_id, score in reader:
+            if float(score) > 0:
+                relevant.setdefault(query_id, set()).add(doc_id)
+    return docs, questions, relevant
+
+
+def ndcg_local(st_model, docs: dict, questions: dict, relevant: dict, batch_size: int = 16) -> float:
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    evaluator = InformationRetrievalEvaluator(questions, docs, relevant, ndcg_at_k=[10], name="local",
+                                              batch_size=batch_size, show_progress_bar=False)
+    return float(evaluator(st_model)[evaluator.primary_metric])
+
+
+def ndcg_mldr(st_model, batch_size: int = 16) -> float:
+    """nDCG@10 on MLDR's English test split through MTEB (it downloads mteb's copy of the data from the hub)."""
+    import mteb
+
+    tasks = mteb.get_tasks(tasks=[MLDR], languages=["eng"], eval_splits=["test"])
+    try:
+        result = mteb.evaluate(st_model, tasks, cache=None, encode_kwargs={"batch_size": batch_size},
+                               show_progress_bar=False)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise SystemExit(f"error: MTEB could not run {MLDR} ({type(exc).__name__}: {first}); it needs the Hugging "
+                         "Face hub the first time; offline, evaluate a local set with --corpus/--queries/--qrels")
+    return float(result.task_results[0].get_score(splits=["test"], getter=lambda scores: scores["ndcg_at_10"]))
+
+
+def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, str] | None = None,
+             batch_size: int = 16) -> dict[int, dict[str, float]]:
+    """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length."""
+    data = read_beir(*local) if local else None
+    scores: dict[int, dict[str, float]] = {length: {} for length in lengths}
+    for name, folder in models.items():
+        for length in lengths:
+            st_model = encoder(folder, length)
+            scores[length][name] = (ndcg_local(st_model, *data, batch_size=batch_size) if data
+                                    else ndcg_mldr(st_model, batch_size))
+    return scores
+
+
+def write_table(scores: dict[int, dict[str, float]], out: str) -> str:
+    """The paper's Table 3 layout: rows length, columns model, nDCG@10 x 100, best per row in bold."""
+    os.makedirs(out, exist_ok=True)
+    names = list(next(iter(scores.values())))
+    with open(os.path.join(out, "table.csv"), "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["length", *names])
+        writer.writerows([length, *(f"{100 * row[n]:.2f}" for n in names)] for length, row in scores.items())
+    lines = ["| length | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for length, row in scores.items():
+        best = max(row.values())
+        cells = [f"**{100 * row[n]:.2f}**" if row[n] == best and len(names) > 1 else f"{100 * row[n]:.2f}"
+                 for n in names]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    markdown = "nDCG@10 (x100)\n\n" + "\n".join(lines) + "\n"
+    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
+        f.write(markdown)
+    return markdown
+
+
+def _named_models(pairs: list[str]) -> dict[str, str]:
+    models = {}
+    for pair in pairs:
+        name, sep, folder = pair.partition("=")
+        if not sep or not name or not os.path.isdir(folder):
+            raise SystemExit(f"error: --models entry {pair!r} is not NAME=EXPORTED_FOLDER (an existing folder)")
+        models[name] = folder
+    return models
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    tune = commands.add_parser("finetune", help="MultipleNegativesRankingLoss on query/positive/negative triples")
+    tune.add_argument("--model", required=True, help="an exported encoder (python -m cable_lightning export)")
+    tune.add_argument("--triples", default="msmarco", help="'msmarco' (the hub) or a local jsonl of triples")
+    tune.add_argument("--out", required=True)
+    tune.add_argument("--max_seq_length", type=int, default=512)
+    tune.add_argument("--batch_size", type=int, default=32)
+    tune.add_argument("--max_steps", type=int, default=1000)
+    tune.add_argument("--lr", type=float, default=2e-5)
+    tune.add_argument("--warmup_ratio", type=float, default=0.1)
+    tune.add_argument("--seed", type=int, default=42)
+    ev = commands.add_parser("evaluate", help="nDCG@10 at several maximum input lengths (Table 3)")
+    ev.add_argument("--models", nargs="+", required=True, help="NAME=EXPORTED_FOLDER, one per table column")
+    ev.add_argument("--lengths", nargs="+", type=int, required=True)
+    where = ev.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mldr", action="store_true", help="MLDR (English) through MTEB (needs the hub)")
+    where.add_argument("--corpus", help="a local BEIR corpus.jsonl (with --queries and --qrels)")
+    ev.add_argument("--queries")
+    ev.add_argument("--qrels")
+    ev.add_argument("--batch_size", type=int, default=16)
+    ev.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.command == "finetune":
+        out = finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
+                       args.lr, args.warmup_ratio, args.seed)
+        print(f"saved {out}")
+        return
+    if min(args.lengths) < 1:
+        parser.error(f"--lengths must be positive, got {args.lengths}")
+    if args.corpus and not (args.queries and args.qrels):
+        parser.error("--corpus needs --queries and --qrels")
+    local = (args.corpus, args.queries, args.qrels) if args.corpus else None
+    print(write_table(evaluate(_named_models(args.models), args.lengths, local, args.batch_size), args.out), end="")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
