@@ -17,9 +17,12 @@ from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.hf import export_backbone, load_backbone
 from cable_lightning.hf.export import hf_tokenizer, write_tiktoken_ranks
 from cable_lightning.models import BackboneConfig, build_backbone
-from cable_lightning.positional import available
+from cable_lightning.models.config import encoding_name, parse_encoding_name
+from cable_lightning.positional import available, score_bias_encodings
 
 SEPARATED = "one document<|endoftext|>the next"
+# Every registered PE, and DAPEv2 over every PE it augments.
+EXPORTED = available() + [encoding_name(pe, "v2") for pe in score_bias_encodings()]
 BEAM_PES = ("cable", "rope")
 TRAIN_LEN, PROMPT, NEW_TOKENS = 16, 6, 14  # generation runs to 20 tokens, past the training length
 SAMPLE = "The os module provides a portable way of using operating system dependent functionality, 42 times."
@@ -84,7 +87,7 @@ def load_without_package(job: dict, tmp_path) -> dict:
 
 def tiny_backbone(pe: str, causal: bool, vocab_size: int) -> torch.nn.Module:
     torch.manual_seed(sum(map(ord, pe)) + causal)
-    config = BackboneConfig(preset="gpt2-tiny", pos_encoding=pe, n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size,
+    config = BackboneConfig(preset="gpt2-tiny", **parse_encoding_name(pe), n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size,
                             causal=causal, block_size=TRAIN_LEN)
     backbone = build_backbone(config).eval()
     with torch.no_grad():  # move every weight off its initial value, so that each one matters to the comparison
@@ -95,13 +98,13 @@ def tiny_backbone(pe: str, causal: bool, vocab_size: int) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def round_trip(tiny_corpus_dir, tmp_path_factory):
-    """Every registered PE, causal and bidirectional, exported and loaded back through transformers."""
+    """Every registered PE (and DAPEv2 variant), causal and bidirectional, exported and loaded back through transformers."""
     root = tmp_path_factory.mktemp("exports")
     tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
     ids = torch.tensor(tok.encode_batch([SAMPLE * 8])[0][: 4 * TRAIN_LEN]).view(1, -1).repeat(2, 1)
     ids[1] = ids[1].roll(7)
     backbones, models = {}, {}
-    for pe in available():
+    for pe in EXPORTED:
         for causal in (True, False):
             name = f"{pe}-{'causal' if causal else 'bidirectional'}"
             backbones[name] = tiny_backbone(pe, causal, tok.vocab_size)
@@ -116,7 +119,7 @@ def round_trip(tiny_corpus_dir, tmp_path_factory):
     return backbones, models, ids, tok, load_without_package(job, tmp_path_factory.mktemp("loader"))
 
 
-@pytest.mark.parametrize("pe", available())
+@pytest.mark.parametrize("pe", EXPORTED)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_transformers_logits_equal_the_backbone_at_1x_and_4x(round_trip, pe, causal):
     backbones, _, ids, _, results = round_trip
@@ -132,7 +135,7 @@ def test_transformers_logits_equal_the_backbone_at_1x_and_4x(round_trip, pe, cau
             torch.testing.assert_close(got["long"], backbone(ids), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("pe", available())
+@pytest.mark.parametrize("pe", EXPORTED)
 def test_greedy_generate_through_transformers_equals_backbone_generate(round_trip, pe):
     backbones, models, ids, _, results = round_trip
     name = f"{pe}-causal"
