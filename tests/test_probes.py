@@ -279,3 +279,30 @@ def test_recipe_config_starts_from_the_checkpoint_weights_and_refuses_another_mo
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # lr 0: still exactly the checkpoint's weights
     with pytest.raises(ConfigError, match=r"init_weights .* is of another model: pos_encoding \(checkpoint 'alibi', configured 'rope'\)"):
         main(["fit", *cli_args(tiny_corpus_dir, runs, pe="rope", experiment="wrong"), "--model.init_args.init_weights", ckpt])
+
+
+def test_report_puts_passkey_accuracy_beside_the_perplexity_table(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import report
+
+    def write(folder, name, rows):
+        os.makedirs(tmp_path / folder, exist_ok=True)
+        (tmp_path / folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    for pe in ("cable", "learnable"):
+        write(pe, "length_eval.jsonl", [{"pe": pe, "train_length": 128, "step": 9, "length": 128, "mode": "nonoverlap",
+                                         "ppl": 10.0 if pe == "cable" else 12.0}])
+    cell = {"train_length": 128, "trials": 4}
+    write("cable", "passkey.jsonl",
+          [{**cell, "pe": "cable", "step": 5, "length": 128, "depth": d, "accuracy": 0.0} for d in (0.0, 1.0)]  # superseded
+          + [{**cell, "pe": "cable", "step": 9, "length": n, "depth": d, "accuracy": a}
+             for n, d, a in [(128, 0.0, 1.0), (128, 1.0, 0.5), (256, 0.0, 0.25), (256, 1.0, 0.25)]])
+    write("learnable", "passkey.jsonl", [{**cell, "pe": "learnable", "step": 9, "length": n, "depth": d, "accuracy": a}
+                                         for n, d, a in [(128, 0.0, 0.5), (128, 1.0, 0.5), (256, 0.0, None), (256, 1.0, None)]])
+    tables = report.report([str(tmp_path)], str(tmp_path / "out"))
+    assert tables["passkey"].splitlines() == ["| length | cable | learnable |", "|---|---|---|",
+                                              "| 128 | **0.75** | 0.50 |", "| 256 | **0.25** | - |"]
+    assert (tmp_path / "out_passkey.csv").read_text().splitlines()[1] == "128,0.7500,0.5000"
+    assert "| 128 | **10.00** | 12.00 |" in tables["nonoverlap"]
