@@ -117,7 +117,8 @@ def report(paths: list[str], out: str) -> dict[str, str]:
         with open(f"{out}_passkey.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["length"] + columns)
-            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values] for length, *values in table])
+            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values]
+                              for length, *values in table])
     return tables
 
 

@@ -120,7 +120,8 @@ class LengthEvalRecorder(L.Callback):
                       for mode in sorted({r["mode"] for r in rows})}
             experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), step)
             if position_rows:
-                experiment.add_figure("val_loss_vs_position", position_figure(position_rows, title, config.block_size), step)
+                figure = position_figure(position_rows, title, config.block_size)
+                experiment.add_figure("val_loss_vs_position", figure, step)
         if self.print_table:
             print(f"validation perplexity by length ({extra['pe']}, trained at {config.block_size} tokens, "
                   f"step {step}):\n{format_table(rows, config.block_size)}", flush=True)

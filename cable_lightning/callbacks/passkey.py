@@ -55,14 +55,22 @@ class PasskeyRetrieval(L.Callback):
     rank 0 writes it down.
     """
 
-    def __init__(self, enabled: bool = False, lengths: Optional[list[int]] = None,
-                 depths: list[float] = list(DEFAULT_DEPTHS), trials: int = 5, seed: int = 0):
+    def __init__(
+        self,
+        enabled: bool = False,
+        lengths: Optional[list[int]] = None,
+        depths: list[float] = list(DEFAULT_DEPTHS),
+        trials: int = 5,
+        seed: int = 0,
+    ):
         if trials < 1:
             raise ConfigError(f"passkey.trials must be >= 1, got {trials}")
         if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
             raise ConfigError(f"passkey.depths must be fractions in [0, 1] (0 = start, 1 = end), got {depths}")
         if lengths is not None and (not lengths or min(lengths) < 1):
-            raise ConfigError(f"passkey.lengths must be positive token counts, or null for data.eval_lengths; got {lengths}")
+            raise ConfigError(
+                f"passkey.lengths must be positive token counts, or null for data.eval_lengths; got {lengths}"
+            )
         self.enabled, self.lengths, self.depths, self.trials, self.seed = enabled, lengths, list(depths), trials, seed
         self.results: list[dict] = []
         self._builder: Optional[PasskeyPrompts] = None
@@ -71,7 +79,9 @@ class PasskeyRetrieval(L.Callback):
         if self._builder is None:
             datamodule = trainer.datamodule
             if datamodule is None or not hasattr(datamodule, "load_tokenizer"):
-                raise ConfigError("passkey retrieval needs the data's tokenizer: run it with a TokenDataModule (the data section)")
+                raise ConfigError(
+                    "passkey retrieval needs the data's tokenizer: run it with a TokenDataModule (the data section)"
+                )
             self._builder = PasskeyPrompts(datamodule.load_tokenizer())
         return self._builder
 
@@ -79,21 +89,36 @@ class PasskeyRetrieval(L.Callback):
         if not self.enabled or trainer.sanity_checking:
             return
         if not pl_module.backbone.causal:
-            raise ConfigError("passkey retrieval needs a causal LM (it decodes an answer); this model is a masked LM: "
-                              "leave passkey.enabled false")
+            raise ConfigError(
+                "passkey retrieval needs a causal LM (it decodes an answer); this model is a masked LM: "
+                "leave passkey.enabled false"
+            )
         lengths = self.lengths or sorted({length for length, _ in pl_module.eval_specs()})
         backbone, was_training = pl_module.backbone, pl_module.backbone.training
         backbone.eval()
         try:
             with torch.no_grad():
-                grid = passkey_grid(greedy_completion(backbone), self.prompts(trainer), lengths, self.depths,
-                                    self.trials, self.seed, device=pl_module.device)
+                grid = passkey_grid(
+                    greedy_completion(backbone),
+                    self.prompts(trainer),
+                    lengths,
+                    self.depths,
+                    self.trials,
+                    self.seed,
+                    device=pl_module.device,
+                )
         finally:
             backbone.train(was_training)
         step = pl_module.length_results[0]["step"] if pl_module.length_results else trainer.global_step
         checkpoint = pl_module.length_results[0]["checkpoint"] if pl_module.length_results else None
-        extra = {"pe": pe_label(pl_module.config), "train_length": pl_module.config.block_size,
-                 "stage": trainer.state.fn.value, "step": step, "checkpoint": checkpoint, "seed": self.seed}
+        extra = {
+            "pe": pe_label(pl_module.config),
+            "train_length": pl_module.config.block_size,
+            "stage": trainer.state.fn.value,
+            "step": step,
+            "checkpoint": checkpoint,
+            "seed": self.seed,
+        }
         self.results = [{**extra, **row} for row in grid]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:
@@ -111,8 +136,11 @@ class PasskeyRetrieval(L.Callback):
                 if cells:
                     experiment.add_scalar(f"passkey/len_{length}", sum(cells) / len(cells), step)
         summary = "  ".join(f"{length}: {format_accuracy(self.results, length)}" for length in lengths)
-        print(f"passkey accuracy by length ({extra['pe']}, {self.trials} trials x {len(self.depths)} depths, "
-              f"step {step}): {summary}", flush=True)
+        print(
+            f"passkey accuracy by length ({extra['pe']}, {self.trials} trials x {len(self.depths)} depths, "
+            f"step {step}): {summary}",
+            flush=True,
+        )
 
 
 def format_accuracy(rows: list[dict], length: int) -> str:

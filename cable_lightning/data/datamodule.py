@@ -55,7 +55,8 @@ class TokenDataModule(L.LightningDataModule):
                  passkey_fraction: float = 0.0):
         super().__init__()
         if not 0.0 <= passkey_fraction <= 1.0:
-            raise ConfigError(f"passkey_fraction must be in [0, 1] (the share of training rows), got {passkey_fraction}")
+            raise ConfigError(f"passkey_fraction must be in [0, 1] (the share of training rows), "
+                              f"got {passkey_fraction}")
         for name, value, minimum in (("block_size", block_size, 1), ("micro_batch_size", micro_batch_size, 1),
                                      ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
             if value < minimum:

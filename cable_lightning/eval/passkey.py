@@ -56,7 +56,9 @@ class PasskeyPrompts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         # What follows the intro continues the text, so it starts with a space (one word per token boundary).
-        self.intro, self.question, *self.units = tokenizer.encode_batch([INTRO, " " + QUESTION] + [" " + s for s in FILLER])
+        self.intro, self.question, *self.units = tokenizer.encode_batch(
+            [INTRO, " " + QUESTION] + [" " + s for s in FILLER]
+        )
         if not all(self.units):
             raise ConfigError("the tokenizer turned a filler sentence into no tokens; it cannot make passkey prompts")
 
@@ -75,11 +77,13 @@ class PasskeyPrompts:
         before the question) of the filler; ``first_unit`` picks the filler sentence it starts with."""
         if not 0.0 <= depth <= 1.0:
             raise ConfigError(f"passkey depth {depth} is outside [0, 1] (0 = start of the text, 1 = end)")
-        needle = self.needle_ids(key)
-        budget = length - self.fixed_tokens(key)
+        needle, fixed = self.needle_ids(key), self.fixed_tokens(key)
+        budget = length - fixed
         if budget < 0:
-            raise ConfigError(f"passkey prompt length {length} is too short: intro, key sentence and question take "
-                              f"{self.fixed_tokens(key)} tokens with this tokenizer; use a length of at least {self.fixed_tokens(key)}")
+            raise ConfigError(
+                f"passkey prompt length {length} is too short: intro, key sentence and question take {fixed} "
+                f"tokens with this tokenizer; use a length of at least {fixed}"
+            )
         filler, boundaries, unit = [], [0], first_unit
         while len(filler) < budget:
             filler += self.units[unit % len(self.units)]
@@ -117,7 +121,7 @@ def greedy_completion(backbone) -> Complete:
     """Greedy decoding with the backbone's KV cache: the tokens generated after each prompt."""
 
     def complete(prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        return backbone.generate(prompts, max_new_tokens=new_tokens, temperature=0)[:, prompts.shape[1]:]
+        return backbone.generate(prompts, max_new_tokens=new_tokens, temperature=0)[:, prompts.shape[1] :]
 
     return complete
 
@@ -130,8 +134,15 @@ def score_prompts(complete: Complete, prompts: Sequence[PasskeyPrompt], tokenize
     return [is_correct(tokenizer.decode(row.tolist()), p.key) for row, p in zip(generated, prompts)]
 
 
-def passkey_grid(complete: Complete, builder: PasskeyPrompts, lengths: Sequence[int],
-                 depths: Sequence[float] = DEFAULT_DEPTHS, trials: int = 5, seed: int = 0, device="cpu") -> list[dict]:
+def passkey_grid(
+    complete: Complete,
+    builder: PasskeyPrompts,
+    lengths: Sequence[int],
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    trials: int = 5,
+    seed: int = 0,
+    device="cpu",
+) -> list[dict]:
     """One row per (length, depth): trials, correct answers and accuracy; accuracy None where the model cannot
     take that length (a learnable position table)."""
     rows = []
@@ -143,8 +154,9 @@ def passkey_grid(complete: Complete, builder: PasskeyPrompts, lengths: Sequence[
             except UnsupportedLengthError:
                 rows.append({"length": length, "depth": depth, "trials": trials, "correct": None, "accuracy": None})
                 continue
-            rows.append({"length": length, "depth": depth, "trials": trials, "correct": correct,
-                         "accuracy": correct / trials})
+            rows.append(
+                {"length": length, "depth": depth, "trials": trials, "correct": correct, "accuracy": correct / trials}
+            )
     return rows
 
 

@@ -92,7 +92,8 @@ class LanguageModel(L.LightningModule):
             differ = weight_setting_differences(hparams["backbone"], self.config)
             if differ:
                 raise ConfigError(f"model.init_weights {path} is of another model: "
-                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
+                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
+                                              for name, old, new in differ)
                                   + "; configure the model it was trained with")
         prefix = "backbone."
         weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
@@ -306,8 +307,8 @@ class MaskedLM(LanguageModel):
                  mask_probability: float = 0.15, mask_id: Optional[int] = None, special_ids: tuple[int, ...] = (),
                  init_weights: Optional[str] = None):
         backbone = backbone or BackboneConfig(preset="bert-base")
-        super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile, activation_checkpointing,
-                         init_weights)
+        super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile,
+                         activation_checkpointing, init_weights)
         if self.config.causal:
             raise ConfigError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
         info = self.data_info
