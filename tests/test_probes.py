@@ -454,3 +454,12 @@ def test_report_puts_passkey_accuracy_beside_the_perplexity_table(tmp_path):
     ]
     assert (tmp_path / "out_passkey.csv").read_text().splitlines()[1] == "128,0.7500,0.5000"
     assert "| 128 | **10.00** | 12.00 |" in tables["nonoverlap"]
+
+
+def test_passkey_on_a_masked_lm_is_refused_before_it_runs(tiny_corpus_dir, tmp_path):
+    args = cli_args(tiny_corpus_dir, str(tmp_path), pe="alibi")
+    args[1] = "cable_lightning.lit.MaskedLM"
+    with pytest.raises(ConfigError, match="passkey retrieval needs a causal LM"):
+        main(["fit", *args, "--model.init_args.backbone.preset", "bert-base", "--passkey.enabled", "true",
+              "--trainer.max_steps", "1"])
+    assert not list(tmp_path.glob("probe/alibi/checkpoints/*.ckpt"))

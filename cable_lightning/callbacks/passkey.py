@@ -85,14 +85,17 @@ class PasskeyRetrieval(L.Callback):
             self._builder = PasskeyPrompts(datamodule.load_tokenizer())
         return self._builder
 
-    def on_validation_end(self, trainer, pl_module):
-        if not self.enabled or trainer.sanity_checking:
-            return
-        if not pl_module.backbone.causal:
+    def setup(self, trainer, pl_module, stage):
+        """Refuse a model that cannot answer before any training or evaluation runs."""
+        if self.enabled and not pl_module.backbone.causal:
             raise ConfigError(
                 "passkey retrieval needs a causal LM (it decodes an answer); this model is a masked LM: "
                 "leave passkey.enabled false"
             )
+
+    def on_validation_end(self, trainer, pl_module):
+        if not self.enabled or trainer.sanity_checking:
+            return
         lengths = self.lengths or sorted({length for length, _ in pl_module.eval_specs()})
         backbone, was_training = pl_module.backbone, pl_module.backbone.training
         backbone.eval()
