@@ -203,16 +203,21 @@ def test_a_forced_model_decoding_with_the_kv_cache_scores_as_forced(tiny_corpus_
     backbone = build_backbone(
         BackboneConfig(pos_encoding="cable", n_layer=1, n_head=2, n_embd=32, vocab_size=tokenizer.vocab_size)
     )
-    plain_forward = backbone.forward
-    fed_lengths = []
+    plain_hidden_states, plain_logits = backbone.hidden_states, backbone.logits
+    fed_lengths, read = [], []
 
-    def forced_forward(ids, cache=None):
-        logits = plain_forward(ids, cache)
+    def hidden_states(ids, cache=None):
         fed_lengths.append(ids.shape[1])
-        logits[:, -1, forced[cache.length - 90]] = 1e4  # cache.length: tokens read so far, the prompt's 90 first
+        hidden = plain_hidden_states(ids, cache)
+        read.append(cache.length)  # tokens read so far, the prompt's 90 first
+        return hidden
+
+    def forced_logits(hidden):
+        logits = plain_logits(hidden)
+        logits[..., forced[read[-1] - 90]] = 1e4
         return logits
 
-    backbone.forward = forced_forward
+    backbone.hidden_states, backbone.logits = hidden_states, forced_logits
     assert score_prompts(greedy_completion(backbone), prompts, tokenizer) == [True, False, True, False]
     assert fed_lengths[0] == 90 and set(fed_lengths[1:]) == {1}  # the prompt once, then one token at a time
 
