@@ -1,10 +1,12 @@
 """DDP through the CLI: two CPU processes (gloo) train a few steps; the step equals one process's
 step on the union of both ranks' batches."""
 
+import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cable_lightning.data.datamodule import TokenDataModule
@@ -33,11 +35,21 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
         "--checkpoint.every_n_train_steps", "3",
         "--trainer.callbacks+=ddp_probe.Probe", f"--trainer.callbacks.out_dir={out}",
         "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "3",
+        "--passkey.enabled", "true", "--passkey.lengths", "[80]", "--passkey.depths", "[0.5]", "--passkey.trials", "2",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (data / "manifest.json").is_file() and not (tmp_path / "fresh-data.partial").exists()
+    # The loss by position is reduced across ranks like the perplexity (each rank scored half the windows), and
+    # the passkey grid is written once (rank 0).
+    run = tmp_path / "runs" / "default" / "cable" / "version_0"
+    read = lambda name: [json.loads(line) for line in open(run / name)]  # noqa: E731
+    for row in read("length_eval.jsonl"):
+        buckets = [r for r in read("position_loss.jsonl") if r["length"] == row["length"]]
+        assert sum(r["tokens"] for r in buckets) == row["tokens"] == 256
+        assert sum(r["loss"] * r["tokens"] for r in buckets) / 256 == pytest.approx(row["loss"], rel=1e-5)
+    assert [(r["length"], r["depth"], r["trials"]) for r in read("passkey.jsonl")] == [(80, 0.5, 2)]
 
     load = lambda name, rank: torch.load(out / f"{name}_rank{rank}.pt")  # noqa: E731
     batches = [load("batch0", r) for r in (0, 1)]

@@ -3,6 +3,8 @@
 Reads ``length_eval.jsonl`` files (written by LengthEvalRecorder), keeps each run's latest
 evaluation, and writes per window mode: a markdown table (rows: evaluation length, columns: PE,
 best per row in bold, unsupported as a dash), the same as CSV, and a perplexity-vs-length PNG.
+Where runs also have ``passkey.jsonl`` (PasskeyRetrieval), a passkey table beside it: the same layout,
+each cell the accuracy averaged over depths, best (highest) in bold.
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -18,21 +20,22 @@ import os
 from cable_lightning.callbacks.length_eval import ppl_figure
 
 
-def find_records(paths: list[str]) -> list[str]:
+def find_records(paths: list[str], name: str = "length_eval.jsonl", required: bool = True) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            files += glob.glob(os.path.join(path, "**", "length_eval.jsonl"), recursive=True)
-        else:
+            files += glob.glob(os.path.join(path, "**", name), recursive=True)
+        elif os.path.basename(path) == name or name == "length_eval.jsonl":
             files += glob.glob(path)
-    if not files:
-        raise FileNotFoundError(f"no length_eval.jsonl under {', '.join(paths)}; train or validate a run first")
+    if not files and required:
+        raise FileNotFoundError(f"no {name} under {', '.join(paths)}; train or validate a run first")
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
-def latest_rows(files: list[str]) -> list[dict]:
+def latest_rows(files: list[str], cell=lambda row: (row["length"], row["mode"])) -> list[dict]:
     """Each run's rows from its latest evaluation step; at equal steps the later line wins, so a
-    re-validation replaces the end-of-fit numbers. A run is one (pe, training length)."""
+    re-validation replaces the end-of-fit numbers. A run is one (pe, training length); ``cell`` names a row
+    within an evaluation."""
     runs: dict[tuple, dict] = {}
     for file in files:
         with open(file) as f:
@@ -42,7 +45,7 @@ def latest_rows(files: list[str]) -> list[dict]:
                 if row["step"] > run["step"]:
                     run["step"], run["rows"] = row["step"], {}
                 if row["step"] == run["step"]:
-                    run["rows"][(row["length"], row["mode"])] = row
+                    run["rows"][cell(row)] = row
     return [row for run in runs.values() for row in run["rows"].values()]
 
 
@@ -59,12 +62,23 @@ def build_table(rows: list[dict], mode: str) -> tuple[list[str], list[list]]:
     return columns, [[length] + [cell.get((length, c)) for c in columns] for length in lengths]
 
 
-def markdown(columns, table) -> str:
+def passkey_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """Rows: prompt length, columns: PE; each cell the accuracy averaged over depths (None where unsupported)."""
+    several = len({r["train_length"] for r in rows}) > 1
+    cells: dict[tuple, list] = {}
+    for r in rows:
+        cells.setdefault((r["length"], column_name(r["pe"], r["train_length"], several)), []).append(r["accuracy"])
+    columns = sorted({c for _, c in cells})
+    mean = {k: None if None in v else sum(v) / len(v) for k, v in cells.items()}
+    return columns, [[length] + [mean.get((length, c)) for c in columns] for length in sorted({n for n, _ in cells})]
+
+
+def markdown(columns, table, best=min) -> str:
     lines = ["| length | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for length, *values in table:
         present = [v for v in values if v is not None]
-        best = min(present) if present else None
-        cells = ["-" if v is None else (f"**{v:.2f}**" if v == best else f"{v:.2f}") for v in values]
+        best_value = best(present) if present else None
+        cells = ["-" if v is None else (f"**{v:.2f}**" if v == best_value else f"{v:.2f}") for v in values]
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -79,7 +93,8 @@ def plot(columns, table, title: str, path: str):
 
 
 def report(paths: list[str], out: str) -> dict[str, str]:
-    """Writes <out>_<mode>.md/.csv/.png for each window mode present; returns {mode: markdown}."""
+    """Writes <out>_<mode>.md/.csv/.png for each window mode present, and <out>_passkey.md/.csv where runs have
+    passkey rows; returns {mode or "passkey": markdown}."""
     rows = latest_rows(find_records(paths))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
@@ -93,6 +108,17 @@ def report(paths: list[str], out: str) -> dict[str, str]:
             writer.writerow(["length"] + columns)
             writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values] for length, *values in table])
         plot(columns, table, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
+    passkey_files = find_records(paths, "passkey.jsonl", required=False)
+    if passkey_files:
+        columns, table = passkey_table(latest_rows(passkey_files, cell=lambda row: (row["length"], row["depth"])))
+        tables["passkey"] = markdown(columns, table, best=max)
+        with open(f"{out}_passkey.md", "w") as f:
+            f.write(tables["passkey"] + "\n")
+        with open(f"{out}_passkey.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["length"] + columns)
+            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values]
+                              for length, *values in table])
     return tables
 
 
@@ -102,7 +128,7 @@ def main(argv=None):
     parser.add_argument("--out", default="runs/report", help="output prefix")
     args = parser.parse_args(argv)
     for mode, table in report(args.runs, args.out).items():
-        print(f"## {mode}\n{table}\n")
+        print(f"## {'passkey accuracy (mean over depths)' if mode == 'passkey' else mode}\n{table}\n")
     print(f"written: {args.out}_<mode>.md/.csv/.png")
 
 

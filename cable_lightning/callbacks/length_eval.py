@@ -1,4 +1,8 @@
-"""Perplexity-vs-length records after every validation: JSONL rows, TensorBoard figure, a printed table.
+"""Perplexity-vs-length records after every validation: JSONL rows, TensorBoard figures, a printed table.
+
+Two files per run folder: ``length_eval.jsonl`` (one row per length and window mode) and ``position_loss.jsonl``
+(one row per length and position bucket of the non-overlapping windows), kept apart so that each file has one
+row shape and readers of the perplexity table never see bucket rows.
 
 The numbers themselves come from the LightningModule's validation loop (one loader per length and
 window mode, DDP-reduced by torchmetrics); this callback only writes them down on rank 0.
@@ -38,6 +42,30 @@ def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_len
     return fig
 
 
+def position_figure(rows: list[dict], title: str, train_length: int | None = None):
+    """Mean NLL against token position (log-spaced buckets, plotted at their last position), one line per
+    evaluation length: a line that rises with position means later tokens, with more context, fare worse."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for length in sorted({r["length"] for r in rows}):
+        points = [(r["last_position"], r["loss"]) for r in rows if r["length"] == length and r["loss"] is not None]
+        if points:
+            ax.plot(*zip(*sorted(points)), marker="o", label=f"length {length}")
+    if train_length:
+        ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token position in the window (bucket end)")
+    ax.set_ylabel("mean NLL (nats)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 def format_table(rows: list[dict], train_length: int) -> str:
     modes = sorted({r["mode"] for r in rows})
     by_key = {(r["length"], r["mode"]): r for r in rows}
@@ -61,7 +89,8 @@ def pe_label(config) -> str:
 
 class LengthEvalRecorder(L.Callback):
     """Writes ``<log_dir>/length_eval.jsonl`` rows (step, length, mode, ppl, loss, tokens, seconds,
-    tokens/s), logs a perplexity-vs-length figure to TensorBoard, and prints the table."""
+    tokens/s) and ``<log_dir>/position_loss.jsonl`` rows (step, length, first/last position, loss, tokens), logs a
+    perplexity-vs-length and a loss-vs-position figure to TensorBoard, and prints the table."""
 
     def __init__(self, print_table: bool = True, figure: bool = True):
         self.print_table, self.figure = print_table, figure
@@ -79,12 +108,20 @@ class LengthEvalRecorder(L.Callback):
         with open(os.path.join(log_dir, "length_eval.jsonl"), "a") as f:
             for row in rows:
                 f.write(json.dumps({**extra, **row}) + "\n")
+        position_rows = getattr(pl_module, "position_results", [])
+        if position_rows:
+            with open(os.path.join(log_dir, "position_loss.jsonl"), "a") as f:
+                for row in position_rows:
+                    f.write(json.dumps({**extra, **row}) + "\n")
         experiment = getattr(trainer.logger, "experiment", None)
         if self.figure and hasattr(experiment, "add_figure"):
             title = f"{extra['pe']}, step {step}"
             series = {mode: [(r["length"], r["ppl"]) for r in rows if r["mode"] == mode]
                       for mode in sorted({r["mode"] for r in rows})}
             experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), step)
+            if position_rows:
+                figure = position_figure(position_rows, title, config.block_size)
+                experiment.add_figure("val_loss_vs_position", figure, step)
         if self.print_table:
             print(f"validation perplexity by length ({extra['pe']}, trained at {config.block_size} tokens, "
                   f"step {step}):\n{format_table(rows, config.block_size)}", flush=True)

@@ -9,6 +9,7 @@ evaluation length scores the same first ``eval_tokens`` targets of the held-out 
 from __future__ import annotations
 
 import os
+import random
 from typing import Any
 
 import lightning as L
@@ -43,12 +44,19 @@ class TokenDataModule(L.LightningDataModule):
             tokens (ALiBi's appendix-B protocol); None scores non-overlapping windows only.
         source, tokenizer: when given, ``prepare_data`` prepares ``path`` from them if it is not prepared yet,
             and a prepared ``path`` must have been made from them.
+        passkey_fraction: the share of each training batch's rows replaced by passkey prompts with their answer
+            (block_size + 1 tokens, random key and depth): the fine-tuning recipe that teaches small models to
+            retrieve at all (configs/passkey_finetune.yaml). 0 trains on the corpus only.
     """
 
     def __init__(self, path: str = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
                  num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
-                 eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None):
+                 eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
+                 passkey_fraction: float = 0.0):
         super().__init__()
+        if not 0.0 <= passkey_fraction <= 1.0:
+            raise ConfigError(f"passkey_fraction must be in [0, 1] (the share of training rows), "
+                              f"got {passkey_fraction}")
         for name, value, minimum in (("block_size", block_size, 1), ("micro_batch_size", micro_batch_size, 1),
                                      ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
             if value < minimum:
@@ -63,6 +71,8 @@ class TokenDataModule(L.LightningDataModule):
         self.eval_lengths = [int(n) for n in eval_lengths or [block_size]]
         self.eval_stride = None if eval_stride is None else int(eval_stride)
         self.source, self.tokenizer_spec = source, tokenizer
+        self.passkey_fraction = float(passkey_fraction)
+        self._passkey_prompts = None
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}
 
@@ -91,6 +101,12 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self.describe()
+        if self.passkey_fraction and stage == "fit":  # a block too short for a passkey prompt: say so before training
+            try:
+                self.passkey_sequence(random.Random(0))
+            except ConfigError as exc:
+                raise ConfigError(f"passkey_fraction needs a longer block_size than {self.block_size} with this "
+                                  f"tokenizer ({exc})") from None
 
     def _check_request(self, request: dict[str, Any]) -> None:
         from cable_lightning.data.sources import get_source
@@ -120,6 +136,29 @@ class TokenDataModule(L.LightningDataModule):
         if tok.identity != info["identity"]:
             raise ConfigError(f"tokenizer {ref} (hash {tok.identity['hash'][:12]}) is not the one that prepared {self.path}; re-prepare it")
         return tok
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With ``passkey_fraction``, the first rows of each training batch become passkey sequences, drawn from a
+        generator seeded by (seed, rank, batch number) so that a resumed run sees the same ones."""
+        trainer = getattr(self, "trainer", None)
+        if not self.passkey_fraction or trainer is None or not trainer.training:
+            return batch
+        rows = round(self.passkey_fraction * batch.shape[0])
+        if rows:
+            batch = batch.clone()
+            batch_number = trainer.fit_loop.epoch_loop.batch_progress.total.ready
+            rng = random.Random(hash((self.seed, trainer.global_rank, batch_number)))
+            for row in range(rows):
+                batch[row] = torch.tensor(self.passkey_sequence(rng), dtype=batch.dtype)
+        return batch
+
+    def passkey_sequence(self, rng: random.Random) -> list[int]:
+        """A passkey prompt and its answer, ``block_size + 1`` tokens (one training window)."""
+        from cable_lightning.eval.passkey import PasskeyPrompts, training_sequence
+
+        if self._passkey_prompts is None:
+            self._passkey_prompts = PasskeyPrompts(self.load_tokenizer())
+        return training_sequence(self._passkey_prompts, self.block_size + 1, rng)
 
     def train_dataloader(self) -> Any:
         from litdata import StreamingDataLoader, StreamingDataset, TokensLoader

@@ -16,7 +16,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from ..data.manifest import DataInfo
 from ..errors import ConfigError, RunFailedError
-from ..eval import scored_targets
+from ..eval import PositionNLL, scored_targets
 from ..models import BackboneConfig, build_backbone
 from ..models.config import RUNTIME_FIELDS
 from ..positional import UnsupportedLengthError
@@ -32,11 +32,16 @@ class LanguageModel(L.LightningModule):
     ``data`` is the data's description (:class:`DataInfo`, or its ``as_dict()`` as the CLI links it): its
     vocabulary size and training length override the backbone config, its evaluation specs say what
     validation measures, and its tokenizer identity is checked against a checkpoint's on load.
+
+    ``init_weights``: a checkpoint whose weights a new fit starts from (fine-tuning: optimizer, schedule and step
+    start afresh, unlike ``--ckpt_path``, which resumes a run); its model must have the same weight-defining
+    settings and tokenizer.
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 6e-4,
                  min_lr: float = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, compile: bool = False, activation_checkpointing: bool = False):
+                 weight_decay: float = 0.1, compile: bool = False, activation_checkpointing: bool = False,
+                 init_weights: Optional[str] = None):
         super().__init__()
         self.save_hyperparameters()
         self.data_info = data if isinstance(data, DataInfo) or data is None else DataInfo.from_dict(data)
@@ -48,7 +53,9 @@ class LanguageModel(L.LightningModule):
         self.backbone = build_backbone(self.config)
         self.backbone.activation_checkpointing = activation_checkpointing
         self.val_nll = torch.nn.ModuleDict()
+        self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
         self.length_results: list[dict] = []
+        self.position_results: list[dict] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
         self._last_step_time = None
@@ -65,6 +72,33 @@ class LanguageModel(L.LightningModule):
     # --- batches -------------------------------------------------------------------------------
     def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0):
         raise NotImplementedError
+
+    def on_fit_start(self) -> None:
+        # After Lightning restored a resumed run (trainer.ckpt_path is set then): that run's own checkpoint holds the
+        # weights, and init_weights may be gone. Copied in place, so the optimizer keeps its parameters.
+        if self.hparams.init_weights and self.trainer.ckpt_path is None:
+            self.load_initial_weights(self.hparams.init_weights)
+
+    def load_initial_weights(self, path: str) -> None:
+        """The backbone's weights from a checkpoint of the same model (checked first, one line per problem)."""
+        from ..checkpoints import read_checkpoint
+
+        checkpoint = read_checkpoint(path, weights_only=True)
+        hparams = checkpoint.get("hyper_parameters") or {}
+        saved_data = hparams.get("data") or {}
+        if self.data_info is not None and saved_data.get("tokenizer"):
+            self.data_info.check_tokenizer(saved_data["tokenizer"])
+        if isinstance(hparams.get("backbone"), dict):
+            differ = weight_setting_differences(hparams["backbone"], self.config)
+            if differ:
+                raise ConfigError(f"model.init_weights {path} is of another model: "
+                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
+                                              for name, old, new in differ)
+                                  + "; configure the model it was trained with")
+        prefix = "backbone."
+        weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        self.backbone.load_state_dict(weights)
+        self.print(f"initial weights from {path} (step {checkpoint.get('global_step')})")
 
     def configure_model(self):
         # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
@@ -151,6 +185,8 @@ class LanguageModel(L.LightningModule):
             key = self.spec_key(length, stride)
             if key not in self.val_nll:
                 self.val_nll[key] = MeanMetric().to(self.device)
+            if stride == length and key not in self.val_nll_by_position:
+                self.val_nll_by_position[key] = PositionNLL(length).to(self.device)
             self._eval_time[key] = 0.0
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
@@ -171,13 +207,16 @@ class LanguageModel(L.LightningModule):
             return None
         count = (targets != -100).sum()
         self.val_nll[key].update(nll.sum() / count.clamp(min=1), weight=count)
+        if key in self.val_nll_by_position:
+            self.val_nll_by_position[key].update(nll, targets != -100)
         self._eval_time[key] += time.perf_counter() - start
         return None
 
     def on_validation_epoch_end(self):
         """Logs ``val_ppl/len_<L>`` (non-overlapping) and ``val_ppl_sliding/len_<L>``, and keeps the
-        rows in ``self.length_results`` for the length-evaluation callback."""
-        self.length_results = []
+        rows in ``self.length_results`` (and the loss by position bucket in ``self.position_results``) for the
+        length-evaluation callback."""
+        self.length_results, self.position_results = [], []
         # A validate/test that loaded a checkpoint is recorded at that checkpoint's step (its loop starts at 0);
         # fit, and the validation after fit, at the trainer's.
         loaded = self.trainer.state.fn != "fit" and self.trainer.ckpt_path and self.loaded_step is not None
@@ -206,6 +245,17 @@ class LanguageModel(L.LightningModule):
             self.length_results.append({**row, "ppl": ppl, "loss": loss.item(), "tokens": tokens,
                                         "seconds": seconds, "tokens_per_sec": tokens / seconds if seconds else None})
             metric.reset()
+            if key in self.val_nll_by_position:
+                self.position_results += self._position_rows(self.val_nll_by_position[key], row)
+
+    @staticmethod
+    def _position_rows(metric: PositionNLL, row: dict) -> list[dict]:
+        """One row per position bucket (first and last 1-based position, mean NLL, scored tokens)."""
+        means, counts = metric.compute()
+        metric.reset()
+        return [{**row, "first_position": first, "last_position": last,
+                 "loss": mean.item() if count else None, "tokens": int(count.item())}
+                for (first, last), mean, count in zip(metric.buckets, means, counts)]
 
     def on_load_checkpoint(self, checkpoint):
         """Before the weights are loaded: the checkpoint must be of this model (same shapes, PE family, tokenizer,
@@ -254,9 +304,11 @@ class MaskedLM(LanguageModel):
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 1e-4,
                  min_lr: float = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, compile: bool = False, activation_checkpointing: bool = False,
-                 mask_probability: float = 0.15, mask_id: Optional[int] = None, special_ids: tuple[int, ...] = ()):
+                 mask_probability: float = 0.15, mask_id: Optional[int] = None, special_ids: tuple[int, ...] = (),
+                 init_weights: Optional[str] = None):
         backbone = backbone or BackboneConfig(preset="bert-base")
-        super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile, activation_checkpointing)
+        super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile,
+                         activation_checkpointing, init_weights)
         if self.config.causal:
             raise ConfigError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
         info = self.data_info

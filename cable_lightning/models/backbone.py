@@ -162,7 +162,8 @@ class Backbone(nn.Module):
             raise ValueError("generate needs a causal backbone; this one is bidirectional (masked LM)")
         cache = KVCache(len(self.blocks))
         out = prompt_ids
-        logits = self(prompt_ids, cache)[:, -1]
+        # The head on the last position only: a long prompt's (T x vocab) logits would not fit (16k x 50k fp32 = 3 GB).
+        logits = self.logits(self.hidden_states(prompt_ids, cache)[:, -1])
         for _ in range(max_new_tokens):
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
