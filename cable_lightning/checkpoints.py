@@ -9,8 +9,8 @@ fsyncs and renames instead.
 from __future__ import annotations
 
 import contextlib
-import glob
 import fcntl
+import glob
 import os
 import shutil
 import zipfile
@@ -37,7 +37,8 @@ def check_checkpoint_file(path: str) -> None:
                                      "(the step*.ckpt files beside it) or --ckpt_path last") from None
 
 
-def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: Optional[bool] = True, mmap: bool = False) -> dict:
+def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: Optional[bool] = True,
+                    mmap: bool = False) -> dict:
     """``torch.load`` that names the file when it is missing, truncated or refused."""
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint {path} does not exist; give a checkpoint file, 'last' or 'auto'")
@@ -89,7 +90,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.remove(partial)
-            if isinstance(exc, (OSError, RuntimeError, CorruptCheckpointError)):  # torch.save wraps ENOSPC in RuntimeError
+            # torch.save wraps ENOSPC in RuntimeError
+            if isinstance(exc, (OSError, RuntimeError, CorruptCheckpointError)):
                 free = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else None
                 raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {str(exc).strip()}"
                                      + (f"; {free:.0f} MiB free there" if free is not None else "")
@@ -118,7 +120,8 @@ def resolve_ckpt_path(value: Optional[str], folder: str, subcommand: str = "fit"
         return value
     if value not in RESUME_CHOICES:
         if not os.path.isfile(value):
-            raise ConfigError(f"--ckpt_path {value}: no such file; give a checkpoint file, or one of {', '.join(RESUME_CHOICES)}")
+            raise ConfigError(f"--ckpt_path {value}: no such file; give a checkpoint file, "
+                              f"or one of {', '.join(RESUME_CHOICES)}")
         return value
     found = glob.glob(os.path.join(glob.escape(folder), "*.ckpt"))
     readable = []
@@ -156,8 +159,10 @@ def claim_checkpoint_folder(folder: str, resuming: bool, lock: bool):
                           "choose another --runs_dir or --checkpoint.dirpath") from None
     earlier = sorted(glob.glob(os.path.join(glob.escape(folder), "*.ckpt")))
     if earlier and not resuming:
-        raise ConfigError(f"{folder} already holds {len(earlier)} checkpoints of an earlier run ({', '.join(map(os.path.basename, earlier[:3]))}"
-                          f"{', ...' if len(earlier) > 3 else ''}); resume it with --ckpt_path last, or start elsewhere "
+        raise ConfigError(f"{folder} already holds {len(earlier)} checkpoints of an earlier run "
+                          f"({', '.join(map(os.path.basename, earlier[:3]))}"
+                          f"{', ...' if len(earlier) > 3 else ''}); resume it with --ckpt_path last, "
+                          "or start elsewhere "
                           "with another --experiment or --checkpoint.dirpath")
     if not lock:
         return None

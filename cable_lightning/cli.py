@@ -96,8 +96,9 @@ def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: i
     per_step = micro_batch * block_size * ranks
     if global_batch_tokens % per_step:
         raise ConfigError(
-            f"global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size x block_size x world_size "
-            f"= {micro_batch} x {block_size} x {ranks} = {per_step}; pick a multiple of {per_step} or change the micro-batch"
+            f"global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size x block_size x "
+            f"world_size = {micro_batch} x {block_size} x {ranks} = {per_step}; pick a multiple of {per_step} "
+            "or change the micro-batch"
         )
     return global_batch_tokens // per_step
 
@@ -107,7 +108,8 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
     """Gradient accumulation from the global batch, and the validation interval in batches, from the world size
     of the Trainer Lightning built (so devices as an int, a list, "0,1" or "auto", times num_nodes, all count)."""
     if global_batch_tokens is not None:
-        trainer.accumulate_grad_batches = accumulation_steps(global_batch_tokens, micro_batch, block_size, trainer.world_size)
+        trainer.accumulate_grad_batches = accumulation_steps(global_batch_tokens, micro_batch, block_size,
+                                                             trainer.world_size)
     if validate_every_n_steps:
         trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
@@ -173,10 +175,12 @@ class CableCLI(LightningCLI):
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": config.runs_dir, "name": os.path.relpath(run_folder(config), config.runs_dir)},
+                "init_args": {"save_dir": config.runs_dir,
+                              "name": os.path.relpath(run_folder(config), config.runs_dir)},
             }
         config.checkpoint.dirpath = checkpoint_folder(config)
-        self._validate_every_checkpoint = config.trainer.val_check_interval is None and bool(config.checkpoint.every_n_train_steps)
+        self._validate_every_checkpoint = (config.trainer.val_check_interval is None
+                                           and bool(config.checkpoint.every_n_train_steps))
         if self._validate_every_checkpoint:  # in batches, across epochs; scaled by accumulation in before_fit
             config.trainer.val_check_interval = config.checkpoint.every_n_train_steps
             config.trainer.check_val_every_n_epoch = None
@@ -190,7 +194,8 @@ class CableCLI(LightningCLI):
 
     def before_fit(self):
         config = self.config["fit"]
-        apply_global_batch(self.trainer, config.global_batch_tokens, self.datamodule.micro_batch_size, self.datamodule.block_size,
+        apply_global_batch(self.trainer, config.global_batch_tokens, self.datamodule.micro_batch_size,
+                           self.datamodule.block_size,
                            config.checkpoint.every_n_train_steps if self._validate_every_checkpoint else None)
         self._folder_lock = claim_checkpoint_folder(config.checkpoint.dirpath, resuming=config.ckpt_path is not None,
                                                     lock=self.trainer.global_rank == 0)
@@ -212,8 +217,9 @@ class CableCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> CableCLI:
     """The CLI as a library call; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``. Errors propagate."""
-    return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args, save_config_kwargs={"overwrite": True},
-                    parser_class=TerseParser, parser_kwargs={"prog": "python -m cable_lightning"})
+    return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args,
+                    save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
+                    parser_kwargs={"prog": "python -m cable_lightning"})
 
 
 def run(args: list[str] | None = None) -> None:
@@ -226,7 +232,8 @@ def run(args: list[str] | None = None) -> None:
     except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
         signum = getattr(exc, "signum", signal.SIGTERM)
         saved = getattr(exc, "saved_checkpoint", None)
-        print(f"error: stopped by {signal.Signals(signum).name}" + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
+        print(f"error: stopped by {signal.Signals(signum).name}"
+              + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
               file=sys.stderr, flush=True)
         sys.exit(128 + signum)
     except Exception as exc:

@@ -14,8 +14,8 @@ BIAS_PES = score_bias_encodings()
 
 
 def test_bias_pes_are_the_expected_family():
-    assert sorted(BIAS_PES) == sorted(["alibi", "cable", "cable_nw", "fire", "fox", "k_cable", "kerple_log", "kerple_power",
-                                       "t5"])
+    assert sorted(BIAS_PES) == sorted(["alibi", "cable", "cable_nw", "fire", "fox", "k_cable", "kerple_log",
+                                       "kerple_power", "t5"])
     for name in available():  # the class attribute says what score_bias returns
         pe = build_positional(BackboneConfig(pos_encoding=name, n_layer=1, n_head=4, n_embd=32))
         assert isinstance(pe.score_bias(torch.randn(1, 3, 32), 0, 0, None), ScoreBias) == (name in BIAS_PES), name
@@ -79,7 +79,8 @@ def test_flex_matches_reference(pe_name, t, causal):
 @pytest.mark.parametrize("pe_name", BIAS_PES)
 def test_flex_gradients_on_cuda(pe_name):
     pe, h, q, k, v = make_inputs(pe_name, True, 129)
-    pe, h, q, k, v = pe.cuda(), h.detach().cuda().requires_grad_(), *(x.detach().cuda().requires_grad_() for x in (q, k, v))
+    pe, h, q, k, v = (pe.cuda(), h.detach().cuda().requires_grad_(),
+                      *(x.detach().cuda().requires_grad_() for x in (q, k, v)))
     tensors = [q, k, v, h] + list(pe.parameters())
     ref, out = run("materialized", pe, h, q, k, v, True), run("flex", pe, h, q, k, v, True)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)

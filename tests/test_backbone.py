@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
-from cable_lightning.models.config import encoding_name, parse_encoding_name
 from cable_lightning.models import attention as attn_mod
+from cable_lightning.models.config import encoding_name, parse_encoding_name
 from cable_lightning.positional import UnsupportedLengthError, available, score_bias_encodings
 from cable_lightning.positional.rope import Rope
 
@@ -141,7 +141,8 @@ def count(preset, **kw):
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("preset,expected", [("gpt2-tiny", 44.6e6), ("gpt2-small", 123.6e6), ("gpt2-medium", 353.5e6), ("bert-base", 110e6)])
+@pytest.mark.parametrize("preset,expected", [("gpt2-tiny", 44.6e6), ("gpt2-small", 123.6e6), ("gpt2-medium", 353.5e6),
+                                             ("bert-base", 110e6)])
 def test_preset_parameter_counts(preset, expected):
     n = count(preset)
     assert abs(n - expected) / expected < 0.03, f"{preset}: {n / 1e6:.1f}M"

@@ -6,9 +6,9 @@ import os
 import shutil
 
 import pytest
+import recorders
 import torch
 
-import recorders
 from cable_lightning.cli import main
 
 
@@ -50,7 +50,8 @@ def trained(tiny_corpus_dir, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("model,pe", [("CausalLM", "cable"), ("CausalLM", "rope"), ("MaskedLM", "alibi"), ("CausalLM", "learnable")])
+@pytest.mark.parametrize("model,pe", [("CausalLM", "cable"), ("CausalLM", "rope"), ("MaskedLM", "alibi"),
+                                      ("CausalLM", "learnable")])
 def test_fit_writes_checkpoints_tensorboard_and_length_records(tiny_corpus_dir, tmp_path, model, pe):
     cli = main(["fit", *args(tiny_corpus_dir, str(tmp_path), pe=pe, model=model)])
     run = tmp_path / "test" / pe

@@ -11,7 +11,8 @@ from cable_lightning.cli import accumulation_steps, main
 from cable_lightning.positional import available
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-BASES = sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml"))) + [os.path.join(ROOT, "configs", "quickstart.yaml")]
+BASES = (sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml")))
+         + [os.path.join(ROOT, "configs", "quickstart.yaml")])
 TRAINERS = sorted(glob.glob(os.path.join(ROOT, "configs", "trainer", "*.yaml")))
 
 

@@ -31,8 +31,8 @@ def randomised(module, scale=0.3, seed=0):
 
 
 def small_config(pe="cable", **overrides):
-    return BackboneConfig(**parse_encoding_name(pe), n_layer=2, n_head=HEADS, n_embd=WIDTH, vocab_size=97, block_size=16,
-                          **overrides)
+    return BackboneConfig(**parse_encoding_name(pe), n_layer=2, n_head=HEADS, n_embd=WIDTH, vocab_size=97,
+                          block_size=16, **overrides)
 
 
 # --- FoX ---------------------------------------------------------------------------------------------
@@ -77,7 +77,8 @@ def cope_loop(logits, q, table, causal):
             p = min(sum(torch.sigmoid(logits[i, u]) for u in between), positions - 1)
             low = math.floor(p)
             high = min(low + 1, positions - 1)
-            z_low, z_high = q[i] @ table[:, low] / math.sqrt(q.shape[-1]), q[i] @ table[:, high] / math.sqrt(q.shape[-1])
+            z_low, z_high = (q[i] @ table[:, low] / math.sqrt(q.shape[-1]),
+                             q[i] @ table[:, high] / math.sqrt(q.shape[-1]))
             out[i, j] = logits[i, j] + z_low * (1 - (p - low)) + z_high * (p - low)
     return out
 
@@ -180,7 +181,8 @@ def test_zeroing_the_future_is_what_keeps_dape_causal(monkeypatch):
             return torch.equal(model(x)[:, :7], model(y)[:, :7])
 
     assert first_seven_equal()
-    monkeypatch.setattr(DapeScores, "future", lambda self, start, stop, n, device: torch.zeros(stop - start, n, dtype=bool))
+    monkeypatch.setattr(DapeScores, "future",
+                        lambda self, start, stop, n, device: torch.zeros(stop - start, n, dtype=bool))
     assert not first_seven_equal()
 
 

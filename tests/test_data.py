@@ -18,11 +18,11 @@ import torch
 
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.data.manifest import read_manifest
-from cable_lightning.lit.masking import mask_tokens
 from cable_lightning.data.prepare import main as prepare_main
 from cable_lightning.data.prepare import prepare
 from cable_lightning.data.sources import get_source, python_docs
 from cable_lightning.data.tokenizers import EOT_TOKEN, get_tokenizer, train_bpe
+from cable_lightning.lit.masking import mask_tokens
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +165,8 @@ def test_unfinished_output_is_not_mistaken_for_data(small_txt_dir, tmp_path):
 def test_cli_with_spawned_workers(small_txt_dir, tmp_path, capsys):
     """The real start method (spawn): the mapped function must be importable by fresh worker processes."""
     out = str(tmp_path / "cli")
-    assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val-tokens", "50", "--num-workers", "1", "--quiet"]) == 0
+    assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val-tokens", "50",
+                         "--num-workers", "1", "--quiet"]) == 0
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
     assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:400", "--out", out, "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
@@ -303,7 +304,8 @@ def test_python_docs_is_real_text_and_deterministic():
     assert python_docs() == docs
 
 
-@pytest.mark.parametrize("source,repo", [("fineweb-edu", "HuggingFaceFW/fineweb-edu"), ("wikitext-103", "Salesforce/wikitext")])
+@pytest.mark.parametrize("source,repo", [("fineweb-edu", "HuggingFaceFW/fineweb-edu"),
+                                         ("wikitext-103", "Salesforce/wikitext")])
 def test_offline_hub_is_one_clear_line(source, repo, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     kwargs = {"val_tokens": 1000} if source == "fineweb-edu" else {}
@@ -435,7 +437,8 @@ def test_shuffle_depends_on_seed(tiny_corpus_dir):
 
 
 def test_val_loaders_per_length(tiny_corpus_dir):
-    dm = TokenDataModule(tiny_corpus_dir, block_size=64, micro_batch_size=4, eval_lengths=[32, 64, 256], eval_tokens=2048)
+    dm = TokenDataModule(tiny_corpus_dir, block_size=64, micro_batch_size=4, eval_lengths=[32, 64, 256],
+                         eval_tokens=2048)
     loaders = dm.val_dataloader()
     assert dm.eval_specs() == [(32, 32), (64, 64), (256, 256)]
     assert isinstance(loaders, list) and len(loaders) == 3
@@ -681,7 +684,8 @@ def test_hub_sources_with_a_local_stand_in(monkeypatch, tmp_path):
     manifest = fast_prepare(source="wikitext-103", tokenizer="bpe:300", out=out)
     assert set(manifest["splits"]) == {"train", "val", "test"}
     tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
-    assert tok.decode(read_split_tokens(out, "train").tolist()) == joined(["\n = Alpha = \n\n alpha text \n", " = Beta = \n beta text \n"])
+    assert tok.decode(read_split_tokens(out, "train").tolist()) == joined(["\n = Alpha = \n\n alpha text \n",
+                                                                          " = Beta = \n beta text \n"])
     assert tok.decode(read_split_tokens(out, "val").tolist()).count(EOT_TOKEN) == 40
     dm = TokenDataModule(out, block_size=16, eval_tokens=64)
     assert torch.equal(dm.test_dataloader().dataset.tokens, dm.eval_stream("test"))

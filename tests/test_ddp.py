@@ -37,7 +37,8 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
         "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "3",
         "--passkey.enabled", "true", "--passkey.lengths", "[80]", "--passkey.depths", "[0.5]", "--passkey.trials", "2",
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (data / "manifest.json").is_file() and not (tmp_path / "fresh-data.partial").exists()
@@ -56,7 +57,8 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
     assert not torch.equal(batches[0], batches[1]), "both ranks read the same samples"
     for name in ("init", "step1", "final"):
         for key, value in load(name, 0).items():
-            torch.testing.assert_close(load(name, 1)[key], value, atol=0, rtol=0, msg=f"{name}: {key} differs across ranks")
+            torch.testing.assert_close(load(name, 1)[key], value, atol=0, rtol=0,
+                                       msg=f"{name}: {key} differs across ranks")
 
     # One process, the union of the two ranks' batches, the same recipe (AdamW, schedule, clip 1.0).
     init = load("init", 0)

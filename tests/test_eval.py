@@ -29,7 +29,8 @@ def tiny_model(dm, pe="cable"):
 
 
 def test_validation_perplexity_is_exp_of_mean_token_nll_by_hand(tiny_corpus_dir, tmp_path):
-    dm = TokenDataModule(tiny_corpus_dir, block_size=32, micro_batch_size=3, eval_lengths=[32, 96], eval_tokens=500, eval_stride=16)
+    dm = TokenDataModule(tiny_corpus_dir, block_size=32, micro_batch_size=3, eval_lengths=[32, 96], eval_tokens=500,
+                         eval_stride=16)
     model = tiny_model(dm)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path), callbacks=[LengthEvalRecorder(print_table=False, figure=False)])
@@ -52,9 +53,11 @@ def test_validation_perplexity_is_exp_of_mean_token_nll_by_hand(tiny_corpus_dir,
         assert logged == pytest.approx(math.exp(nll / count), rel=1e-4)
     # Sliding windows score the same tokens with more context: a different, finite number.
     sliding = trainer.callback_metrics["val_ppl_sliding/len_96"].item()
-    assert math.isfinite(sliding) and sliding != pytest.approx(trainer.callback_metrics["val_ppl/len_96"].item(), rel=1e-6)
+    assert math.isfinite(sliding) and sliding != pytest.approx(trainer.callback_metrics["val_ppl/len_96"].item(),
+                                                               rel=1e-6)
     rows = [json.loads(line) for line in open(os.path.join(str(tmp_path), "length_eval.jsonl"))]
-    assert {(r["length"], r["mode"]) for r in rows} == {(32, "nonoverlap"), (96, "nonoverlap"), (32, "sliding"), (96, "sliding")}
+    assert {(r["length"], r["mode"]) for r in rows} == {(32, "nonoverlap"), (96, "nonoverlap"), (32, "sliding"),
+                                                         (96, "sliding")}
     assert all(r["tokens"] == 500 for r in rows)
 
 
@@ -64,7 +67,8 @@ def cli_args(data, runs, pe):
             "--model.init_args.backbone.n_embd", "32", "--model.init_args.warmup_steps", "1",
             "--data.path", data, "--data.block_size", "32", "--data.micro_batch_size", "4",
             "--data.eval_lengths", "[32, 64]", "--data.eval_tokens", "128", "--trainer.accelerator", "cpu",
-            "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_model_summary", "false", "--checkpoint.every_n_train_steps", "2",
             "--runs_dir", runs, "--experiment", "pair"]
 

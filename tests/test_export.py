@@ -87,8 +87,8 @@ def load_without_package(job: dict, tmp_path) -> dict:
 
 def tiny_backbone(pe: str, causal: bool, vocab_size: int) -> torch.nn.Module:
     torch.manual_seed(sum(map(ord, pe)) + causal)
-    config = BackboneConfig(preset="gpt2-tiny", **parse_encoding_name(pe), n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size,
-                            causal=causal, block_size=TRAIN_LEN)
+    config = BackboneConfig(preset="gpt2-tiny", **parse_encoding_name(pe), n_layer=2, n_head=2, n_embd=64,
+                            vocab_size=vocab_size, causal=causal, block_size=TRAIN_LEN)
     backbone = build_backbone(config).eval()
     with torch.no_grad():  # move every weight off its initial value, so that each one matters to the comparison
         for p in backbone.parameters():
@@ -98,7 +98,8 @@ def tiny_backbone(pe: str, causal: bool, vocab_size: int) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def round_trip(tiny_corpus_dir, tmp_path_factory):
-    """Every registered PE (and DAPEv2 variant), causal and bidirectional, exported and loaded back through transformers."""
+    """Every registered PE (and DAPEv2 variant), causal and bidirectional, exported and loaded back through
+    transformers."""
     root = tmp_path_factory.mktemp("exports")
     tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
     ids = torch.tensor(tok.encode_batch([SAMPLE * 8])[0][: 4 * TRAIN_LEN]).view(1, -1).repeat(2, 1)

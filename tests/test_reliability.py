@@ -38,7 +38,8 @@ def checkpoints(runs, pe="rope"):
 
 
 def jsonl_rows(runs, pe="rope"):
-    return [json.loads(line) for f in sorted(glob.glob(os.path.join(runs, "test", pe, "version_*", "length_eval.jsonl")))
+    return [json.loads(line)
+            for f in sorted(glob.glob(os.path.join(runs, "test", pe, "version_*", "length_eval.jsonl")))
             for line in open(f)]
 
 
@@ -61,10 +62,12 @@ def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(ti
     longer = ["--data.eval_lengths", "[32, 128]", "--ckpt_path", ckpt]
     plain = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer])
     scaled = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer,
-                   "--model.init_args.backbone.rope_scaling", "linear", "--model.init_args.backbone.rope_scaling_factor", "4"])
+                   "--model.init_args.backbone.rope_scaling", "linear",
+                   "--model.init_args.backbone.rope_scaling_factor", "4"])
     assert (scaled.model.config.rope_scaling, scaled.model.config.rope_scaling_factor) == ("linear", 4.0)
     assert plain.model.config.rope_scaling == "none"
-    ppl = {name: {r["length"]: r["ppl"] for r in cli.model.length_results} for name, cli in [("plain", plain), ("scaled", scaled)]}
+    ppl = {name: {r["length"]: r["ppl"] for r in cli.model.length_results}
+           for name, cli in [("plain", plain), ("scaled", scaled)]}
     assert ppl["plain"][128] != ppl["scaled"][128]  # the scaling reached the model that was evaluated
     with open(os.path.join(scaled.trainer.log_dir, "config.yaml")) as f:
         assert "rope_scaling: linear" in f.read()
@@ -79,7 +82,8 @@ def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(ti
     with pytest.raises(ConfigError, match=r"pos_encoding \(checkpoint 'rope', configured 'alibi'\)"):
         main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="alibi"), "--ckpt_path", ckpt])
     with pytest.raises(ConfigError, match=r"n_layer \(checkpoint 2, configured 3\)"):
-        main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--model.init_args.backbone.n_layer", "3", "--ckpt_path", ckpt])
+        main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--model.init_args.backbone.n_layer", "3",
+              "--ckpt_path", ckpt])
     with pytest.raises(ConfigError, match="trained at block_size 32 but data.block_size is 64"):
         main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.block_size", "64", "--ckpt_path", ckpt])
 
@@ -91,7 +95,8 @@ def test_revalidation_rows_carry_the_checkpoint_step_and_reach_the_report(tiny_c
     main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.eval_lengths", "[32, 64, 128]",
           "--ckpt_path", "last"])
     revalidated = [r for r in jsonl_rows(rope_run) if r["stage"] == "validate" and r["length"] == 128]
-    assert [(r["step"], os.path.basename(r["checkpoint"])) for r in revalidated][-2:] == [(2, "step0000002.ckpt"), (4, "last.ckpt")]
+    assert [(r["step"], os.path.basename(r["checkpoint"])) for r in revalidated][-2:] == [(2, "step0000002.ckpt"),
+                                                                                          (4, "last.ckpt")]
     latest = report.latest_rows(report.find_records([os.path.join(rope_run, "test", "rope")]))
     assert {r["length"] for r in latest} == {32, 64, 128} and {r["step"] for r in latest} == {4}
 
@@ -123,7 +128,8 @@ def test_first_fit_that_prepares_its_data_honours_the_seed(tiny_corpus_docs, tmp
 
 def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tiny_corpus_dir, tmp_path, capsys):
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=8, every=2),
-                                    "--trainer.callbacks+=recorders.NanGradientsAt", "--trainer.callbacks.step=3"], status=1)
+                                    "--trainer.callbacks+=recorders.NanGradientsAt", "--trainer.callbacks.step=3"],
+                           status=1)
     assert line.startswith("error: training diverged at step 3: loss ") and "gradient norm nan" in line
     folder = checkpoints(str(tmp_path), "cable")
     assert sorted(os.listdir(folder)) == ["last.ckpt", "step0000002.ckpt"]
@@ -162,7 +168,8 @@ def test_ckpt_path_last_skips_a_corrupt_last_and_refuses_when_nothing_loads(tiny
     cli = main(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", "last"])
     assert cli.model.length_results[0]["step"] == 4
 
-    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", os.path.join(folder, "last.ckpt")])
+    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs), "--ckpt_path",
+                                    os.path.join(folder, "last.ckpt")])
     assert "last.ckpt is corrupt or truncated" in line
     with pytest.raises(CorruptCheckpointError, match="not-a-checkpoint.ckpt"):
         (tmp_path / "not-a-checkpoint.ckpt").write_text("hello")
@@ -233,7 +240,8 @@ def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, 
         raise error
 
     monkeypatch.setattr("cable_lightning.checkpoints.torch.save", disk_full)
-    with pytest.raises(RunFailedError, match=rf"could not write checkpoint .*last.ckpt \({type(error).__name__}: .* MiB free there"):
+    with pytest.raises(RunFailedError,
+                       match=rf"could not write checkpoint .*last.ckpt \({type(error).__name__}: .* MiB free there"):
         io.save_checkpoint({"version": 2}, target)
     assert torch.load(target, weights_only=True) == {"version": 1}
     assert not os.path.exists(target + PARTIAL_SUFFIX)
@@ -242,7 +250,8 @@ def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, 
 def test_a_checkpoint_folder_that_cannot_be_made_fails_before_training(tiny_corpus_dir, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), "--checkpoint.dirpath",
-                                    str(tmp_path / "a-file" / "checkpoints"), "--trainer.callbacks+=recorders.RecordBatches"])
+                                    str(tmp_path / "a-file" / "checkpoints"),
+                                    "--trainer.callbacks+=recorders.RecordBatches"])
     assert "cannot create the checkpoint folder" in line and "NotADirectoryError" in line
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path / "a-file"))])  # --runs_dir is a file
     assert "cannot create the checkpoint folder" in line
@@ -289,7 +298,8 @@ def test_ctrl_c_saves_last_and_exits_130(tiny_corpus_dir, tmp_path):
     done = sigterm_run(tiny_corpus_dir, str(tmp_path), [], sigterm_args=["--trainer.callbacks.signame=SIGINT"])
     assert done.returncode == 130, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGINT; saved ")
-    assert torch.load(os.path.join(checkpoints(str(tmp_path), "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
+    assert torch.load(os.path.join(checkpoints(str(tmp_path), "cable"), "last.ckpt"),
+                      weights_only=True)["global_step"] == 4
 
 
 def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_corpus_dir, tmp_path):
@@ -303,7 +313,8 @@ def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_
 # --- one-line user errors -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra,message", [
-    (["--model.init_args.backbone.pos_encoding", "fourier"], "unknown positional encoding 'fourier'; valid names: alibi"),
+    (["--model.init_args.backbone.pos_encoding", "fourier"],
+     "unknown positional encoding 'fourier'; valid names: alibi"),
     (["--model.init_args.backbone.preset", "gpt5"], "unknown backbone preset 'gpt5'"),
     (["--model.init_args.backbone.n_embd", "33"], "n_embd=33 is not divisible by n_head=2"),
     (["--data.micro_batch_size", "-1"], "micro_batch_size must be an integer >= 1, got -1"),
@@ -323,7 +334,8 @@ def test_token_ids_beyond_the_vocabulary_are_named(tiny_corpus_dir, tmp_path):
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["vocab_size"] = 100  # as if the folder said another (smaller) tokenizer made it
     (data / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ConfigError, match=r"token id \d+ in the training data is outside the model's vocabulary of 100 ids"):
+    with pytest.raises(ConfigError,
+                       match=r"token id \d+ in the training data is outside the model's vocabulary of 100 ids"):
         main(["fit", *args(str(data), str(tmp_path / "runs"), steps=1)])
 
 

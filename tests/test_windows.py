@@ -17,7 +17,8 @@ def scored(plan, length):
     return out
 
 
-@pytest.mark.parametrize("n,length,stride", [(101, 10, 1), (101, 10, 3), (101, 10, 10), (64, 16, 5), (17, 16, 4), (1000, 128, 32)])
+@pytest.mark.parametrize("n,length,stride", [(101, 10, 1), (101, 10, 3), (101, 10, 10), (64, 16, 5), (17, 16, 4),
+                                             (1000, 128, 32)])
 def test_sliding_windows_score_every_token_once_with_enough_context(n, length, stride):
     plan = window_plan(n, length, stride)
     targets = scored(plan, length)

@@ -25,10 +25,12 @@ from cable_lightning.positional import available
 
 
 def make_config(args, variant: str, block_size: int) -> BackboneConfig:
-    """``variant`` is a PE name (``dape_v2+kerple_log``: augmented by DAPEv2), optionally with an attention backend: ``cable:materialized`` is the
-    naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax, times v)."""
+    """``variant`` is a PE name (``dape_v2+kerple_log``: augmented by DAPEv2), optionally with an attention backend:
+    ``cable:materialized`` is the naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax,
+    times v)."""
     name, _, backend = variant.partition(":")
-    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size") if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
+                 if getattr(args, k) is not None}
     return BackboneConfig(preset=args.preset, **parse_encoding_name(name), block_size=block_size,
                           attention_backend=backend or "auto", **overrides)
 
@@ -41,7 +43,8 @@ def comparison_variants(device) -> list[str]:
 
 
 def out_of_memory(err: Exception) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower() or isinstance(err, MemoryError)
+    return (isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+            or isinstance(err, MemoryError))
 
 
 def sync(device):
@@ -160,11 +163,13 @@ def run(args) -> dict:
     base = next(r for r in rows if r["pe"] == "nope")
     for row in rows:
         row["train_ratio_to_nope"] = {t: base["train_tok_s"][t] / v for t, v in row["train_tok_s"].items()}
-        row["eval_ratio_to_nope"] = {t: v / base["eval_s"][t] for t, v in row["eval_s"].items() if not isinstance(v, str)}
+        row["eval_ratio_to_nope"] = {t: v / base["eval_s"][t] for t, v in row["eval_s"].items()
+                                     if not isinstance(v, str)}
     config = make_config(args, "nope", max(args.train_lengths))
     meta = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads",
+        "device": (torch.cuda.get_device_name() if device.type == "cuda"
+                   else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads"),
         "torch": torch.__version__, "dtype": args.dtype,
         "shape": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
         "tokens_per_step": args.tokens_per_step,
@@ -184,7 +189,8 @@ def table(result) -> str:
     rows = result["rows"]
     train_ts = list(rows[0]["train_tok_s"])
     eval_ts = list(rows[0]["eval_s"])
-    head = ["pe"] + [f"train tok/s @{t} (x nope)" for t in train_ts] + [f"eval s @{t} (x nope)" for t in eval_ts] + [f"eval peak MiB @{t}" for t in eval_ts]
+    head = (["pe"] + [f"train tok/s @{t} (x nope)" for t in train_ts] + [f"eval s @{t} (x nope)" for t in eval_ts]
+            + [f"eval peak MiB @{t}" for t in eval_ts])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["pe"]]
@@ -205,7 +211,8 @@ def main(argv=None):
     parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
                         "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
                         "pe:backend forces a backend; dape_v2+pe augments pe with DAPEv2")
-    parser.add_argument("--naive-max-length", type=int, default=8192, help="skip the naive CABLE beyond this eval length")
+    parser.add_argument("--naive-max-length", type=int, default=8192,
+                        help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="batch = this // length")

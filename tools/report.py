@@ -106,7 +106,8 @@ def report(paths: list[str], out: str) -> dict[str, str]:
         with open(f"{out}_{mode}.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["length"] + columns)
-            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values] for length, *values in table])
+            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values]
+                              for length, *values in table])
         plot(columns, table, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
     passkey_files = find_records(paths, "passkey.jsonl", required=False)
     if passkey_files:

@@ -5,8 +5,8 @@
         --pes cable alibi kerple_log --print-only      # commands for a cluster, one per line
 
 Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>), and the
-report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the same sweep
-again continues the runs that were interrupted, and finished ones only re-validate.
+report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the
+same sweep again continues the runs that were interrupted, and finished ones only re-validate.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def main(argv=None):
         print("+", shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
     out = args.report or f"{args.runs_dir}/{args.experiment}/report"
-    for mode, table in report([f"{args.runs_dir}/{experiment}" for experiment in sorted({e for e, _ in runs})], out).items():
+    for mode, table in report([f"{args.runs_dir}/{experiment}" for experiment in sorted({e for e, _ in runs})],
+                              out).items():
         print(f"## {mode}\n{table}\n")
 
 

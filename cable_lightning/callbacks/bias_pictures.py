@@ -80,7 +80,8 @@ class BiasPictures(L.Callback):
 
     def on_validation_end(self, trainer, pl_module):
         experiment = getattr(trainer.logger, "experiment", None)
-        if trainer.sanity_checking or self.text is None or not trainer.is_global_zero or not hasattr(experiment, "add_figure"):
+        if (trainer.sanity_checking or self.text is None or not trainer.is_global_zero
+                or not hasattr(experiment, "add_figure")):
             return
         maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
         title = f"{pl_module.config.encoding_name}: last layer {what}, step {trainer.global_step}"

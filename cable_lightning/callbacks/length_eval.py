@@ -27,7 +27,8 @@ def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_len
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
-        points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]  # inf/NaN cannot be drawn on log axes
+        # inf/NaN cannot be drawn on log axes
+        points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
         if points:
             ax.plot(*zip(*sorted(points)), marker="o", label=name)
     if train_length:

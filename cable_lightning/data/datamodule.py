@@ -62,8 +62,8 @@ class TokenDataModule(L.LightningDataModule):
             if value < minimum:
                 raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
         if eval_lengths is not None and (not eval_lengths or min(eval_lengths) < 1) or (eval_stride or 1) < 1:
-            raise ConfigError(f"eval_lengths must be a non-empty list of positive lengths and eval_stride positive or None, "
-                             f"got {eval_lengths} and {eval_stride}")
+            raise ConfigError("eval_lengths must be a non-empty list of positive lengths and eval_stride positive or "
+                              f"None, got {eval_lengths} and {eval_stride}")
         if (source is None) != (tokenizer is None):
             raise ConfigError("give both data.source and data.tokenizer (to prepare a missing corpus) or neither")
         self.path, self.block_size, self.micro_batch_size = str(path), int(block_size), int(micro_batch_size)
@@ -117,8 +117,9 @@ class TokenDataModule(L.LightningDataModule):
             wanted = self.source
         if (request.get("source"), request.get("tokenizer")) != (wanted, self.tokenizer_spec):
             raise ConfigError(
-                f"data at {self.path} was prepared from {request.get('source')!r} with {request.get('tokenizer')!r}, but the "
-                f"data section asks for {wanted!r} with {self.tokenizer_spec!r}; point data.path elsewhere or re-prepare with --overwrite"
+                f"data at {self.path} was prepared from {request.get('source')!r} with {request.get('tokenizer')!r}, "
+                f"but the data section asks for {wanted!r} with {self.tokenizer_spec!r}; point data.path elsewhere "
+                "or re-prepare with --overwrite"
             )
 
     def eval_specs(self) -> list[tuple[int, int]]:
@@ -134,7 +135,8 @@ class TokenDataModule(L.LightningDataModule):
         ref = os.path.join(self.path, info["file"]) if info.get("file") else info["spec"]
         tok = get_tokenizer(ref, name=info["identity"]["name"])
         if tok.identity != info["identity"]:
-            raise ConfigError(f"tokenizer {ref} (hash {tok.identity['hash'][:12]}) is not the one that prepared {self.path}; re-prepare it")
+            raise ConfigError(f"tokenizer {ref} (hash {tok.identity['hash'][:12]}) is not the one that prepared "
+                              f"{self.path}; re-prepare it")
         return tok
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -164,11 +166,13 @@ class TokenDataModule(L.LightningDataModule):
         from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
         self.describe()
-        dataset = StreamingDataset(os.path.join(self.path, "train"), item_loader=TokensLoader(block_size=self.block_size + 1),
+        dataset = StreamingDataset(os.path.join(self.path, "train"),
+                                   item_loader=TokensLoader(block_size=self.block_size + 1),
                                    shuffle=True, seed=self.seed, drop_last=True)
         if len(dataset) == 0:
             tokens = self._manifest["splits"]["train"]["tokens"]
-            raise ConfigError(f"train split of {self.path} has {tokens} tokens: no window of block_size + 1 = {self.block_size + 1} fits; lower block_size")
+            raise ConfigError(f"train split of {self.path} has {tokens} tokens: no window of block_size + 1 = "
+                              f"{self.block_size + 1} fits; lower block_size")
         return StreamingDataLoader(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,
                                    collate_fn=collate_tokens, drop_last=True, pin_memory=torch.cuda.is_available(),
                                    persistent_workers=self.num_workers > 0)
@@ -188,10 +192,12 @@ class TokenDataModule(L.LightningDataModule):
             held_out = load_split(self.path, split, self._manifest)
             longest = max(length for length, _ in self.eval_specs())
             if len(held_out) < longest + 1:
-                raise ConfigError(f"eval length {longest} needs {longest + 1} consecutive tokens but the {split} split of "
-                                 f"{self.path} has {len(held_out)}; drop that length from eval_lengths or hold out more data")
+                raise ConfigError(f"eval length {longest} needs {longest + 1} consecutive tokens but the {split} split "
+                                  f"of {self.path} has {len(held_out)}; drop that length from eval_lengths or hold out "
+                                  "more data")
             if self.eval_tokens + 1 > len(held_out):
-                rank_zero_warn(f"eval_tokens={self.eval_tokens} is more than the {len(held_out) - 1} targets in {split} of {self.path}; scoring those")
+                rank_zero_warn(f"eval_tokens={self.eval_tokens} is more than the {len(held_out) - 1} targets in "
+                               f"{split} of {self.path}; scoring those")
             count = min(max(self.eval_tokens, longest) + 1, len(held_out))
             self._eval_streams[split] = torch.from_numpy(held_out[:count].astype(np.int64))
         return self._eval_streams[split]
@@ -204,7 +210,8 @@ class TokenDataModule(L.LightningDataModule):
         loaders = []
         for length, stride in self.eval_specs():
             windows = EvalWindows(tokens, length, stride, rank=rank, world_size=world)
-            # EvalWindows already holds this rank's share; a one-replica sampler keeps Lightning from splitting it again.
+            # EvalWindows already holds this rank's share; a one-replica sampler keeps Lightning from splitting it
+            # again.
             loaders.append(DataLoader(windows, batch_size=self.micro_batch_size if length <= self.block_size else 1,
                                       sampler=DistributedSampler(windows, num_replicas=1, rank=0, shuffle=False)))
         return loaders[0] if len(loaders) == 1 else loaders

@@ -36,10 +36,12 @@ def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
             manifest = json.load(f)
         dict(manifest["splits"]["train"]), manifest["tokenizer"]["identity"]["hash"], int(manifest["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); run {fix_command(path)}") from None
+        raise ConfigError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); "
+                          f"run {fix_command(path)}") from None
     fix = fix_command(path, manifest.get("request"))
     if manifest.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; run {fix}")
+        raise ConfigError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; "
+                          f"run {fix}")
     for split in manifest["splits"] if check_files else ():
         if split != "train":
             load_split(path, split, manifest)
@@ -48,7 +50,8 @@ def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
             with open(os.path.join(path, "train", "index.json"), encoding="utf-8") as f:
                 chunks = json.load(f)["chunks"]
         except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"{os.path.join(path, 'train', 'index.json')} is missing or corrupt ({type(exc).__name__}); run {fix}") from None
+            raise ConfigError(f"{os.path.join(path, 'train', 'index.json')} is missing or corrupt "
+                              f"({type(exc).__name__}); run {fix}") from None
         for chunk in chunks:
             chunk_path = os.path.join(path, "train", chunk["filename"])
             size = os.path.getsize(chunk_path) if os.path.isfile(chunk_path) else None
@@ -68,7 +71,8 @@ def load_split(path: str, split: str, manifest: dict[str, Any]) -> np.ndarray:
         if tokens.shape != (expected,):
             raise ConfigError(f"{tokens.shape} tokens, the manifest says {expected}")
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{file} is missing or corrupt ({exc}); run {fix_command(path, manifest.get('request'))}") from None
+        raise ConfigError(f"{file} is missing or corrupt ({exc}); "
+                          f"run {fix_command(path, manifest.get('request'))}") from None
     return tokens
 
 
@@ -97,6 +101,7 @@ class DataInfo:
         """Raise when a checkpoint's tokenizer identity is not this data's."""
         if (trained_with.get("hash"), trained_with.get("kind")) != (self.tokenizer["hash"], self.tokenizer["kind"]):
             raise ConfigError(
-                f"checkpoint was trained with tokenizer {trained_with.get('name')!r} (hash {str(trained_with.get('hash'))[:12]}) "
-                f"but the data uses {self.tokenizer['name']!r} (hash {self.tokenizer['hash'][:12]}); prepare the data with "
-                f"--tokenizer {trained_with.get('name')} or point data.path at the matching data")
+                f"checkpoint was trained with tokenizer {trained_with.get('name')!r} "
+                f"(hash {str(trained_with.get('hash'))[:12]}) "
+                f"but the data uses {self.tokenizer['name']!r} (hash {self.tokenizer['hash'][:12]}); prepare the data "
+                f"with --tokenizer {trained_with.get('name')} or point data.path at the matching data")

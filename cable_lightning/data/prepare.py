@@ -64,7 +64,8 @@ def _worker_tokenizer(ref: str, name: str) -> Tokenizer:
     return get_tokenizer(ref, name=name)
 
 
-def tokenize_work(work: tuple[Any, int], source: DatasetSource, tokenizer_ref: str, tokenizer_name: str, dtype: str) -> Iterator[np.ndarray]:
+def tokenize_work(work: tuple[Any, int], source: DatasetSource, tokenizer_ref: str, tokenizer_name: str,
+                  dtype: str) -> Iterator[np.ndarray]:
     """What litdata's workers map: a source work item minus its first ``skip`` documents (they went to validation)."""
     item, skip = work
     tok, pending, size = _worker_tokenizer(tokenizer_ref, tokenizer_name), [], 0
@@ -82,7 +83,8 @@ def _pieces(arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
     yield from (flat[start : start + PIECE_TOKENS] for start in range(0, len(flat), PIECE_TOKENS))
 
 
-def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool, dtype: str) -> tuple[np.ndarray, list]:
+def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool,
+               dtype: str) -> tuple[np.ndarray, list]:
     """Whole documents from the start of the stream until ``budget`` characters or tokens: (val tokens, train work)."""
     head, taken, items = [], 0, src.work_items()
     for index, item in enumerate(items):
@@ -93,7 +95,8 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
             taken += len(doc) if by_chars else len(ids)
     if not head:
         raise ValueError(f"{src.name} holds no text (empty files?); give a source with documents")
-    raise ValueError(f"{src.name} is too small: validation took all {len(head)} documents; lower --val-fraction/--val-tokens"
+    raise ValueError(f"{src.name} is too small: validation took all {len(head)} documents; "
+                     "lower --val-fraction/--val-tokens"
                      " (a .txt file is one document: use several files, or jsonl with one document per line)")
 
 
@@ -116,7 +119,8 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         if not 0 < val_fraction < 1:
             raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
         if src.streamed:
-            raise ValueError(f"{src.name} is streamed and its size unknown; pass --val-tokens (the paper held out 100000000)")
+            raise ValueError(f"{src.name} is streamed and its size unknown; pass --val-tokens "
+                             "(the paper held out 100000000)")
     if val_tokens is not None and val_tokens < 1:
         raise ValueError(f"--val-tokens must be positive, got {val_tokens}")
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
@@ -128,7 +132,8 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         # forked litdata helpers that outlive a killed worker cannot keep it (an flock would stay held by them).
         fcntl.lockf(lock, fcntl.LOCK_EX)
         if (done := _existing(out, request, overwrite)) is not None:
-            (log or _silent)(f"{out} is already prepared for this request ({done['splits']['train']['tokens']} train tokens); nothing to do")
+            (log or _silent)(f"{out} is already prepared for this request "
+                             f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
         return _prepare(src, request, out, num_workers, start_method, log)
@@ -138,7 +143,8 @@ def _silent(*_: Any) -> None:
     pass
 
 
-def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None, printer: Any) -> dict:
+def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None,
+             printer: Any) -> dict:
     log, tokenizer, bpe_size = printer or _silent, request["tokenizer"], parse_bpe_spec(request["tokenizer"])
     started, partial = time.time(), out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -186,10 +192,12 @@ def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | Non
     manifest = {
         "format": FORMAT_VERSION, "request": request, "source": src.describe(),
         "tokenizer": {"spec": tokenizer, "identity": tok.identity, "file": TOKENIZER_FILE if bpe_size else None},
-        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "mask_id": tok.mask_id, "special_ids": list(tok.special_ids),
+        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "mask_id": tok.mask_id,
+        "special_ids": list(tok.special_ids),
         "dtype": dtype, "chunk_tokens": CHUNK_TOKENS, "splits": splits, "seconds": round(time.time() - started, 1),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"cable_lightning": cable_lightning.__version__, "litdata": litdata.__version__, "python": sys.version.split()[0]},
+        "versions": {"cable_lightning": cable_lightning.__version__, "litdata": litdata.__version__,
+                     "python": sys.version.split()[0]},
     }
     with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
@@ -204,11 +212,13 @@ def _existing(out: str, request: dict[str, Any], overwrite: bool) -> dict[str, A
     if overwrite or not os.path.exists(out) or (os.path.isdir(out) and not os.listdir(out)):
         return None
     if not os.path.isfile(os.path.join(out, MANIFEST)):
-        raise FileExistsError(f"{out} exists but holds no {MANIFEST}; pass --overwrite to replace it or choose another --out")
+        raise FileExistsError(f"{out} exists but holds no {MANIFEST}; pass --overwrite to replace it "
+                              "or choose another --out")
     old = read_manifest(out, check_files=False).get("request", {})
     if old != request:
-        raise FileExistsError(f"{out} already holds data prepared from {old.get('source')!r} with {old.get('tokenizer')!r} "
-                              f"(request {json.dumps(old, sort_keys=True)}); pass --overwrite to replace it or choose another --out")
+        raise FileExistsError(f"{out} already holds data prepared from {old.get('source')!r} "
+                              f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}); "
+                              "pass --overwrite to replace it or choose another --out")
     return read_manifest(out)
 
 

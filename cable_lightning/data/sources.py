@@ -70,7 +70,8 @@ def _collect_python_docs() -> list[str]:
 
     docs = []
     queue = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in _SKIP_MODULES)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()),
+          contextlib.redirect_stderr(io.StringIO())):
         warnings.simplefilter("ignore")
         while queue:
             name = queue.pop(0)
@@ -104,7 +105,8 @@ def python_docs() -> list[str]:
                           capture_output=True, text=True, encoding="utf-8", timeout=600)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"collecting the python-docs corpus failed in a child interpreter ({last}); use a local --source instead")
+        raise RuntimeError(f"collecting the python-docs corpus failed in a child interpreter ({last}); "
+                           "use a local --source instead")
     return json.loads(proc.stdout)
 
 
@@ -133,14 +135,16 @@ def python_docs_files(parts: int = 16) -> list[str]:
 def check_hub(repo: str) -> None:
     """Fail fast, in one line, when the hub is unreachable (``datasets`` alone retries for ~25 s first)."""
     fix = "use --source python-docs or local files, or run on a machine with internet"
-    if any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    if any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"}
+           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} (HF_HUB_OFFLINE is set); {fix}")
     from huggingface_hub import HfApi
 
     try:
         HfApi().dataset_info(repo, timeout=10)
     except Exception as exc:
-        raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} (offline? {type(exc).__name__}); {fix}") from None
+        raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} "
+                           f"(offline? {type(exc).__name__}); {fix}") from None
 
 
 class DatasetSource:
@@ -167,7 +171,8 @@ class DatasetSource:
             try:
                 self._open[key] = datasets.load_dataset(builder, streaming=True, **kwargs)
             except Exception as exc:
-                raise RuntimeError(f"cannot stream {self.name} ({key}): {type(exc).__name__}: {(str(exc).splitlines() or ['no message (an empty file?)'])[0]}") from None
+                raise RuntimeError(f"cannot stream {self.name} ({key}): {type(exc).__name__}: "
+                                   f"{(str(exc).splitlines() or ['no message (an empty file?)'])[0]}") from None
         return self._open[key]
 
     def check(self) -> None:
@@ -208,15 +213,18 @@ class DatasetSource:
 
     def describe(self) -> dict[str, Any]:
         if self.files is None:
-            return {"spec": self.name, "repo": self.repo, "config": self.streams[next(iter(self.streams))][1].get("name")}
+            return {"spec": self.name, "repo": self.repo,
+                    "config": self.streams[next(iter(self.streams))][1].get("name")}
         python = {"python": sys.version.split()[0]} if self.name == "python-docs" else {}
-        return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files), **python}
+        return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files),
+                **python}
 
 
 def local_files(spec: str, name: str | None = None) -> DatasetSource:
     """``.txt`` (whole file = one document), ``.jsonl`` (a ``text`` field per line), ``.parquet`` (``text``)."""
     pattern = os.path.join(spec, "**", "*") if os.path.isdir(spec) else spec
-    found = [spec] if os.path.isfile(spec) else sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    found = ([spec] if os.path.isfile(spec)
+             else sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)))
     files = [f for f in found if f.endswith(tuple(LOCAL_BUILDERS))]
     if not os.path.isdir(spec) and len(files) < len(found):
         bad = next(f for f in found if f not in files)

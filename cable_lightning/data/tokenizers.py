@@ -20,7 +20,8 @@ from typing import Any
 from ..errors import ConfigError, MissingFileError
 
 EOT_TOKEN, MASK_TOKEN, TOKENIZER_FILE = "<|endoftext|>", "<|mask|>", "tokenizer.json"
-VALID_SPECS = "gpt2, gpt2:/path/r50k_base.tiktoken, bert-base-uncased, bert:/path/vocab.txt, bpe:N or a tokenizer.json path"
+VALID_SPECS = ("gpt2, gpt2:/path/r50k_base.tiktoken, bert-base-uncased, bert:/path/vocab.txt, bpe:N "
+               "or a tokenizer.json path")
 
 
 def _sha256(payload: Any) -> str:
@@ -36,7 +37,8 @@ class TiktokenTokenizer:
         self.enc, self.name, self.eot_id, self.vocab_size = encoding, name, encoding.eot_token, encoding.n_vocab
         self.mask_id, self.special_ids = self.vocab_size, (self.eot_id,)  # the mask takes the first padded slot
         ranks = [encoding.decode_single_token_bytes(i).hex() for i in range(self.vocab_size)]
-        self.identity = {"kind": self.kind, "name": name, "hash": _sha256({"ranks": ranks, "pattern": getattr(encoding, "_pat_str", None)})}
+        self.identity = {"kind": self.kind, "name": name,
+                         "hash": _sha256({"ranks": ranks, "pattern": getattr(encoding, "_pat_str", None)})}
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.enc.encode_ordinary_batch(list(texts))
@@ -55,14 +57,17 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         eot = next((t for t in (EOT_TOKEN, "[SEP]", "</s>") if t in vocab), None)
         if eot is None:
-            raise ConfigError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); valid: {VALID_SPECS}")
+            raise ConfigError(f"tokenizer {name!r} has no document separator ({EOT_TOKEN}, [SEP] or </s>); "
+                              f"valid: {VALID_SPECS}")
         mask = next((vocab[t] for t in (MASK_TOKEN, "[MASK]", "<mask>") if t in vocab), None)
         self.eot_id, self.mask_id = vocab[eot], mask
         specials = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
         self.special_ids = tuple(sorted(specials | {self.eot_id} | ({mask} if mask is not None else set())))
         model = json.loads(tok.to_str()).get("model", {})
         ordered = sorted(vocab.items(), key=lambda kv: kv[1])
-        self.identity = {"kind": kind, "name": name, "hash": _sha256({"type": model.get("type"), "vocab": ordered, "merges": model.get("merges", [])})}
+        self.identity = {"kind": kind, "name": name,
+                         "hash": _sha256({"type": model.get("type"), "vocab": ordered,
+                                          "merges": model.get("merges", [])})}
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -121,10 +126,12 @@ def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
         try:
             return HFTokenizer(HF.from_pretrained("bert-base-uncased"), name=name or spec, kind="wordpiece")
         except Exception as exc:
-            raise _offline("bert-base-uncased from the Hugging Face hub", exc, "--tokenizer bert:/path/to/vocab.txt or bpe:N") from None
+            raise _offline("bert-base-uncased from the Hugging Face hub", exc,
+                           "--tokenizer bert:/path/to/vocab.txt or bpe:N") from None
     if parse_bpe_spec(spec) is not None:
-        raise ConfigError(f"{spec} is trained on a corpus by `python -m cable_lightning.data.prepare --tokenizer {spec}`; "
-                         "to load a trained one pass its tokenizer.json path")
+        raise ConfigError(f"{spec} is trained on a corpus by "
+                          f"`python -m cable_lightning.data.prepare --tokenizer {spec}`; "
+                          "to load a trained one pass its tokenizer.json path")
     kind, _, path = spec.partition(":") if spec.startswith(("gpt2:", "bert:")) else ("json", "", spec)
     if not spec.endswith(".json") and kind == "json":
         raise ConfigError(f"unknown tokenizer {spec!r}; valid: {VALID_SPECS}")
@@ -133,7 +140,8 @@ def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
     if kind == "bert":
         from tokenizers.implementations import BertWordPieceTokenizer
 
-        return HFTokenizer(BertWordPieceTokenizer(path, lowercase=True)._tokenizer, name=name or "bert-base-uncased", kind="wordpiece")
+        return HFTokenizer(BertWordPieceTokenizer(path, lowercase=True)._tokenizer, name=name or "bert-base-uncased",
+                           kind="wordpiece")
     if kind == "gpt2":  # GPT-2's ranks from a local .tiktoken file; the separator takes the id after the ranks
         from tiktoken.load import load_tiktoken_bpe
         from tiktoken_ext.openai_public import (
@@ -144,7 +152,8 @@ def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
             ranks = load_tiktoken_bpe(path)
         except Exception as exc:
             raise ConfigError(f"cannot read {path} as a .tiktoken rank file ({type(exc).__name__}: {exc})") from None
-        encoding = tiktoken.Encoding(name=name or "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT_TOKEN: len(ranks)})
+        encoding = tiktoken.Encoding(name=name or "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                     special_tokens={EOT_TOKEN: len(ranks)})
         return TiktokenTokenizer(encoding, name=name or "gpt2")
     tok = HF.from_file(path)
     kind = "wordpiece" if json.loads(tok.to_str()).get("model", {}).get("type") == "WordPiece" else "bpe"

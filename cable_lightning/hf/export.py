@@ -21,8 +21,6 @@ import shutil
 import sys
 import tempfile
 
-import torch
-
 from ..checkpoints import read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer

@@ -39,9 +39,9 @@ class LanguageModel(L.LightningModule):
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 6e-4,
-                 min_lr: float = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, compile: bool = False, activation_checkpointing: bool = False,
-                 init_weights: Optional[str] = None):
+                 min_lr: float = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1, compile: bool = False,
+                 activation_checkpointing: bool = False, init_weights: Optional[str] = None):
         super().__init__()
         self.save_hyperparameters()
         self.data_info = data if isinstance(data, DataInfo) or data is None else DataInfo.from_dict(data)
@@ -154,21 +154,25 @@ class LanguageModel(L.LightningModule):
         if self.trainer.strategy.reduce_boolean_decision(not bool(finite), all=False):
             saved = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or None
             raise RunFailedError(
-                f"training diverged at step {self.global_step}: loss {loss.item():.4g}, gradient norm {norm.item():.4g}; "
+                f"training diverged at step {self.global_step}: loss {loss.item():.4g}, "
+                f"gradient norm {norm.item():.4g}; "
                 "the update was not applied and no checkpoint was written from it; "
-                + (f"the last checkpoint is {saved}: resume from it" if saved else "no checkpoint was written before it: restart")
+                + (f"the last checkpoint is {saved}: resume from it" if saved
+                   else "no checkpoint was written before it: restart")
                 + " with a lower model.lr or longer model.warmup_steps")
 
     def on_save_checkpoint(self, checkpoint):
         # A checkpoint must never hold non-finite weights (a finite but huge update can overflow them).
         bad = [name for name, p in self.backbone.named_parameters() if not torch.isfinite(p).all()]
         if bad:
-            raise RunFailedError(f"weights at step {self.global_step} are not finite ({bad[0]} and {len(bad) - 1} more); "
+            raise RunFailedError(f"weights at step {self.global_step} are not finite "
+                                 f"({bad[0]} and {len(bad) - 1} more); "
                                  "not saving them; the checkpoints already written are finite")
 
     def configure_optimizers(self):
         h = self.hparams
-        return build_optimizer(self.backbone, h.lr, h.min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps, h.weight_decay)
+        return build_optimizer(self.backbone, h.lr, h.min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
+                               h.weight_decay)
 
     # --- validation: one loader per (length, stride) window set -----------------------------------
     def eval_specs(self) -> list[tuple[int, int]]:
@@ -228,11 +232,13 @@ class LanguageModel(L.LightningModule):
             mode = "nonoverlap" if stride == length else "sliding"
             row = {"step": step, "checkpoint": checkpoint, "length": length, "mode": mode, "stride": stride}
             if length in self.unsupported_lengths:
-                self.length_results.append({**row, "ppl": None, "loss": None, "tokens": 0, "seconds": 0.0, "tokens_per_sec": None})
+                self.length_results.append({**row, "ppl": None, "loss": None, "tokens": 0, "seconds": 0.0,
+                                            "tokens_per_sec": None})
                 continue
             if metric.update_count == 0 and self.trainer.world_size == 1:
                 continue  # under DDP a rank without windows still joins the metric's sync below
-            tokens = int(self.all_gather(metric.weight.detach()).sum().item()) if self.trainer.world_size > 1 else int(metric.weight.item())
+            tokens = (int(self.all_gather(metric.weight.detach()).sum().item()) if self.trainer.world_size > 1
+                      else int(metric.weight.item()))
             loss = metric.compute()
             suffix = "" if mode == "nonoverlap" else "_sliding"
             self.log(f"val_loss{suffix}/len_{length}", loss, add_dataloader_idx=False)
@@ -265,14 +271,17 @@ class LanguageModel(L.LightningModule):
         if self.data_info is not None and saved_data.get("tokenizer"):
             self.data_info.check_tokenizer(saved_data["tokenizer"])
         if self.data_info is not None and saved_data.get("block_size") not in (None, self.data_info.block_size):
-            raise ConfigError(f"the checkpoint was trained at block_size {saved_data['block_size']} but data.block_size is "
-                              f"{self.data_info.block_size}; set --data.block_size {saved_data['block_size']} (data.eval_lengths "
+            raise ConfigError(f"the checkpoint was trained at block_size {saved_data['block_size']} but "
+                              f"data.block_size is {self.data_info.block_size}; "
+                              f"set --data.block_size {saved_data['block_size']} (data.eval_lengths "
                               "sets the evaluation lengths)")
         if isinstance(hparams.get("backbone"), dict):
             differ = weight_setting_differences(hparams["backbone"], self.config)
             if differ:
-                raise ConfigError("the checkpoint's model differs from the configured one in settings that define the weights: "
-                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
+                raise ConfigError("the checkpoint's model differs from the configured one in settings that define "
+                                  "the weights: "
+                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
+                                              for name, old, new in differ)
                                   + "; drop them from the command line to use the checkpoint's")
         self.loaded_step = int(checkpoint.get("global_step", 0))
 
@@ -302,22 +311,24 @@ class MaskedLM(LanguageModel):
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 1e-4,
-                 min_lr: float = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, compile: bool = False, activation_checkpointing: bool = False,
-                 mask_probability: float = 0.15, mask_id: Optional[int] = None, special_ids: tuple[int, ...] = (),
-                 init_weights: Optional[str] = None):
+                 min_lr: float = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, compile: bool = False,
+                 activation_checkpointing: bool = False, mask_probability: float = 0.15, mask_id: Optional[int] = None,
+                 special_ids: tuple[int, ...] = (), init_weights: Optional[str] = None):
         backbone = backbone or BackboneConfig(preset="bert-base")
         super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile,
                          activation_checkpointing, init_weights)
         if self.config.causal:
-            raise ConfigError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal (set backbone.causal: false)")
+            raise ConfigError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal "
+                              "(set backbone.causal: false)")
         info = self.data_info
         self.mask_id = mask_id if mask_id is not None or info is None else info.mask_id
         self.special_ids = tuple(special_ids) or (info.special_ids if info else ())
         if self.mask_id is None:
             name = info.tokenizer["name"] if info else "(no data given)"
             raise ConfigError(f"MaskedLM needs a mask token, and tokenizer {name!r} has none; prepare the data with a "
-                             "tokenizer that has [MASK] or <|mask|> (bpe:N, bert-base-uncased, gpt2) or pass model.mask_id")
+                              "tokenizer that has [MASK] or <|mask|> (bpe:N, bert-base-uncased, gpt2) "
+                              "or pass model.mask_id")
 
     def split_batch(self, batch, train, batch_idx=0):
         ids = batch[:, :-1]

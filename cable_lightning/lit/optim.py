@@ -54,7 +54,8 @@ class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
 
 def build_optimizer(model, lr, min_lr, warmup_steps, max_steps, betas, eps, weight_decay):
     if max_steps is None or max_steps <= 0:
-        raise ConfigError(f"the learning-rate schedule needs trainer.max_steps > 0, got {max_steps}; set --trainer.max_steps")
+        raise ConfigError(f"the learning-rate schedule needs trainer.max_steps > 0, got {max_steps}; "
+                          "set --trainer.max_steps")
     optimizer = torch.optim.AdamW(adamw_param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
     schedule = WarmupCosine(optimizer, lr, min_lr, warmup_steps, max_steps)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

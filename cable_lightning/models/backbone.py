@@ -64,7 +64,8 @@ class Block(nn.Module):
         self.ln_attn = nn.LayerNorm(config.n_embd)
         self.attn = SelfAttention(config, layer)
         self.ln_mlp = nn.LayerNorm(config.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, config.n_embd))
+        self.mlp = nn.Sequential(nn.Linear(config.n_embd, hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(hidden, config.n_embd))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, pe, offset, state):
@@ -91,8 +92,8 @@ class Backbone(nn.Module):
         self._init_gpt2()
         self.pe = build_positional(config)  # after the GPT-2 init: each PE initialises its own parameters
         if config.dape != "none" and not self.pe.has_score_bias:
-            raise ConfigError(f"dape {config.dape!r} augments a score bias and pos_encoding {config.pos_encoding!r} has "
-                              f"none; use it with one of: {', '.join(score_bias_encodings())}")
+            raise ConfigError(f"dape {config.dape!r} augments a score bias and pos_encoding {config.pos_encoding!r} "
+                              f"has none; use it with one of: {', '.join(score_bias_encodings())}")
         # Recompute each block's activations in backward instead of storing them (memory for time).
         self.activation_checkpointing = False
 

@@ -65,7 +65,8 @@ class BackboneConfig:
             raise ConfigError(f"dape_width must be >= 1 and dape_kernel odd and >= 1 (it is centred on each key), "
                               f"got dape_width={self.dape_width}, dape_kernel={self.dape_kernel}")
         if self.cope_positions < 2:
-            raise ConfigError(f"cope_positions must be >= 2 (interpolation needs two positions), got {self.cope_positions}")
+            raise ConfigError("cope_positions must be >= 2 (interpolation needs two positions), "
+                              f"got {self.cope_positions}")
 
     @property
     def padded_vocab_size(self) -> int:

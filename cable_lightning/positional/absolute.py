@@ -22,8 +22,10 @@ class Learnable(PositionalEncoding):
     def check_length(self, total_length):
         if total_length > self.max_positions:
             raise UnsupportedLengthError(
-                f"sequence length {total_length} exceeds the learnable position table ({self.max_positions} positions); "
-                f"learnable absolute positions cannot extrapolate: use lengths <= {self.max_positions} or a relative encoding"
+                f"sequence length {total_length} exceeds the learnable position table "
+                f"({self.max_positions} positions); "
+                f"learnable absolute positions cannot extrapolate: use lengths <= {self.max_positions} "
+                "or a relative encoding"
             )
 
     def embed(self, x, offset):

@@ -23,7 +23,8 @@ from .registry import register
 class CableBias(ScoreBias):
     """The bias from per-token cumulative sums. ``s_q``/``g_q``: (B, H, Tq) for queries; ``s_k``: (B, H, Tk)."""
 
-    def __init__(self, s_q: Tensor, s_k: Tensor, g_q: Tensor | None, q_offset: int, causal: bool, kernel: str = "linear"):
+    def __init__(self, s_q: Tensor, s_k: Tensor, g_q: Tensor | None, q_offset: int, causal: bool,
+                 kernel: str = "linear"):
         super().__init__(q_offset, causal)
         self.s_q, self.s_k, self.g_q, self.kernel = s_q, s_k, g_q, kernel
 
@@ -68,7 +69,8 @@ class Cable(PositionalEncoding):
     def token_activation(self, config):
         """The map from a token's bias logit to its (non-negative) bias b."""
         if config.cable_bias_activation not in ("relu", "softplus"):
-            raise ConfigError(f"cable_bias_activation must be 'relu' or 'softplus', got {config.cable_bias_activation!r}")
+            raise ConfigError("cable_bias_activation must be 'relu' or 'softplus', "
+                              f"got {config.cable_bias_activation!r}")
         return F.relu if config.cable_bias_activation == "relu" else F.softplus
 
     def score_bias(self, h, layer, offset, state):

@@ -17,7 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from .base import LogitScores, ScoreBias
 
