@@ -17,9 +17,10 @@ import os
 import lightning as L
 
 
-def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_length: int | None = None):
-    """Perplexity against evaluation length (log axes), one line per series of (length, ppl) points;
-    shared by the per-run TensorBoard figure (a line per window mode) and tools/report (a line per PE)."""
+def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_length: int | None, xlabel: str,
+                ylabel: str, log_y: bool):
+    """One line per series of (x, y) points on a log2 x axis, the training length marked; points that are None
+    or not finite are skipped (inf/NaN cannot be drawn on log axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,44 +28,35 @@ def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_len
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
-        # inf/NaN cannot be drawn on log axes
         points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
         if points:
             ax.plot(*zip(*sorted(points)), marker="o", label=name)
     if train_length:
         ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_length: int | None = None):
+    """Perplexity against evaluation length (log axes), one line per series of (length, ppl) points;
+    shared by the per-run TensorBoard figure (a line per window mode) and tools/report (a line per PE)."""
+    return line_figure(series, title, train_length, "evaluation length (tokens)", "perplexity", log_y=True)
 
 
 def position_figure(rows: list[dict], title: str, train_length: int | None = None):
     """Mean NLL against token position (log-spaced buckets, plotted at their last position), one line per
     evaluation length: a line that rises with position means later tokens, with more context, fare worse."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for length in sorted({r["length"] for r in rows}):
-        points = [(r["last_position"], r["loss"]) for r in rows if r["length"] == length and r["loss"] is not None]
-        if points:
-            ax.plot(*zip(*sorted(points)), marker="o", label=f"length {length}")
-    if train_length:
-        ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("token position in the window (bucket end)")
-    ax.set_ylabel("mean NLL (nats)")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    series = {f"length {length}": [(r["last_position"], r["loss"]) for r in rows if r["length"] == length]
+              for length in sorted({r["length"] for r in rows})}
+    return line_figure(series, title, train_length, "token position in the window (bucket end)", "mean NLL (nats)",
+                       log_y=False)
 
 
 def format_table(rows: list[dict], train_length: int) -> str:
