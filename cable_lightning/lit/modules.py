@@ -84,17 +84,8 @@ class LanguageModel(L.LightningModule):
         from ..checkpoints import read_checkpoint
 
         checkpoint = read_checkpoint(path, weights_only=True)
-        hparams = checkpoint.get("hyper_parameters") or {}
-        saved_data = hparams.get("data") or {}
-        if self.data_info is not None and saved_data.get("tokenizer"):
-            self.data_info.check_tokenizer(saved_data["tokenizer"])
-        if isinstance(hparams.get("backbone"), dict):
-            differ = weight_setting_differences(hparams["backbone"], self.config)
-            if differ:
-                raise ConfigError(f"model.init_weights {path} is of another model: "
-                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
-                                              for name, old, new in differ)
-                                  + "; configure the model it was trained with")
+        self.check_same_model(checkpoint, f"model.init_weights {path} is of another model: ",
+                              "; configure the model it was trained with")
         prefix = "backbone."
         weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
         self.backbone.load_state_dict(weights)
@@ -266,24 +257,28 @@ class LanguageModel(L.LightningModule):
     def on_load_checkpoint(self, checkpoint):
         """Before the weights are loaded: the checkpoint must be of this model (same shapes, PE family, tokenizer,
         training length), so that a mismatch is one line naming the setting, not a state-dict error."""
-        hparams = checkpoint.get("hyper_parameters") or {}
-        saved_data = hparams.get("data") or {}
-        if self.data_info is not None and saved_data.get("tokenizer"):
-            self.data_info.check_tokenizer(saved_data["tokenizer"])
+        saved_data = (checkpoint.get("hyper_parameters") or {}).get("data") or {}
         if self.data_info is not None and saved_data.get("block_size") not in (None, self.data_info.block_size):
             raise ConfigError(f"the checkpoint was trained at block_size {saved_data['block_size']} but "
                               f"data.block_size is {self.data_info.block_size}; "
                               f"set --data.block_size {saved_data['block_size']} (data.eval_lengths "
                               "sets the evaluation lengths)")
+        self.check_same_model(checkpoint, "the checkpoint's model differs from the configured one in settings that "
+                              "define the weights: ", "; drop them from the command line to use the checkpoint's")
+        self.loaded_step = int(checkpoint.get("global_step", 0))
+
+    def check_same_model(self, checkpoint: dict, problem: str, advice: str) -> None:
+        """The checkpoint's tokenizer and weight-defining backbone settings must be this model's; a difference is
+        one line: ``problem``, each setting with both values, ``advice``."""
+        hparams = checkpoint.get("hyper_parameters") or {}
+        saved_data = hparams.get("data") or {}
+        if self.data_info is not None and saved_data.get("tokenizer"):
+            self.data_info.check_tokenizer(saved_data["tokenizer"])
         if isinstance(hparams.get("backbone"), dict):
             differ = weight_setting_differences(hparams["backbone"], self.config)
             if differ:
-                raise ConfigError("the checkpoint's model differs from the configured one in settings that define "
-                                  "the weights: "
-                                  + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
-                                              for name, old, new in differ)
-                                  + "; drop them from the command line to use the checkpoint's")
-        self.loaded_step = int(checkpoint.get("global_step", 0))
+                raise ConfigError(problem + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
+                                                      for name, old, new in differ) + advice)
 
 
 def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
