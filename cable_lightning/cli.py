@@ -26,6 +26,7 @@ import importlib
 import inspect
 import os
 import random
+import re
 import signal
 import sys
 from typing import Optional
@@ -43,7 +44,8 @@ from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, read_check
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, user_error
 from .lit import LanguageModel
-from .models.config import encoding_name
+from .models.config import BackboneConfig, upgrade_backbone_dict
+from .positional import available
 
 EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 
@@ -68,11 +70,17 @@ def describe_prepared(data: TokenDataModule) -> dict:
     return data.describe().as_dict()
 
 
+def configured_backbone(config) -> BackboneConfig:
+    """The model section's backbone, built (and so checked: shape, encoding and its settings, attention backend)
+    from the parsed config, before any class is instantiated or any data is prepared."""
+    backbone = config.model.init_args.get("backbone") if config.model is not None else None
+    return BackboneConfig.from_dict(backbone.as_dict() if backbone is not None else {})
+
+
 def run_folder(config) -> str:
-    """``<runs_dir>/<experiment>/<pe>``: TensorBoard versions and the checkpoints folder live under it."""
-    backbone = config.model.init_args.backbone if config.model is not None else None
-    pe = encoding_name(backbone.pos_encoding, backbone.dape) if backbone is not None else "cable"
-    return f"{config.runs_dir}/{config.experiment}/{pe}"
+    """``<runs_dir>/<experiment>/<encoding>``: TensorBoard versions and the checkpoints folder live under it. Named
+    by the encoding's weight-defining label, so a run evaluated with RoPE scaling is still found (``rope``)."""
+    return f"{config.runs_dir}/{config.experiment}/{configured_backbone(config).pos_encoding.label(runtime=False)}"
 
 
 def checkpoint_folder(config) -> str:
@@ -89,7 +97,11 @@ def checkpoint_model(ckpt_path: str) -> Optional[dict]:
     # Only what the class takes now: the data description is linked from the data section, and settings an older
     # version saved (vocab_size, block_size before they came from the data) would stop the parse.
     accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
-    return {"class_path": class_path, "init_args": {k: v for k, v in hparams.items() if k in accepted and k != "data"}}
+    init_args = {k: v for k, v in hparams.items() if k in accepted and k != "data"}
+    if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
+        backbone = upgrade_backbone_dict(init_args["backbone"])
+        init_args["backbone"] = backbone | {"pos_encoding": BackboneConfig.from_dict(backbone).pos_encoding.to_dict()}
+    return {"class_path": class_path, "init_args": init_args}
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:
@@ -115,10 +127,19 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
 
 
 class TerseParser(LightningArgumentParser):
-    """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first."""
+    """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; an unknown
+    encoding name is one line with the valid names, not jsonargparse's nested report of every type it tried."""
 
     def print_usage(self, file=None):
         pass
+
+    def error(self, message: str, *args, **kwargs):
+        # Nested parsers report into their parents' messages: the innermost names the encoding, the outer keep its line.
+        unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
+        if unknown:
+            message = f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
+        message = next((line.strip() for line in message.splitlines() if "unknown positional encoding" in line), message)
+        return super().error(message, *args, **kwargs)
 
 
 class CableCLI(LightningCLI):
@@ -172,6 +193,7 @@ class CableCLI(LightningCLI):
 
     def before_instantiate_classes(self):
         config = self.config[self.subcommand] if self.subcommand else self.config
+        configured_backbone(config)  # fail fast: every model setting is checked before the data is prepared
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",

@@ -20,26 +20,32 @@ import time
 import torch
 
 from cable_lightning.models import BackboneConfig, build_backbone
-from cable_lightning.models.config import parse_encoding_name
-from cable_lightning.positional import available
+from cable_lightning.positional import available, from_label
 
 
 def make_config(args, variant: str, block_size: int) -> BackboneConfig:
-    """``variant`` is a PE name (``dape_v2+kerple_log``: augmented by DAPEv2), optionally with an attention backend:
+    """``variant`` is an encoding's label (``dape_v2+kerple_log``), optionally with an attention backend:
     ``cable:materialized`` is the naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax,
     times v)."""
     name, _, backend = variant.partition(":")
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
                  if getattr(args, k) is not None}
-    return BackboneConfig(preset=args.preset, **parse_encoding_name(name), block_size=block_size,
+    return BackboneConfig(preset=args.preset, pos_encoding=name, block_size=block_size,
                           attention_backend=backend or "auto", **overrides)
 
 
-def comparison_variants(device) -> list[str]:
-    """CABLE and ALiBi on the bias paths ``auto`` no longer picks for them (it folds them), the naive CABLE, and
-    DAPEv2 over CABLE and KERPLE (the CABLE paper's cost comparison)."""
+def row_name(variant: str) -> str:
+    """The variant as its rows are named: the encoding's label (``dape_v2`` -> ``dape_v2+cable``), then the backend."""
+    name, colon, backend = variant.partition(":")
+    return from_label(name).label() + colon + backend
+
+
+def default_variants(device) -> list[str]:
+    """Every registered encoding, then CABLE and ALiBi on the bias paths ``auto`` no longer picks for them (it folds
+    them), the naive CABLE, and DAPEv2 over KERPLE (with DAPEv2 over CABLE, its default base: the CABLE paper's cost
+    comparison)."""
     bias_path = "flex" if device.type == "cuda" else "chunked"
-    return [f"cable:{bias_path}", f"alibi:{bias_path}", "cable:materialized", "dape_v2+cable", "dape_v2+kerple_log"]
+    return available() + [f"cable:{bias_path}", f"alibi:{bias_path}", "cable:materialized", "dape_v2+kerple_log"]
 
 
 def out_of_memory(err: Exception) -> bool:
@@ -95,7 +101,7 @@ def eval_seconds(model, t, device, dtype, repeats):
 def _cpu_eval_peak(config_dict, t, threads, out):
     """Runs in a fresh process: peak RSS of one evaluation forward, in MiB."""
     torch.set_num_threads(threads)
-    model = build_backbone(BackboneConfig(**config_dict)).eval()
+    model = build_backbone(BackboneConfig.from_dict(config_dict)).eval()
     x = torch.randint(0, model.config.vocab_size, (1, t + 1))
     with torch.no_grad():
         model.token_nll(x[:, :-1], x[:, 1:])
@@ -131,19 +137,20 @@ def eval_peak_mib(model, t, device, dtype):
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    pes = args.pes or available() + comparison_variants(device)
+    pes = args.pes or default_variants(device)
     if "nope" not in pes:
         pes = ["nope"] + pes
     rows = []
     for pe in pes:
         torch.manual_seed(0)
         model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
-        row = {"pe": pe, "train_tok_s": {}, "eval_s": {}, "eval_peak_mib": {}}
+        row = {"pe": row_name(pe), "train_tok_s": {}, "eval_s": {}, "eval_peak_mib": {}}
         for t in args.train_lengths:
             row["train_tok_s"][t] = train_tokens_per_second(model, t, args.tokens_per_step, device, dtype, args.repeats)
         model.eval()
         for t in args.eval_lengths:
-            if pe.startswith("learnable"):  # a table of the training length cannot serve longer inputs
+            longest = model.config.pos_encoding.longest_length(model.config.block_size)
+            if longest is not None and t > longest:  # a learnable table cannot serve longer inputs
                 continue
             if t > args.naive_max_length and pe.endswith(":materialized"):
                 row["eval_s"][t] = row["eval_peak_mib"][t] = "skipped"
@@ -210,7 +217,7 @@ def main(argv=None):
     parser.add_argument("--vocab-size", dest="vocab_size", type=int)
     parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
                         "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
-                        "pe:backend forces a backend; dape_v2+pe augments pe with DAPEv2")
+                        "pe:backend forces a backend; dape_v2+pe is DAPEv2 over pe")
     parser.add_argument("--naive-max-length", type=int, default=8192,
                         help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])

@@ -12,13 +12,14 @@ same sweep again continues the runs that were interrupted, and finished ones onl
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import subprocess
 import sys
 
 from report import report
 
-from cable_lightning.models.config import parse_encoding_name
+from cable_lightning.positional import from_label
 
 
 def commands(args) -> list[tuple[str, list[str]]]:
@@ -30,10 +31,9 @@ def commands(args) -> list[tuple[str, list[str]]]:
             for config in args.config:
                 cmd += ["--config", config]
             # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
-            encoding = parse_encoding_name(pe)  # dape_v2+cable: CABLE augmented by DAPEv2
+            encoding = json.dumps(from_label(pe).to_dict())  # dape_v2+cable: DAPEv2 over CABLE
             cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
-                    "--model.init_args.backbone.pos_encoding", encoding["pos_encoding"],
-                    "--model.init_args.backbone.dape", encoding["dape"], "--ckpt_path", "auto"]
+                    "--model.init_args.backbone.pos_encoding", encoding, "--ckpt_path", "auto"]
             if length is not None:
                 cmd += ["--data.block_size", str(length)]
             runs.append((experiment, cmd + args.extra))
@@ -43,7 +43,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
-    parser.add_argument("--pes", nargs="+", required=True, help="PE names; dape_v2+<pe> augments <pe> with DAPEv2")
+    parser.add_argument("--pes", nargs="+", required=True, help="encoding labels; dape_v2+<pe> is DAPEv2 over <pe>")
     parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
     parser.add_argument("--experiment", default="sweep")
     parser.add_argument("--runs-dir", default="runs")

@@ -28,7 +28,7 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
         handle.remove()
     h = captured["h"]
     t, heads = tokens.shape[1], backbone.config.n_head
-    terms = block.attn.score_terms(h, backbone.pe, 0, None)
+    terms = backbone.pe.score_bias(h, block.attn.layer, 0, None)
     if isinstance(terms, ScoreBias):
         maps, what = terms.rows(0, t, t, 1, heads, tokens.device)[0].float(), "additive bias"
     else:
@@ -84,5 +84,5 @@ class BiasPictures(L.Callback):
                 or not hasattr(experiment, "add_figure")):
             return
         maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
-        title = f"{pl_module.config.encoding_name}: last layer {what}, step {trainer.global_step}"
+        title = f"{pl_module.config.pos_encoding.label()}: last layer {what}, step {trainer.global_step}"
         experiment.add_figure("bias/last_layer", draw_grid(maps, title), trainer.global_step)

@@ -72,14 +72,6 @@ def format_table(rows: list[dict], train_length: int) -> str:
     return "\n".join(lines)
 
 
-def pe_label(config) -> str:
-    """The PE as the records and the report name it: RoPE evaluated with a scaling is its own column
-    (``rope+linear4``), not mixed into the plain RoPE numbers; DAPEv2 prefixes its PE (``dape_v2+cable``)."""
-    if config.pos_encoding == "rope" and config.rope_scaling != "none":
-        return f"rope+{config.rope_scaling}{config.rope_scaling_factor:g}"
-    return config.encoding_name
-
-
 class LengthEvalRecorder(L.Callback):
     """Writes ``<log_dir>/length_eval.jsonl`` rows (step, length, mode, ppl, loss, tokens, seconds,
     tokens/s) and ``<log_dir>/position_loss.jsonl`` rows (step, length, first/last position, loss, tokens), logs a
@@ -96,7 +88,7 @@ class LengthEvalRecorder(L.Callback):
         if not trainer.is_global_zero:
             return
         config, step = pl_module.config, rows[0]["step"]
-        extra = {"pe": pe_label(config), "train_length": config.block_size, "stage": trainer.state.fn.value}
+        extra = {"pe": config.pos_encoding.label(), "train_length": config.block_size, "stage": trainer.state.fn.value}
         os.makedirs(log_dir, exist_ok=True)
         with open(os.path.join(log_dir, "length_eval.jsonl"), "a") as f:
             for row in rows:

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import ConfigError
 from ..eval.passkey import DEFAULT_DEPTHS, PasskeyPrompts, greedy_completion, passkey_grid
-from .length_eval import pe_label
 
 
 def passkey_heatmap(rows: list[dict], title: str):
@@ -115,7 +114,7 @@ class PasskeyRetrieval(L.Callback):
         step = pl_module.length_results[0]["step"] if pl_module.length_results else trainer.global_step
         checkpoint = pl_module.length_results[0]["checkpoint"] if pl_module.length_results else None
         extra = {
-            "pe": pe_label(pl_module.config),
+            "pe": pl_module.config.pos_encoding.label(),
             "train_length": pl_module.config.block_size,
             "stage": trainer.state.fn.value,
             "step": step,

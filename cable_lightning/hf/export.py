@@ -25,7 +25,9 @@ from ..checkpoints import read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
 from ..errors import ConfigError, MissingFileError, user_error
+from ..lit.modules import saved_weights
 from ..models import Backbone, BackboneConfig, build_backbone
+from ..models.config import upgrade_state_dict
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
@@ -71,8 +73,8 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
                           "class, data description or weights); export a checkpoint from a fit run")
     module_name, _, class_name = class_path.rpartition(".")
     model = getattr(importlib.import_module(module_name), class_name)(
-        backbone=BackboneConfig(**hparams["backbone"]), data=hparams["data"])
-    model.load_state_dict(ckpt["state_dict"])
+        backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
+    model.load_state_dict(saved_weights(ckpt))
     return model.backbone.eval(), hparams["data"]
 
 
@@ -147,8 +149,8 @@ def hf_tokenizer(tok, max_length: int):
 
 
 def training_length(config: BackboneConfig) -> int:
-    """The length the model was trained at; for a learnable table, the table's size (it cannot go further)."""
-    return (config.max_positions or config.block_size) if config.pos_encoding == "learnable" else config.block_size
+    """The length the model was trained at, or the most its encoding can serve (a learnable table's size)."""
+    return config.pos_encoding.longest_length(config.block_size) or config.block_size
 
 
 def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False) -> str:
@@ -209,9 +211,8 @@ def load_backbone(folder: str) -> Backbone:
 
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         saved = json.load(f)["backbone"]
-    known = BackboneConfig.__dataclass_fields__
-    backbone = build_backbone(BackboneConfig(**{k: v for k, v in saved.items() if k in known}))
-    weights = load_file(os.path.join(folder, WEIGHTS))
+    backbone = build_backbone(BackboneConfig.from_dict(saved))
+    weights = upgrade_state_dict(load_file(os.path.join(folder, WEIGHTS)), saved)
     backbone.load_state_dict({k.removeprefix("backbone."): v for k, v in weights.items()})
     return backbone.eval()
 

@@ -18,7 +18,7 @@ from ..data.manifest import DataInfo
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL, scored_targets
 from ..models import BackboneConfig, build_backbone
-from ..models.config import RUNTIME_FIELDS
+from ..models.config import upgrade_state_dict
 from ..positional import UnsupportedLengthError
 from .masking import mask_tokens
 from .optim import build_optimizer
@@ -87,7 +87,7 @@ class LanguageModel(L.LightningModule):
         self.check_same_model(checkpoint, f"model.init_weights {path} is of another model: ",
                               "; configure the model it was trained with")
         prefix = "backbone."
-        weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        weights = {k[len(prefix):]: v for k, v in saved_weights(checkpoint).items() if k.startswith(prefix)}
         self.backbone.load_state_dict(weights)
         self.print(f"initial weights from {path} (step {checkpoint.get('global_step')})")
 
@@ -265,6 +265,7 @@ class LanguageModel(L.LightningModule):
                               "sets the evaluation lengths)")
         self.check_same_model(checkpoint, "the checkpoint's model differs from the configured one in settings that "
                               "define the weights: ", "; drop them from the command line to use the checkpoint's")
+        checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
 
     def check_same_model(self, checkpoint: dict, problem: str, advice: str) -> None:
@@ -282,13 +283,18 @@ class LanguageModel(L.LightningModule):
 
 
 def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
-    """(name, saved, configured) for each backbone setting that defines the weights and differs; vocabulary and
-    training length come from the data and are checked there, and runtime settings (attention backend, RoPE
-    scaling, dropout) may change freely."""
-    skip = set(RUNTIME_FIELDS) | {"preset", "vocab_size", "block_size"}
-    saved_config = BackboneConfig(**{k: v for k, v in saved.items() if k in BackboneConfig.__dataclass_fields__})
-    return [(name, getattr(saved_config, name), getattr(config, name)) for name in BackboneConfig.__dataclass_fields__
-            if name not in skip and getattr(saved_config, name) != getattr(config, name)]
+    """(name, saved, configured) for each backbone setting that defines the weights and differs
+    (:meth:`BackboneConfig.weight_settings`); runtime settings (attention backend, dropout, an encoding's own, such
+    as RoPE scaling) may change freely."""
+    old, new = BackboneConfig.from_dict(saved).weight_settings(), config.weight_settings()
+    return [(name, old.get(name), new.get(name)) for name in {**old, **new} if old.get(name) != new.get(name)]
+
+
+def saved_weights(checkpoint: dict) -> dict:
+    """A checkpoint's state dict in this version's parameter names (an earlier version's are translated)."""
+    backbone = (checkpoint.get("hyper_parameters") or {}).get("backbone")
+    state = checkpoint["state_dict"]
+    return upgrade_state_dict(state, backbone) if isinstance(backbone, dict) else state
 
 
 class CausalLM(LanguageModel):

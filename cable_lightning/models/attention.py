@@ -1,4 +1,4 @@
-"""One attention function, five backends (DESIGN.md):
+"""One attention function, five backends (docs/design.md):
 
 - ``sdpa``: no score bias -> PyTorch SDPA with no mask tensor (flash / memory-efficient kernels).
 - ``fold``: a causal bias that factorises (CABLE, CABLE_NW, ALiBi) folded into extra head
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,8 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..positional.base import LogitScores, ScoreBias, causal_allowed
 
-BACKENDS = ("auto", "sdpa", "fold", "flex", "chunked", "materialized")
+Backend = Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"]
+BACKENDS = typing.get_args(Backend)
 # The chunked path sizes its row blocks so one block's bias holds at most this many elements.
 CHUNK_ELEMENTS = 2**24
 # Folded heads are zero-padded to a multiple of this width (CUDA's flash kernels need it).
@@ -36,6 +39,24 @@ FOLD_HEAD_MULTIPLE = 8
 FOLD_PIECES_LOW_PRECISION = 3
 
 _compiled_flex = None
+
+
+def backends_for(scores: str, causal: bool) -> tuple[str, ...]:
+    """The backends that can run an encoding that adds ``scores`` (:data:`positional.base.ScoreKind`) to the logits."""
+    if scores == "none":
+        return BACKENDS
+    if scores == "logits":
+        return ("auto", "chunked", "materialized")
+    fold = ("fold",) if scores == "foldable_bias" and causal else ()
+    return ("auto", *fold, "flex", "chunked", "materialized")
+
+
+def check_backend(backend: str, encoding, causal: bool) -> None:
+    """Before anything is built: ``backend`` must be one that can run ``encoding`` (an :class:`Encoding`)."""
+    valid = backends_for(encoding.scores, causal)
+    if backend not in valid:
+        raise ConfigError(f"attention_backend {backend!r} cannot run {encoding.label()} "
+                          f"({'causal' if causal else 'bidirectional'}); valid: {', '.join(valid)}")
 
 
 def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: torch.device, q_offset: int = 0) -> str:

@@ -14,9 +14,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError
-from ..positional import build_positional, score_bias_encodings
-from ..positional.dape import DapeV2
 from .attention import attention
 from .config import BackboneConfig
 
@@ -31,7 +28,6 @@ class SelfAttention(nn.Module):
         self.backend = config.attention_backend
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.out = nn.Linear(config.n_embd, config.n_embd)
-        self.dape = DapeV2(config.n_head, config.dape_width, config.dape_kernel) if config.dape == "v2" else None
 
     def queries_keys_values(self, h: Tensor, pe, offset: int) -> tuple[Tensor, Tensor, Tensor]:
         """(B, H, T, D) each, after the PE's rotation."""
@@ -40,11 +36,6 @@ class SelfAttention(nn.Module):
         q, k = pe.rotate(q, k, offset)
         return q, k, v
 
-    def score_terms(self, h: Tensor, pe, offset: int, state: dict | None):
-        """What attention adds to the logits: the PE's bias, augmented by DAPEv2 when configured."""
-        bias = pe.score_bias(h, self.layer, offset, state)
-        return self.dape.augment(bias) if self.dape is not None else bias
-
     def forward(self, h: Tensor, pe, offset: int, state: dict | None) -> Tensor:
         b, t, c = h.shape
         q, k, v = self.queries_keys_values(h, pe, offset)
@@ -52,7 +43,7 @@ class SelfAttention(nn.Module):
             if "k" in state:
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
-        scores = self.score_terms(h, pe, offset, state)
+        scores = pe.score_bias(h, self.layer, offset, state)
         y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend)
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
@@ -90,10 +81,7 @@ class Backbone(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self._init_gpt2()
-        self.pe = build_positional(config)  # after the GPT-2 init: each PE initialises its own parameters
-        if config.dape != "none" and not self.pe.has_score_bias:
-            raise ConfigError(f"dape {config.dape!r} augments a score bias and pos_encoding {config.pos_encoding!r} "
-                              f"has none; use it with one of: {', '.join(score_bias_encodings())}")
+        self.pe = config.pos_encoding.build(config)  # after the GPT-2 init: each encoding initialises its own
         # Recompute each block's activations in backward instead of storing them (memory for time).
         self.activation_checkpointing = False
 

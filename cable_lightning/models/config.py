@@ -1,11 +1,19 @@
-"""Backbone configuration: a dataclass jsonargparse fills from YAML, with GPT-2 / BERT presets."""
+"""Backbone configuration: a dataclass jsonargparse fills from YAML, with GPT-2 / BERT presets.
+
+The positional encoding is one field holding the encoding's own settings (``positional``'s :class:`Encoding`):
+nothing encoding-specific lives here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal, Optional
+import re
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
 from ..errors import ConfigError
+from ..positional import Encoding, encoding_from
+from ..positional.cable import cable
+from .attention import Backend, check_backend
 
 PRESETS: dict[str, dict] = {
     # The CABLE paper's GPT-2 sizes; gpt2-small uses 12 heads (the paper's "10" does not divide 768).
@@ -15,17 +23,20 @@ PRESETS: dict[str, dict] = {
     "bert-base": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=30522, causal=False),
 }
 _DEFAULTS = dict(mlp_ratio=4.0, dropout=0.0)
-DAPE_VERSIONS = ("none", "v2")
-# Settings that may differ from a checkpoint's: they change how the weights are run, not what they are.
-RUNTIME_FIELDS = ("dropout", "attention_backend", "rope_scaling", "rope_scaling_factor")
+# Backbone settings that may differ from a checkpoint's: they change how the weights are run, not what they are
+# (an encoding names its own, :attr:`Encoding.runtime`).
+RUNTIME_FIELDS = ("dropout", "attention_backend")
 
 
 @dataclass
 class BackboneConfig:
-    """Shape and positional encoding of a backbone. Fields left ``None`` come from ``preset``."""
+    """Shape and positional encoding of a backbone. Fields left ``None`` come from ``preset``.
+
+    ``pos_encoding``: an encoding's settings (``rope``, ``rope(scaling="linear")``), its label (``"dape_v2+cable"``),
+    or the ``{"class_path": ..., "init_args": ...}`` form configs and checkpoints hold."""
 
     preset: str = "gpt2-tiny"
-    pos_encoding: str = "cable"
+    pos_encoding: Encoding = field(default_factory=cable)
     n_layer: Optional[int] = None
     n_head: Optional[int] = None
     n_embd: Optional[int] = None
@@ -33,40 +44,28 @@ class BackboneConfig:
     mlp_ratio: Optional[float] = None
     dropout: Optional[float] = None
     causal: Optional[bool] = None
-    # Training length; the learnable table's default size, FIRE's initial threshold, YaRN's original length.
+    # Training length: the learnable table's default size, FIRE's initial threshold, YaRN's original length.
     block_size: int = 1024
-    max_positions: Optional[int] = None
     pad_vocab_multiple: int = 64
-    attention_backend: Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"] = "auto"
-    cable_bias_activation: Literal["relu", "softplus"] = "relu"
-    rope_base: float = 10000.0
-    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0
-    # DAPEv2 (Zheng et al., 2024): a convolution over [logits, bias] that corrects any score-bias PE.
-    dape: Literal["none", "v2"] = "none"
-    dape_width: int = 32
-    dape_kernel: int = 3
-    # CoPE (Golovneva et al., 2024): contextual positions are clamped to [0, cope_positions - 1].
-    cope_positions: int = 64
+    attention_backend: Backend = "auto"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown backbone preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
+        self.pos_encoding = encoding_from(self.pos_encoding)
         for name, value in {**_DEFAULTS, **PRESETS[self.preset]}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"head size {self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
-        if self.dape not in DAPE_VERSIONS:
-            raise ConfigError(f"unknown dape {self.dape!r}; valid: {', '.join(DAPE_VERSIONS)}")
-        if self.dape_width < 1 or self.dape_kernel < 1 or self.dape_kernel % 2 == 0:
-            raise ConfigError(f"dape_width must be >= 1 and dape_kernel odd and >= 1 (it is centred on each key), "
-                              f"got dape_width={self.dape_width}, dape_kernel={self.dape_kernel}")
-        if self.cope_positions < 2:
-            raise ConfigError("cope_positions must be >= 2 (interpolation needs two positions), "
-                              f"got {self.cope_positions}")
+        check_backend(self.attention_backend, self.pos_encoding, self.causal)
+        self.pos_encoding.check(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "BackboneConfig":
+        """A config from a checkpoint's or an exported folder's dict, written by this version or an earlier one."""
+        saved = upgrade_backbone_dict(saved)
+        return cls(**{k: v for k, v in saved.items() if k in cls.__dataclass_fields__})
 
     @property
     def padded_vocab_size(self) -> int:
@@ -78,28 +77,55 @@ class BackboneConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    @property
-    def encoding_name(self) -> str:
-        """The PE as runs, records and reports name it: ``cable``, or ``dape_v2+cable`` when DAPEv2 augments it."""
-        return encoding_name(self.pos_encoding, self.dape)
+    def weight_settings(self) -> dict:
+        """Every setting that defines the weights (shape and the encoding's own), flattened; the vocabulary and the
+        training length come from the data and are checked there."""
+        skip = set(RUNTIME_FIELDS) | {"preset", "vocab_size", "block_size", "pos_encoding"}
+        shape = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        return {**shape, **self.pos_encoding.weight_settings()}
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"pos_encoding": self.pos_encoding.to_dict()}
 
 
-DAPE_PREFIX = "dape_"
+# Checkpoints and exports written before encodings owned their settings held them as prefixed backbone fields.
+_LEGACY_SETTINGS = {"rope": {"rope_base": "base", "rope_scaling": "scaling", "rope_scaling_factor": "scaling_factor"},
+                    "cable": {"cable_bias_activation": "bias_activation"},
+                    "cable_nw": {"cable_bias_activation": "bias_activation"},
+                    "k_cable": {"cable_bias_activation": "bias_activation"},
+                    "learnable": {"max_positions": "max_positions"},
+                    "cope": {"cope_positions": "positions"}}
+_LEGACY_FIELDS = {"rope_base", "rope_scaling", "rope_scaling_factor", "cable_bias_activation", "max_positions",
+                  "cope_positions", "dape", "dape_width", "dape_kernel"}
 
 
-def encoding_name(pos_encoding: str, dape: str = "none") -> str:
-    """``cable`` or ``dape_v2+cable``: one name for a PE and its augmentation (run folders, records, reports)."""
-    return pos_encoding if dape == "none" else f"{DAPE_PREFIX}{dape}+{pos_encoding}"
+def upgrade_backbone_dict(saved: dict) -> dict:
+    """An earlier version's backbone dict (``pos_encoding: rope`` with ``rope_scaling`` etc. beside it, ``dape: v2``)
+    in this version's form; a current one is returned as it is."""
+    if not isinstance(saved.get("pos_encoding"), str) and not _LEGACY_FIELDS & set(saved):
+        return saved
+    name = saved.get("pos_encoding", "cable")
+    renames = _LEGACY_SETTINGS.get(name, {})
+    encoding = {"class_path": name,
+                "init_args": {new: saved[old] for old, new in renames.items() if saved.get(old) is not None}}
+    if saved.get("dape", "none") != "none":
+        encoding = {"class_path": f"dape_{saved['dape']}",
+                    "init_args": {"base": encoding, "width": saved.get("dape_width", 32),
+                                  "kernel": saved.get("dape_kernel", 3)}}
+    upgraded = {k: v for k, v in saved.items() if k not in _LEGACY_FIELDS}
+    return upgraded | {"pos_encoding": encoding}
 
 
-def parse_encoding_name(name: str) -> dict:
-    """The inverse of :func:`encoding_name`: ``dape_v2+cable`` -> ``{"pos_encoding": "cable", "dape": "v2"}``."""
-    augmentation, plus, pos_encoding = name.rpartition("+")
-    if not plus:
-        return {"pos_encoding": name, "dape": "none"}
-    if not augmentation.startswith(DAPE_PREFIX):
-        raise ConfigError(f"unknown augmentation {augmentation!r} in {name!r}; valid: {DAPE_PREFIX}v2+<pe>")
-    return {"pos_encoding": pos_encoding, "dape": augmentation[len(DAPE_PREFIX):]}
+_LEGACY_DAPE_KEY = re.compile(r"(^|\.)blocks\.(\d+)\.attn\.dape\.")
+
+
+def upgrade_state_dict(state: dict, saved_backbone: dict) -> dict:
+    """An earlier version's weights in this version's names: DAPEv2's convolutions moved from each attention layer
+    (``blocks.<i>.attn.dape.``) into the encoding (``pe.layers.<i>.``), and the encoding it wraps to ``pe.base.``."""
+    if saved_backbone.get("dape", "none") == "none":
+        return state
+    upgraded = {}
+    for key, value in state.items():
+        key = re.sub(r"(^|\.)pe\.", r"\1pe.base.", key)
+        upgraded[_LEGACY_DAPE_KEY.sub(r"\1pe.layers.\2.", key)] = value
+    return upgraded

@@ -1,8 +1,16 @@
-"""Pluggable positional encodings, selected by name (see :func:`available`)."""
+"""Pluggable positional encodings, selected by name (see :func:`available`).
 
-from . import absolute, alibi, cable, cope, fire, kerple, rope, t5  # noqa: F401  (registers every PE)
-from .base import LogitScores, PositionalEncoding, ScoreBias, UnsupportedLengthError
-from .registry import available, build_positional, score_bias_encodings
+Every module of this package is imported here, so an encoding's file registers it: adding an encoding is one file
+(and its row in the README's table, which a test checks)."""
 
-__all__ = ["LogitScores", "PositionalEncoding", "ScoreBias", "UnsupportedLengthError", "available", "build_positional",
-           "score_bias_encodings"]
+import importlib
+import pkgutil
+
+from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias, UnsupportedLengthError
+from .registry import available, encoding_class, encoding_from, from_label, score_bias_encodings, wrappers
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["Encoding", "LogitScores", "PositionalEncoding", "ScoreBias", "UnsupportedLengthError", "available",
+           "encoding_class", "encoding_from", "from_label", "score_bias_encodings", "wrappers"]

@@ -2,35 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
 
-from .base import PositionalEncoding, UnsupportedLengthError
-from .registry import register
+from ..errors import ConfigError
+from .base import Encoding, PositionalEncoding
 
 
-@register("learnable")
-class Learnable(PositionalEncoding):
-    """A learned table of ``max_positions`` vectors (GPT-2's); it cannot extrapolate past its size."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.max_positions = config.max_positions or config.block_size
-        self.table = nn.Embedding(self.max_positions, config.n_embd)
+class LearnedTable(PositionalEncoding):
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
+        self.table = nn.Embedding(self.longest, config.n_embd)
         nn.init.normal_(self.table.weight, std=0.02)
-
-    def check_length(self, total_length):
-        if total_length > self.max_positions:
-            raise UnsupportedLengthError(
-                f"sequence length {total_length} exceeds the learnable position table "
-                f"({self.max_positions} positions); "
-                f"learnable absolute positions cannot extrapolate: use lengths <= {self.max_positions} "
-                "or a relative encoding"
-            )
 
     def embed(self, x, offset):
         self.check_length(offset + x.shape[1])
         return x + self.table.weight[offset : offset + x.shape[1]]
+
+
+@dataclass
+class learnable(Encoding):
+    """A learned table of ``max_positions`` vectors (GPT-2's; default: the training length); it cannot extrapolate
+    past its size."""
+
+    max_positions: Optional[int] = None
+
+    module = LearnedTable
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_positions is not None and self.max_positions < 1:
+            raise ConfigError(f"learnable.max_positions must be >= 1 (or unset: the training length), "
+                              f"got {self.max_positions}")
+
+    def longest_length(self, block_size):
+        return self.max_positions or block_size
 
 
 def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -49,15 +58,21 @@ def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
 SINUSOIDAL_SCALE = 0.02 * 2**0.5
 
 
-@register("sinusoidal")
-class Sinusoidal(PositionalEncoding):
-    """The original fixed sinusoidal table, computed for any length, at the token embeddings' scale."""
-
+class SinusoidalTable(PositionalEncoding):
     def embed(self, x, offset):
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         return x + SINUSOIDAL_SCALE * sinusoidal_table(positions, x.shape[-1]).to(x.dtype)
 
 
-@register("nope")
-class NoPE(PositionalEncoding):
+@dataclass
+class sinusoidal(Encoding):
+    """The original Transformer's fixed sinusoidal table, computed for any length, at the token embeddings' scale."""
+
+    module = SinusoidalTable
+
+
+@dataclass
+class nope(Encoding):
     """No positional information (causal masking alone carries order)."""
+
+    module = PositionalEncoding

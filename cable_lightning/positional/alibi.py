@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .base import PositionalEncoding, ScoreBias
-from .registry import register
+from .base import Encoding, PositionalEncoding, ScoreBias
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -42,15 +42,18 @@ class AlibiBias(ScoreBias):
         return self.slopes.view(1, -1, 1, 1), positions.view(1, 1, -1, 1)
 
 
-@register("alibi")
 class Alibi(PositionalEncoding):
-    """ALiBi: bias -m_h |i - j| with fixed geometric slopes, not scaled by 1/sqrt(d)."""
-
-    has_score_bias = True
-
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
     def score_bias(self, h, layer, offset, state):
         return AlibiBias(self.slopes, offset, self.causal)
+
+
+@dataclass
+class alibi(Encoding):
+    """ALiBi: bias -m_h |i - j| with fixed geometric slopes, not scaled by 1/sqrt(d)."""
+
+    module = Alibi
+    scores = "foldable_bias"

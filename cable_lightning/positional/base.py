@@ -1,4 +1,14 @@
-"""The positional-encoding contract: three hooks the backbone calls without knowing which PE it holds.
+"""The positional-encoding contract.
+
+An encoding is two classes in one file:
+
+- its settings, a dataclass subclass of :class:`Encoding` named as configs and run folders name the encoding
+  (``rope``): jsonargparse reads its fields (``--model.init_args.backbone.pos_encoding rope
+  --model.init_args.backbone.pos_encoding.scaling linear``), it checks them, and it says everything the rest of
+  the package asks about the encoding (settings that may change at evaluation, its label, the longest length it
+  can serve, which attention backends can run it);
+- its module, a :class:`PositionalEncoding` built from those settings and the backbone's shape, with three hooks
+  the backbone calls without knowing which encoding it holds:
 
 - ``embed``: once, on the token embeddings (absolute encodings).
 - ``rotate``: every layer, on q and k (RoPE).
@@ -8,10 +18,19 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import typing
+from typing import Callable, ClassVar, Literal, Optional
 
 import torch
 from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+# What an encoding adds to the q.k logits, which decides the attention backends that can run it:
+# nothing; a pointwise ScoreBias; a ScoreBias that also factorises when causal (the fold); LogitScores.
+ScoreKind = Literal["none", "bias", "foldable_bias", "logits"]
+SCORE_KINDS = typing.get_args(ScoreKind)
 
 
 def causal_allowed(start: int, stop: int, n_keys: int, q_offset: int, device) -> Tensor:
@@ -96,19 +115,91 @@ class LogitScores:
         return ~causal_allowed(start, stop, n_keys, self.q_offset, device)
 
 
+class Encoding:
+    """One encoding's settings. Concrete subclasses are dataclasses whose class name is the encoding's name; defining
+    one registers it (:func:`registry.available`), so an encoding is its own file and nothing else.
+
+    Class attributes a subclass sets (not dataclass fields):
+    ``module``: its :class:`PositionalEncoding`; ``scores``: what it adds to the logits (:data:`ScoreKind`);
+    ``runtime``: the settings that change how the weights are run, not what they are (they may differ from a
+    checkpoint's, and they label evaluation records, not runs).
+    """
+
+    module: ClassVar[type]
+    scores: ClassVar[str] = "none"
+    runtime: ClassVar[tuple[str, ...]] = ()
+    registered: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Encoding.registered[cls.__name__] = cls
+
+    def __post_init__(self):
+        """Every Literal-typed setting is checked against its type, which is where its allowed values are written."""
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            allowed = typing.get_args(hints[field.name]) if typing.get_origin(hints[field.name]) is Literal else ()
+            if allowed and getattr(self, field.name) not in allowed:
+                raise ConfigError(f"{self.name}.{field.name}={getattr(self, field.name)!r} is not valid; "
+                                  f"valid: {', '.join(map(str, allowed))}")
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def label(self, runtime: bool = True) -> str:
+        """How runs (``runtime=False``), records, report columns, sweep and bench rows name the encoding."""
+        return self.name
+
+    def settings(self) -> dict:
+        """The dataclass fields as plain values (a wrapped encoding as its own :meth:`to_dict`)."""
+        return {f.name: (value.to_dict() if isinstance(value := getattr(self, f.name), Encoding) else value)
+                for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict:
+        """The form jsonargparse, checkpoints and exported config.json files hold; read back by
+        :func:`registry.encoding_from`."""
+        return {"class_path": self.name, "init_args": self.settings()}
+
+    def weight_settings(self, prefix: str = "pos_encoding") -> dict:
+        """What defines the weights, flattened: ``{"pos_encoding": "rope", "pos_encoding.base": 10000.0}``."""
+        out = {prefix: self.name}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Encoding):
+                out.update(value.weight_settings(f"{prefix}.{f.name}"))
+            elif f.name not in self.runtime:
+                out[f"{prefix}.{f.name}"] = value
+        return out
+
+    def longest_length(self, block_size: int) -> Optional[int]:
+        """The most positions the encoding can serve (None: any), given the training length."""
+        return None
+
+    def check(self, config) -> None:
+        """Checks against the backbone's shape (``config``: a BackboneConfig), before anything is built."""
+
+    def build(self, config) -> "PositionalEncoding":
+        return self.module(self, config)
+
+
 class PositionalEncoding(nn.Module):
-    """Base class: every hook is the identity; a PE overrides the hooks it needs."""
+    """Base class of an encoding's module: every hook is the identity; an encoding overrides the hooks it needs."""
 
-    has_score_bias = False
-
-    def __init__(self, config):
+    def __init__(self, settings: Encoding, config):
         super().__init__()
+        self.settings = settings
         self.n_head = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.causal = config.causal
+        self.longest = settings.longest_length(config.block_size)
 
     def check_length(self, total_length: int) -> None:
-        """Raise :class:`UnsupportedLengthError` if this PE cannot serve ``total_length`` positions."""
+        """Raise :class:`UnsupportedLengthError` if this encoding cannot serve ``total_length`` positions."""
+        if self.longest is not None and total_length > self.longest:
+            raise UnsupportedLengthError(
+                f"sequence length {total_length} exceeds the {self.settings.name} encoding's {self.longest} "
+                f"positions; it cannot extrapolate: use lengths <= {self.longest} or a relative encoding")
 
     def embed(self, x: Tensor, offset: int) -> Tensor:
         return x

@@ -1,7 +1,7 @@
-"""CABLE: context-aware additive biases (and its NW and kernelised variants, and FoX, which is one of them).
+"""CABLE: context-aware additive biases, and its NW and kernelised variants (FoX, in fox.py, is one of them too).
 
 Per layer and head, from the layer's normalised input x_t:
-    b_t = ReLU(w_c . x_t) >= 0        (softplus in the paper's first version: ``cable_bias_activation``)
+    b_t = ReLU(w_c . x_t) >= 0        (softplus in the paper's first version: ``bias_activation``)
     S_t = sum_{u <= t} b_u
     g_t = softplus(w_s . x_t) > 0     (CABLE_NW: g = 1)
     bias[i, j] = -g_i * (S_i - S_j)   causal;   -g_i * |S_i - S_j| bidirectional
@@ -11,13 +11,14 @@ With b = 1 and g = ALiBi's slope this is exactly ALiBi.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
-from .base import PositionalEncoding, ScoreBias
-from .registry import register
+from .base import Encoding, PositionalEncoding, ScoreBias
 
 
 class CableBias(ScoreBias):
@@ -48,30 +49,23 @@ class CableBias(ScoreBias):
         return -diff
 
 
-class Cable(PositionalEncoding):
-    has_score_bias = True
-    weighted = True
-    kernel = "linear"
-    gate_offset = False  # FoX: the projection has a learned offset per head
+class CumulativeBias(PositionalEncoding):
+    """The module of every encoding built on cumulative sums of per-token biases (CABLE, its variants, FoX). Its
+    settings class says ``weighted`` (a per-token weight g), ``kernel`` (linear or log), ``gate_offset`` (a learned
+    offset per head) and ``token_bias`` (the map from a token's bias logit to its bias b >= 0)."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
+        self.weighted, self.kernel = settings.weighted, settings.kernel
         outputs = 2 if self.weighted else 1
         # One linear map per layer giving, per head, the bias logit (and the weight logit).
-        self.proj = nn.ModuleList(nn.Linear(config.n_embd, outputs * config.n_head, bias=self.gate_offset)
+        self.proj = nn.ModuleList(nn.Linear(config.n_embd, outputs * config.n_head, bias=settings.gate_offset)
                                   for _ in range(config.n_layer))
         for p in self.proj:
             nn.init.normal_(p.weight, std=0.02)
             if p.bias is not None:
                 nn.init.zeros_(p.bias)
-        self.activation = self.token_activation(config)
-
-    def token_activation(self, config):
-        """The map from a token's bias logit to its (non-negative) bias b."""
-        if config.cable_bias_activation not in ("relu", "softplus"):
-            raise ConfigError("cable_bias_activation must be 'relu' or 'softplus', "
-                              f"got {config.cable_bias_activation!r}")
-        return F.relu if config.cable_bias_activation == "relu" else F.softplus
+        self.activation = settings.token_bias()
 
     def score_bias(self, h, layer, offset, state):
         # Cumulative sums run in fp32 (or wider): at 15k tokens bf16 would lose the small differences S_i - S_j.
@@ -93,42 +87,33 @@ class Cable(PositionalEncoding):
         return CableBias(s_q, s_k, g, q_offset=offset, causal=self.causal, kernel=self.kernel)
 
 
-@register("cable")
-class CableWeighted(Cable):
-    """CABLE: ReLU token biases, cumulative sum, softplus per-token weight."""
+@dataclass
+class cable(Encoding):
+    """CABLE (Veisi et al., 2025): per-token biases b = ``bias_activation``(w . x) summed along the sequence, times a
+    softplus per-token weight: bias[i, j] = -g_i (S_i - S_j)."""
+
+    bias_activation: Literal["relu", "softplus"] = "relu"
+
+    module = CumulativeBias
+    scores = "foldable_bias"
+    weighted = True
+    kernel = "linear"
+    gate_offset = False
+
+    def token_bias(self):
+        return F.relu if self.bias_activation == "relu" else F.softplus
 
 
-@register("cable_nw")
-class CableNoWeight(Cable):
+@dataclass
+class cable_nw(cable):
     """CABLE_NW: CABLE without the per-token weight (g = 1)."""
 
     weighted = False
 
 
-@register("k_cable")
-class KernelCable(Cable):
-    """K-CABLE: CABLE's weighted distance through the kernel -log(1 + x^2)."""
+@dataclass
+class k_cable(cable):
+    """K-CABLE: CABLE's weighted distance through the kernel -log(1 + x^2) (which the fold cannot split)."""
 
+    scores = "bias"
     kernel = "log"
-
-
-def negative_log_sigmoid(logit: Tensor) -> Tensor:
-    """-log sigmoid(z) = softplus(-z) >= 0: the penalty a forget gate sigmoid(z) adds per token."""
-    return F.softplus(-logit)
-
-
-@register("fox")
-class ForgettingGate(Cable):
-    """FoX (Lin et al., 2025): a forget gate per head and token, f_t = sigmoid(w . x_t + c), and
-    bias[i, j] = sum_{j < u <= i} log f_u. With S_t = sum_{u <= t} -log f_u this is -(S_i - S_j):
-    CABLE_NW with b_t = -log f_t, so it shares CABLE's cumulative sums, cache and fold path.
-
-    Initialisation as FoX's data-dependent gate: weights N(0, 0.02), offset c = 0 (f = 1/2 at the start,
-    a strong recency bias the model learns away from where it needs distant tokens).
-    """
-
-    weighted = False
-    gate_offset = True
-
-    def token_activation(self, config):
-        return negative_log_sigmoid

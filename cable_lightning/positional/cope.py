@@ -3,7 +3,7 @@
 Positions count tokens the query finds relevant instead of all tokens. For query i and key j:
     gate_ij = sigmoid(q_i . k_j / sqrt(d))
     p_ij    = sum_{t = j..i} gate_it            (bidirectional: over the tokens between i and j, both included)
-    p_ij    clamped to [0, cope_positions - 1]
+    p_ij    clamped to [0, positions - 1]
     z_ij    = interpolation of q_i . e[floor(p_ij)] and q_i . e[ceil(p_ij)] / sqrt(d), weights by the fraction
     score   = q_i . k_j / sqrt(d) + z_ij
 with e one learned table of position vectors per layer, shared by the heads (initialised to zero, so
@@ -13,11 +13,13 @@ chunked path) and never through fused kernels. Gates use the scaled logits, as t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .base import LogitScores, PositionalEncoding
-from .registry import register
+from ..errors import ConfigError
+from .base import Encoding, LogitScores, PositionalEncoding
 
 
 class CopeScores(LogitScores):
@@ -55,13 +57,26 @@ class CopeScores(LogitScores):
         return logits + interpolated
 
 
-@register("cope")
 class Cope(PositionalEncoding):
-    """CoPE: gated, context-dependent positions with interpolated learned position logits."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.table = nn.Parameter(torch.zeros(config.n_layer, self.head_dim, config.cope_positions))
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
+        self.table = nn.Parameter(torch.zeros(config.n_layer, self.head_dim, settings.positions))
 
     def score_bias(self, h, layer, offset, state):
         return CopeScores(self.table[layer], offset, self.causal)
+
+
+@dataclass
+class cope(Encoding):
+    """CoPE: gated, context-dependent positions with interpolated learned position logits; contextual positions are
+    clamped to 0..``positions`` - 1."""
+
+    positions: int = 64
+
+    module = Cope
+    scores = "logits"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.positions < 2:
+            raise ConfigError(f"cope.positions must be >= 2 (interpolation needs two positions), got {self.positions}")

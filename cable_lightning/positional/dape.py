@@ -1,5 +1,6 @@
-"""DAPEv2 (Zheng et al., 2024, "DAPE V2: process attention score as feature map"): an augmentation of any
-score-bias PE that reads the attention logits and the PE's bias as a (B, 2H, Tq, Tk) feature map.
+"""DAPEv2 (Zheng et al., 2024, "DAPE V2: process attention score as feature map"): an encoding that wraps any
+score-bias encoding (its ``base``) and reads the attention logits and the base's bias as a (B, 2H, Tq, Tk) feature
+map. Runs, records and reports name it ``dape_v2+<base>``.
 
 Per layer, for query row i and key j:
     features = [q.k / sqrt(d), bias]                    2H channels, zeroed where j > i (causal)
@@ -14,18 +15,22 @@ Bidirectional encoders zero nothing.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LogitScores, ScoreBias
+from ..errors import ConfigError
+from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias
+from .cable import cable
+from .registry import encoding_from, score_bias_encodings
 
 
 class DapeScores(LogitScores):
     """One layer's DAPEv2 scores over a PE's bias (a :class:`ScoreBias`)."""
 
-    def __init__(self, bias: ScoreBias, convolutions: "DapeV2"):
+    def __init__(self, bias: ScoreBias, convolutions: "DapeConvolutions"):
         super().__init__(bias.q_offset, bias.causal)
         self.bias, self.convolutions = bias, convolutions
         heads = convolutions.reduce.out_channels
@@ -45,7 +50,7 @@ class DapeScores(LogitScores):
         return logits + bias + self.convolutions.reduce(hidden)
 
 
-class DapeV2(nn.Module):
+class DapeConvolutions(nn.Module):
     """One layer's two convolutions along the key axis; PyTorch's default initialisation (as DAPE's)."""
 
     def __init__(self, n_head: int, width: int, kernel: int):
@@ -56,3 +61,57 @@ class DapeV2(nn.Module):
 
     def augment(self, bias: ScoreBias) -> DapeScores:
         return DapeScores(bias, self)
+
+
+class DapeV2(PositionalEncoding):
+    """The base encoding's module and one pair of convolutions per layer over its scores."""
+
+    def __init__(self, settings: "dape_v2", config):
+        super().__init__(settings, config)
+        self.base = settings.base.build(config)
+        self.layers = nn.ModuleList(DapeConvolutions(config.n_head, settings.width, settings.kernel)
+                                    for _ in range(config.n_layer))
+
+    def check_length(self, total_length):
+        self.base.check_length(total_length)
+
+    def embed(self, x, offset):
+        return self.base.embed(x, offset)
+
+    def rotate(self, q, k, offset):
+        return self.base.rotate(q, k, offset)
+
+    def score_bias(self, h, layer, offset, state):
+        return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state))
+
+
+@dataclass
+class dape_v2(Encoding):
+    """DAPEv2 over ``base`` (any encoding with a pointwise score bias): two (1 x ``kernel``) convolutions through
+    ``width`` hidden channels correct the scores."""
+
+    base: Encoding = field(default_factory=cable)
+    width: int = 32
+    kernel: int = 3
+
+    module = DapeV2
+    scores = "logits"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.base = encoding_from(self.base)
+        if self.base.scores not in ("bias", "foldable_bias"):
+            raise ConfigError(f"dape_v2 augments a score bias and {self.base.name!r} has none; give it a base from: "
+                              f"{', '.join(score_bias_encodings())}")
+        if self.width < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ConfigError(f"dape_v2.width must be >= 1 and dape_v2.kernel odd and >= 1 (it is centred on each "
+                              f"key), got width={self.width}, kernel={self.kernel}")
+
+    def label(self, runtime: bool = True) -> str:
+        return f"dape_v2+{self.base.label(runtime)}"
+
+    def longest_length(self, block_size):
+        return self.base.longest_length(block_size)
+
+    def check(self, config):
+        self.base.check(config)

@@ -6,12 +6,13 @@ c and L are learned. Bidirectionally the normaliser uses max(L, i, j).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import PositionalEncoding, ScoreBias
-from .registry import register
+from .base import Encoding, PositionalEncoding, ScoreBias
 
 HIDDEN = 32
 
@@ -39,14 +40,9 @@ class FireBias(ScoreBias):
         return out
 
 
-@register("fire")
 class Fire(PositionalEncoding):
-    """FIRE: a learned MLP of the log-normalised distance, one output per head, per layer."""
-
-    has_score_bias = True
-
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
         n, heads = config.n_layer, config.n_head
         self.w1 = nn.Parameter(torch.randn(n, HIDDEN) * 0.5)
         self.b1 = nn.Parameter(torch.zeros(n, HIDDEN))
@@ -60,3 +56,12 @@ class Fire(PositionalEncoding):
             self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer],
             F.softplus(self.c_raw[layer]), self.threshold[layer].abs(), offset, self.causal,
         )
+
+
+@dataclass
+class fire(Encoding):
+    """FIRE: a learned MLP of the log-normalised distance, one output per head, per layer (its threshold L starts
+    at the training length)."""
+
+    module = Fire
+    scores = "bias"

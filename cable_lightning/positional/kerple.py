@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import PositionalEncoding, ScoreBias
-from .registry import register
+from .base import Encoding, PositionalEncoding, ScoreBias
 
 
 class KerpleBias(ScoreBias):
@@ -26,11 +27,9 @@ class KerpleBias(ScoreBias):
 class Kerple(PositionalEncoding):
     """r1, r2 > 0 learned per head and layer (softplus-parametrised; power: 0 < r2 <= 2)."""
 
-    has_score_bias = True
-    form = "log"
-
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
+        self.form = settings.form
         # Raw parameters chosen so that r1 = 1 and r2 = 1 at initialisation.
         self.r1_raw = nn.Parameter(torch.full((config.n_layer, config.n_head), 0.5413))
         r2_init = 0.5413 if self.form == "log" else 0.0
@@ -46,13 +45,19 @@ class Kerple(PositionalEncoding):
         return KerpleBias(r1, r2, self.form, offset, self.causal)
 
 
-@register("kerple_log")
-class KerpleLog(Kerple):
+@dataclass
+class kerple_log(Encoding):
     """KERPLE log: -r1 log(1 + r2 |i - j|)."""
 
+    module = Kerple
+    scores = "bias"
+    form = "log"
 
-@register("kerple_power")
-class KerplePower(Kerple):
+
+@dataclass
+class kerple_power(Encoding):
     """KERPLE power: -r1 |i - j|^r2 with 0 < r2 <= 2."""
 
+    module = Kerple
+    scores = "bias"
     form = "power"

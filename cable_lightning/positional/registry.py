@@ -1,32 +1,72 @@
-"""Name -> positional-encoding class, so a config selects a PE by name."""
+"""Encodings by name. Every :class:`Encoding` subclass registers itself under its class name when its file is
+imported (``positional/__init__.py`` imports every file of the package), so no list of encodings is written
+anywhere else: configs, tests, tools and the README's table all read :func:`available`."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 from ..errors import ConfigError
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register(name: str):
-    def add(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return add
+from .base import Encoding
 
 
 def available() -> list[str]:
-    """The names every config field ``pos_encoding`` accepts."""
-    return sorted(_REGISTRY)
+    """The names ``backbone.pos_encoding`` accepts."""
+    return sorted(Encoding.registered)
+
+
+def encoding_class(name: str) -> type:
+    if name not in Encoding.registered:
+        raise ConfigError(f"unknown positional encoding {name!r}; valid names: {', '.join(available())}")
+    return Encoding.registered[name]
 
 
 def score_bias_encodings() -> list[str]:
-    """The PEs whose bias is a pointwise :class:`ScoreBias` (what DAPEv2 can augment)."""
-    return [name for name in available() if _REGISTRY[name].has_score_bias]
+    """The encodings whose bias is a pointwise :class:`ScoreBias` (what DAPEv2 can augment)."""
+    return [name for name in available() if Encoding.registered[name].scores in ("bias", "foldable_bias")]
 
 
-def build_positional(config):
-    name = config.pos_encoding
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown positional encoding {name!r}; valid names: {', '.join(available())}")
-    return _REGISTRY[name](config)
+def wrapped_setting(cls: type) -> str | None:
+    """The setting through which an encoding wraps another (one typed :class:`Encoding`: DAPEv2's ``base``), or None."""
+    hints = typing.get_type_hints(cls)
+    return next((f.name for f in dataclasses.fields(cls) if hints[f.name] is Encoding), None)
+
+
+def wrappers() -> list[str]:
+    """The encodings that wrap another: ``dape_v2``."""
+    return [name for name in available() if wrapped_setting(Encoding.registered[name])]
+
+
+def from_label(label: str) -> Encoding:
+    """An encoding with default settings from its label: ``cable``, or ``dape_v2+cable`` for a wrapper around another
+    (the inverse of :meth:`Encoding.label` for default settings; sweeps and benchmarks name encodings this way)."""
+    head, plus, rest = label.partition("+")
+    cls = encoding_class(head)
+    if not plus:
+        return cls()
+    if head not in wrappers():
+        raise ConfigError(f"{label!r}: {head!r} does not wrap another encoding; a label W+E needs W in: "
+                          f"{', '.join(wrappers())}")
+    return cls(**{wrapped_setting(cls): from_label(rest)})
+
+
+def encoding_from(value) -> Encoding:
+    """An :class:`Encoding` from any form a config holds: an instance, a label (``rope``, ``dape_v2+cable``), or the
+    ``{"class_path": ..., "init_args": {...}}`` of :meth:`Encoding.to_dict` and jsonargparse (a dotted class path
+    is looked up by its last part in the registry; nothing is imported from it)."""
+    if isinstance(value, Encoding):
+        return value
+    if isinstance(value, str):
+        return from_label(value)
+    if isinstance(value, dict) and "class_path" in value:
+        cls = encoding_class(str(value["class_path"]).rpartition(".")[2])
+        settings = dict(value.get("init_args") or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(f"{cls.__name__} has no setting {unknown[0]!r}; its settings: "
+                              f"{', '.join(sorted(known)) or 'none'}")
+        return cls(**settings)  # a wrapper reads the encoding it wraps through encoding_from itself
+    raise ConfigError(f"pos_encoding {value!r} is not an encoding; give a name ({', '.join(available())}) or "
+                      "{class_path: <name>, init_args: {...}}")

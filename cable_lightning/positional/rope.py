@@ -4,23 +4,21 @@ scaling at evaluation: position interpolation (``linear``), NTK-aware base scali
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from .base import PositionalEncoding
-from .registry import register
+from .base import Encoding, PositionalEncoding
 
-SCALINGS = ("none", "linear", "ntk", "yarn")
+Scaling = Literal["none", "linear", "ntk", "yarn"]
 
 
 def rope_frequencies(head_dim: int, base: float, scaling: str, factor: float, original_length: int):
-    """Inverse frequencies (head_dim/2,), the position divisor, and the logit temperature factor."""
-    if scaling not in SCALINGS:
-        raise ConfigError(f"unknown rope_scaling {scaling!r}; valid: {', '.join(SCALINGS)}")
-    if factor < 1:
-        raise ConfigError(f"rope_scaling_factor must be >= 1, got {factor}")
+    """Inverse frequencies (head_dim/2,), the position divisor, and the logit temperature factor (``scaling`` and
+    ``factor`` as :class:`rope` checked them)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
@@ -44,14 +42,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-@register("rope")
 class Rope(PositionalEncoding):
-    """RoPE on q and k, base 10000; scaling modes for evaluating past the training length."""
+    """RoPE on q and k; scaling modes for evaluating past the training length."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, settings: "rope", config):
+        super().__init__(settings, config)
         inv_freq, self.position_divisor, self.mscale = rope_frequencies(
-            self.head_dim, config.rope_base, config.rope_scaling, config.rope_scaling_factor, config.block_size
+            self.head_dim, settings.base, settings.scaling, settings.scaling_factor, config.block_size
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -61,3 +58,30 @@ class Rope(PositionalEncoding):
         angles = pos[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos() * self.mscale, angles.sin() * self.mscale
         return rotate(q, cos.to(q.dtype), sin.to(q.dtype)), rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+
+
+@dataclass
+class rope(Encoding):
+    """RoPE (Su et al., 2021): q and k rotated by their position, base ``base``. ``scaling`` (with
+    ``scaling_factor``) changes how a trained model is run past its training length: position interpolation
+    (``linear``), NTK-aware base scaling (``ntk``) or YaRN; records label it ``rope+linear4``."""
+
+    base: float = 10000.0
+    scaling: Scaling = "none"
+    scaling_factor: float = 1.0
+
+    module = Rope
+    runtime = ("scaling", "scaling_factor")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.scaling_factor < 1:
+            raise ConfigError(f"rope.scaling_factor must be >= 1, got {self.scaling_factor}")
+
+    def label(self, runtime: bool = True) -> str:
+        return f"rope+{self.scaling}{self.scaling_factor:g}" if runtime and self.scaling != "none" else "rope"
+
+    def check(self, config):
+        if config.head_dim % 2:
+            raise ConfigError(f"rope rotates pairs of dimensions: head size {config.head_dim} "
+                              f"(n_embd {config.n_embd} / n_head {config.n_head}) must be even")

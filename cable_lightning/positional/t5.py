@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .base import PositionalEncoding, ScoreBias
-from .registry import register
+from .base import Encoding, PositionalEncoding, ScoreBias
 
 NUM_BUCKETS = 32
 MAX_DISTANCE = 128
@@ -40,15 +40,18 @@ class T5Bias(ScoreBias):
         return self.table[bucket, h]
 
 
-@register("t5")
 class T5(PositionalEncoding):
-    """T5-bias: 32 log-spaced buckets up to distance 128, one table for all layers."""
-
-    has_score_bias = True
-
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
         self.table = nn.Parameter(torch.zeros(NUM_BUCKETS, config.n_head))
 
     def score_bias(self, h, layer, offset, state):
         return T5Bias(self.table, offset, self.causal)
+
+
+@dataclass
+class t5(Encoding):
+    """T5-bias: 32 log-spaced buckets up to distance 128, one table for all layers."""
+
+    module = T5
+    scores = "bias"
