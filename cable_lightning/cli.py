@@ -138,8 +138,8 @@ class TerseParser(LightningArgumentParser):
         unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
         if unknown:
             message = f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
-        message = next((line.strip() for line in message.splitlines() if "unknown positional encoding" in line), message)
-        return super().error(message, *args, **kwargs)
+        lines = [line.strip() for line in message.splitlines() if "unknown positional encoding" in line]
+        return super().error(lines[0] if lines else message, *args, **kwargs)
 
 
 class CableCLI(LightningCLI):

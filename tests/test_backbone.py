@@ -7,30 +7,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
-from cable_lightning.models.config import encoding_name, parse_encoding_name
-from cable_lightning.positional import UnsupportedLengthError, available, score_bias_encodings
-from cable_lightning.positional.rope import Rope
+from cable_lightning.positional import UnsupportedLengthError, available, from_label, score_bias_encodings
+from cable_lightning.positional.absolute import learnable
+from cable_lightning.positional.rope import rope
 
-ALL_PES = available()
-# Every PE, and DAPEv2 over every PE it can augment: the properties below hold for all of them.
-VARIANTS = ALL_PES + [encoding_name(pe, "v2") for pe in score_bias_encodings()]
+# Every encoding, and DAPEv2 over every encoding it can wrap: the properties below hold for all of them.
+VARIANTS = sorted({from_label(pe).label() for pe in available() + [f"dape_v2+{pe}" for pe in score_bias_encodings()]})
 
 
 def tiny(pe, causal=True, **overrides):
-    """``pe``: a PE name or a variant such as ``dape_v2+cable``."""
+    """``pe``: an encoding's label (``dape_v2+cable``) or settings (``learnable(max_positions=16)``)."""
     torch.manual_seed(0)
-    config = BackboneConfig(**parse_encoding_name(pe), n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal,
+    config = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal,
                             block_size=64, **overrides)
     model = build_backbone(config).eval()
     with torch.no_grad():  # make learned PE parameters non-trivial (T5 starts at zero)
         for p in model.pe.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     return model
-
-
-def test_fourteen_encodings_are_registered():
-    assert ALL_PES == sorted(["cable", "cable_nw", "k_cable", "alibi", "kerple_log", "kerple_power", "fire", "t5",
-                              "rope", "learnable", "sinusoidal", "nope", "fox", "cope"])
 
 
 @pytest.mark.parametrize("pe", VARIANTS)
@@ -100,8 +94,14 @@ def test_generate_refuses_a_bidirectional_backbone():
         tiny("alibi", causal=False).generate(torch.zeros(1, 2, dtype=torch.long), 1)
 
 
+def rotary(**shape):
+    """The RoPE module of a backbone of this shape (``pos_encoding``: its settings)."""
+    config = BackboneConfig(**shape)
+    return config.pos_encoding.build(config)
+
+
 def test_rope_scores_depend_only_on_relative_position():
-    pe = Rope(BackboneConfig(pos_encoding="rope", n_layer=1, n_head=1, n_embd=16))
+    pe = rotary(pos_encoding=rope(), n_layer=1, n_head=1, n_embd=16)
     torch.manual_seed(0)
     q = torch.randn(16).expand(1, 1, 40, 16)
     k = torch.randn(16).expand(1, 1, 40, 16)
@@ -117,20 +117,20 @@ def test_rope_scores_depend_only_on_relative_position():
 def test_rope_scaling_with_factor_one_is_plain_rope(mode):
     torch.manual_seed(0)
     q, k = torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
-    base = dict(pos_encoding="rope", n_layer=1, n_head=2, n_embd=32, block_size=32)
-    plain = Rope(BackboneConfig(**base)).rotate(q, k, 3)
-    scaled = Rope(BackboneConfig(**base, rope_scaling=mode, rope_scaling_factor=1.0)).rotate(q, k, 3)
+    shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=32)
+    plain = rotary(pos_encoding=rope(), **shape).rotate(q, k, 3)
+    scaled = rotary(pos_encoding=rope(scaling=mode, scaling_factor=1.0), **shape).rotate(q, k, 3)
     torch.testing.assert_close(scaled, plain)
-    stretched = Rope(BackboneConfig(**base, rope_scaling=mode, rope_scaling_factor=4.0)).rotate(q, k, 3)
+    stretched = rotary(pos_encoding=rope(scaling=mode, scaling_factor=4.0), **shape).rotate(q, k, 3)
     assert not torch.allclose(stretched[0], plain[0])
 
 
 def test_linear_rope_scaling_is_position_interpolation():
     torch.manual_seed(0)
     q = torch.randn(1, 1, 8, 16)
-    base = dict(pos_encoding="rope", n_layer=1, n_head=1, n_embd=16)
-    scaled = Rope(BackboneConfig(**base, rope_scaling="linear", rope_scaling_factor=2.0)).rotate(q, q, 0)[0]
-    plain = Rope(BackboneConfig(**base))
+    shape = dict(n_layer=1, n_head=1, n_embd=16)
+    scaled = rotary(pos_encoding=rope(scaling="linear", scaling_factor=2.0), **shape).rotate(q, q, 0)[0]
+    plain = rotary(pos_encoding=rope(), **shape)
     # Position 2p under factor 2 rotates like position p unscaled.
     torch.testing.assert_close(scaled[:, :, 2:3], plain.rotate(q[:, :, 2:3], q[:, :, 2:3], 1)[0], atol=1e-5, rtol=1e-5)
 
@@ -156,7 +156,7 @@ def test_presets_pad_vocab_and_allow_overrides():
 
 
 def test_learnable_positions_refuse_longer_inputs_in_one_line():
-    model = tiny("learnable", max_positions=16)
+    model = tiny(learnable(max_positions=16))
     model(torch.zeros(1, 16, dtype=torch.long))
     with pytest.raises(UnsupportedLengthError) as err:
         model(torch.zeros(1, 17, dtype=torch.long))
@@ -168,7 +168,7 @@ def test_unknown_encoding_lists_valid_names_in_one_line():
     with pytest.raises(ValueError) as err:
         build_backbone(BackboneConfig(pos_encoding="rotary", n_layer=1, n_head=2, n_embd=16))
     message = str(err.value)
-    assert "'rotary'" in message and all(name in message for name in ALL_PES) and "\n" not in message
+    assert "'rotary'" in message and all(name in message for name in available()) and "\n" not in message
 
 
 def test_bad_shapes_and_presets_are_rejected():

@@ -14,10 +14,9 @@ from cable_lightning.callbacks.bias_pictures import last_layer_maps
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention
-from cable_lightning.models.config import encoding_name, parse_encoding_name
-from cable_lightning.positional import build_positional, score_bias_encodings
-from cable_lightning.positional.cope import CopeScores
-from cable_lightning.positional.dape import DapeScores, DapeV2
+from cable_lightning.positional import build_positional, from_label, score_bias_encodings
+from cable_lightning.positional.cope import CopeScores, cope
+from cable_lightning.positional.dape import DapeConvolutions, DapeScores, dape_v2
 
 HEADS, WIDTH = 2, 16
 
@@ -31,7 +30,7 @@ def randomised(module, scale=0.3, seed=0):
 
 
 def small_config(pe="cable", **overrides):
-    return BackboneConfig(**parse_encoding_name(pe), n_layer=2, n_head=HEADS, n_embd=WIDTH, vocab_size=97,
+    return BackboneConfig(pos_encoding=pe, n_layer=2, n_head=HEADS, n_embd=WIDTH, vocab_size=97,
                           block_size=16, **overrides)
 
 
@@ -117,7 +116,7 @@ def cope_dense_reference(q, k, v, table, causal):
 
 # --- DAPEv2 ------------------------------------------------------------------------------------------
 
-def dape_dense_reference(q, k, v, bias_rows, convolutions: DapeV2, causal):
+def dape_dense_reference(q, k, v, bias_rows, convolutions: DapeConvolutions, causal):
     """DAPEv2 over the whole (T x T) map at once: features, zeroed future, two convolutions, softmax."""
     t = q.shape[-2]
     logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -135,7 +134,7 @@ def test_dape_correction_against_a_loop_over_the_definition():
     the same way with LeakyReLU, features zero past the query and outside the keys."""
     torch.manual_seed(0)
     heads, width, kernel, t = 2, 3, 3, 5
-    convolutions = randomised(DapeV2(heads, width, kernel))
+    convolutions = randomised(DapeConvolutions(heads, width, kernel))
     logits, bias = torch.randn(1, heads, t, t), torch.randn(1, heads, t, t)
 
     class GivenBias:  # a ScoreBias that returns fixed rows
@@ -222,7 +221,7 @@ def test_dape_blocks_match_the_dense_reference(pe, causal, monkeypatch):
     q, k, v = inputs(33)
     config = small_config(pe, causal=causal)
     base = randomised(build_positional(config)).double()
-    convolutions = randomised(DapeV2(HEADS, 4, 3)).double()
+    convolutions = randomised(DapeConvolutions(HEADS, 4, 3)).double()
     h = torch.randn(2, 33, WIDTH, dtype=torch.float64, requires_grad=True)
     tensors = [q, k, v, h] + list(base.parameters()) + list(convolutions.parameters())
     out = attention(q, k, v, convolutions.augment(base.score_bias(h, 1, 0, None)), causal, backend="chunked")
@@ -237,10 +236,10 @@ def test_rows_onto_a_cache_match_the_full_rows(pe):
     attn, pe_module = model.blocks[1].attn, model.pe
     h = torch.randn(1, 33, WIDTH)
     q, k, v = attn.queries_keys_values(h, pe_module, 0)
-    full = attention(q, k, v, attn.score_terms(h, pe_module, 0, {}), True)
+    full = attention(q, k, v, pe_module.score_bias(h, 1, 0, {}), True)
     state = {}
-    attn.score_terms(h[:, :20], pe_module, 0, state)
-    tail = attention(q[:, :, 20:], k, v, attn.score_terms(h[:, 20:], pe_module, 20, state), True, q_offset=20)
+    pe_module.score_bias(h[:, :20], 1, 0, state)
+    tail = attention(q[:, :, 20:], k, v, pe_module.score_bias(h[:, 20:], 1, 20, state), True, q_offset=20)
     torch.testing.assert_close(tail, full[:, :, 20:], atol=1e-5, rtol=1e-4)
 
 
@@ -254,27 +253,36 @@ def test_dape_without_a_score_bias_is_a_one_line_error_naming_the_valid_encoding
         assert "\n" not in message and repr(pe) in message and ", ".join(score_bias_encodings()) in message
 
 
-@pytest.mark.parametrize("settings, bad", [(dict(dape_kernel=4), "dape_kernel=4"), (dict(dape_width=0), "dape_width=0"),
-                                           (dict(dape="v3"), "'v3'"), (dict(cope_positions=1), "got 1")])
-def test_bad_dape_and_cope_settings_are_named(settings, bad):
+@pytest.mark.parametrize("make, bad", [(lambda: dape_v2(kernel=4), "kernel=4"), (lambda: dape_v2(width=0), "width=0"),
+                                       (lambda: {"class_path": "dape_v2", "init_args": {"version": 3}}, "'version'"),
+                                       (lambda: cope(positions=1), "got 1")])
+def test_bad_dape_and_cope_settings_are_named(make, bad):
     with pytest.raises(ValueError, match=bad):
-        BackboneConfig(**settings)
+        BackboneConfig(pos_encoding=make())
 
 
 @pytest.mark.parametrize("backend", ["fold", "flex", "sdpa"])
 @pytest.mark.parametrize("pe", ["cope", "dape_v2+alibi"])
-def test_logit_scores_refuse_fused_backends_in_one_line(pe, backend):
-    model = build_backbone(small_config(pe, attention_backend=backend))
+def test_logit_scores_refuse_fused_backends_in_one_line_before_building(pe, backend):
+    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot run .*valid: auto, chunked, materialized$"):
+        small_config(pe, attention_backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["fold", "flex", "sdpa"])
+def test_logit_scores_refuse_fused_backends_at_attention_too(backend):
+    q = torch.randn(1, HEADS, 4, 8)
     with pytest.raises(ValueError, match=rf"backend '{backend}' cannot run .*use auto, chunked or materialized"):
-        model(torch.zeros(1, 4, dtype=torch.long))
+        attention(q, q, q, CopeScores(torch.zeros(8, 4), 0, True), True, backend=backend)
 
 
-def test_encoding_names_round_trip_and_reject_unknown_augmentations():
+def test_labels_round_trip_and_reject_what_wraps_nothing():
     for pe in score_bias_encodings():
-        assert encoding_name(**parse_encoding_name(f"dape_v2+{pe}")) == f"dape_v2+{pe}"
-    assert parse_encoding_name("cable") == {"pos_encoding": "cable", "dape": "none"}
-    with pytest.raises(ValueError, match="unknown augmentation 'rerope'"):
-        parse_encoding_name("rerope+cable")
+        assert from_label(f"dape_v2+{pe}").label() == f"dape_v2+{pe}"
+    assert from_label("cable").label() == "cable"
+    with pytest.raises(ValueError, match="unknown positional encoding 'rerope'"):
+        from_label("rerope+cable")
+    with pytest.raises(ValueError, match="'rope' does not wrap another encoding.*dape_v2"):
+        from_label("rope+cable")
 
 
 @pytest.mark.parametrize("pe", ["cope", "dape_v2+cable"])
@@ -283,7 +291,7 @@ def test_long_evaluation_of_logit_scores_stays_in_row_blocks(pe, monkeypatch):
 
     monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 2**18)  # what 2**24 is to 8k tokens, at 1024
     t = 1024
-    config = BackboneConfig(**parse_encoding_name(pe), n_layer=1, n_head=2, n_embd=16, vocab_size=500, block_size=128)
+    config = BackboneConfig(pos_encoding=pe, n_layer=1, n_head=2, n_embd=16, vocab_size=500, block_size=128)
     model = build_backbone(config).eval()
     x = torch.randint(0, 500, (1, t))
     with torch.no_grad(), LargestTensor(config.padded_vocab_size) as probe:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..positional import build_positional
 from .attention import attention
 from .config import BackboneConfig
 
@@ -81,7 +82,7 @@ class Backbone(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self._init_gpt2()
-        self.pe = config.pos_encoding.build(config)  # after the GPT-2 init: each encoding initialises its own
+        self.pe = build_positional(config)  # after the GPT-2 init: each encoding initialises its own
         # Recompute each block's activations in backward instead of storing them (memory for time).
         self.activation_checkpointing = False
 

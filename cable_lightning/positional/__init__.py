@@ -7,10 +7,18 @@ import importlib
 import pkgutil
 
 from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias, UnsupportedLengthError
-from .registry import available, encoding_class, encoding_from, from_label, score_bias_encodings, wrappers
+from .registry import (
+    available,
+    build_positional,
+    encoding_class,
+    encoding_from,
+    from_label,
+    score_bias_encodings,
+    wrappers,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["Encoding", "LogitScores", "PositionalEncoding", "ScoreBias", "UnsupportedLengthError", "available",
-           "encoding_class", "encoding_from", "from_label", "score_bias_encodings", "wrappers"]
+           "build_positional", "encoding_class", "encoding_from", "from_label", "score_bias_encodings", "wrappers"]

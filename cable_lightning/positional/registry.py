@@ -70,3 +70,8 @@ def encoding_from(value) -> Encoding:
         return cls(**settings)  # a wrapper reads the encoding it wraps through encoding_from itself
     raise ConfigError(f"pos_encoding {value!r} is not an encoding; give a name ({', '.join(available())}) or "
                       "{class_path: <name>, init_args: {...}}")
+
+
+def build_positional(config):
+    """The module of ``config.pos_encoding`` for a backbone of ``config``'s shape (a :class:`BackboneConfig`)."""
+    return config.pos_encoding.build(config)

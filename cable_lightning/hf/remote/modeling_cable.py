@@ -131,7 +131,7 @@ class CablePreTrainedModel(PreTrainedModel):
         pe = getattr(getattr(self, "backbone", None), "pe", None)
         where = {id(m): name for name, m in pe.named_modules()} if pe is not None else {}
         if id(module) in where and module._non_persistent_buffers_set:
-            fresh = self.backbone.config.pos_encoding.build(self.backbone.config).get_submodule(where[id(module)])
+            fresh = self._core.positional.build_positional(self.backbone.config).get_submodule(where[id(module)])
             with torch.no_grad():
                 for name in module._non_persistent_buffers_set:
                     getattr(module, name).copy_(getattr(fresh, name))

@@ -1,0 +1,202 @@
+"""The encoding contract: every registered encoding parses from the CLI and round-trips through the form checkpoints
+hold, owns its settings (checked before anything expensive starts), has its README row; earlier checkpoints and
+exports still load; an encoding added in a file of its own needs nothing else."""
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from cable_lightning.cli import main
+from cable_lightning.lit.modules import saved_weights, weight_setting_differences
+from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.models.config import upgrade_backbone_dict
+from cable_lightning.positional import Encoding, available, encoding_class, encoding_from, from_label
+from cable_lightning.positional.cable import cable
+from cable_lightning.positional.dape import dape_v2
+from cable_lightning.positional.rope import rope
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+SHAPE = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=97, block_size=16)
+
+
+def printed_backbone(capsys, *overrides) -> dict:
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", QUICKSTART, *overrides, "--print_config"])
+    assert done.value.code in (None, 0)
+    return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["backbone"]
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_encoding_parses_from_the_cli_and_round_trips(name, capsys):
+    backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", name)
+    config = BackboneConfig.from_dict(backbone)
+    assert config.pos_encoding == encoding_class(name)()
+    assert encoding_from(config.pos_encoding.to_dict()) == config.pos_encoding
+    assert BackboneConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config  # as config.json holds it
+
+
+def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
+    backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "dape_v2",
+                                "--model.init_args.backbone.pos_encoding.base", "kerple_log",
+                                "--model.init_args.backbone.pos_encoding.width", "8")
+    encoding = BackboneConfig.from_dict(backbone).pos_encoding
+    assert (encoding.label(), encoding.width, encoding.kernel) == ("dape_v2+kerple_log", 8, 3)
+    backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "rope",
+                                "--model.init_args.backbone.pos_encoding.scaling", "yarn",
+                                "--model.init_args.backbone.pos_encoding.scaling_factor", "4")
+    assert BackboneConfig.from_dict(backbone).pos_encoding == rope(scaling="yarn", scaling_factor=4.0)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["--model.init_args.backbone.pos_encoding", "ropee"],
+     "unknown positional encoding 'ropee'; valid names: " + ", ".join(available())),
+    (["--model.init_args.backbone.pos_encoding", "rope", "--model.init_args.backbone.pos_encoding.scaling_factor",
+      "0.5"], "rope.scaling_factor must be >= 1, got 0.5"),
+    (["--model.init_args.backbone.pos_encoding", "learnable", "--model.init_args.backbone.pos_encoding.max_positions",
+      "0"], "learnable.max_positions must be >= 1"),
+    (["--model.init_args.backbone.pos_encoding", "cope", "--model.init_args.backbone.attention_backend", "fold"],
+     "attention_backend 'fold' cannot run cope (causal); valid: auto, chunked, materialized"),
+    (["--model.init_args.backbone.pos_encoding", "dape_v2", "--model.init_args.backbone.pos_encoding.base", "rope"],
+     "dape_v2 augments a score bias and 'rope' has none"),
+    (["--model.init_args.backbone.pos_encoding", "rope", "--model.init_args.backbone.n_embd", "60",
+      "--model.init_args.backbone.n_head", "4"], "head size 15 (n_embd 60 / n_head 4) must be even"),
+], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape"])
+def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_path, capsys, overrides, expected):
+    """The quickstart's data would be prepared first (tens of seconds); a bad setting must stop the run before."""
+    from cable_lightning.cli import run
+
+    data = tmp_path / "never-prepared"
+    with pytest.raises(SystemExit) as done:
+        run(["fit", "--config", QUICKSTART, "--data.path", str(data), "--runs_dir", str(tmp_path / "runs"), *overrides])
+    assert done.value.code == 2
+    assert not data.exists()
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and expected in error[0], error
+
+
+def test_literal_settings_are_checked_outside_the_cli_too():
+    with pytest.raises(ValueError, match=r"rope.scaling='lin' is not valid; valid: none, linear, ntk, yarn"):
+        rope(scaling="lin")
+    with pytest.raises(ValueError, match=r"cable has no setting 'activation'; its settings: bias_activation"):
+        encoding_from({"class_path": "cable", "init_args": {"activation": "relu"}})
+
+
+def test_runtime_settings_label_records_but_not_runs_and_may_differ_from_the_checkpoint():
+    scaled = rope(scaling="linear", scaling_factor=4.0)
+    assert (scaled.label(), scaled.label(runtime=False)) == ("rope+linear4", "rope")
+    saved = BackboneConfig(pos_encoding=rope(), **SHAPE).to_dict()
+    assert weight_setting_differences(saved, BackboneConfig(pos_encoding=scaled, **SHAPE)) == []
+    differ = weight_setting_differences(saved, BackboneConfig(pos_encoding=rope(base=500.0), **SHAPE))
+    assert differ == [("pos_encoding.base", 10000.0, 500.0)]
+    differ = weight_setting_differences(saved, BackboneConfig(pos_encoding="dape_v2+cable", **SHAPE))
+    assert ("pos_encoding", "rope", "dape_v2") in differ
+
+
+def test_the_readme_has_one_row_per_registered_encoding():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("## Positional encodings", 1)[1]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.M)
+    assert sorted(rows) == available()
+
+
+# --- earlier checkpoints and exports ---------------------------------------------------------------------
+
+def legacy_form(config: BackboneConfig, state: dict) -> tuple[dict, dict]:
+    """What the version before encodings owned their settings wrote for this model: flat prefixed settings, and
+    DAPEv2's convolutions inside each attention layer (written out by hand, as that version named them)."""
+    saved = {k: v for k, v in config.to_dict().items() if k != "pos_encoding"}
+    encoding, old_state = config.pos_encoding, dict(state)
+    saved.update(dape="none", dape_width=32, dape_kernel=3, rope_base=10000.0, rope_scaling="none",
+                 rope_scaling_factor=1.0, cable_bias_activation="relu", cope_positions=64, max_positions=None)
+    if isinstance(encoding, dape_v2):
+        saved.update(dape="v2", dape_width=encoding.width, dape_kernel=encoding.kernel)
+        old_state = {}
+        for key, value in state.items():
+            key = re.sub(r"^pe\.layers\.(\d+)\.", r"blocks.\1.attn.dape.", key)
+            old_state[key.replace("pe.base.", "pe.")] = value
+        encoding = encoding.base
+    saved["pos_encoding"] = encoding.name
+    saved.update({"rope": lambda e: dict(rope_base=e.base, rope_scaling=e.scaling,
+                                         rope_scaling_factor=e.scaling_factor),
+                  "cable": lambda e: dict(cable_bias_activation=e.bias_activation)}.get(encoding.name, dict)(encoding))
+    return saved, old_state
+
+
+@pytest.mark.parametrize("encoding", [dape_v2(base=cable(bias_activation="softplus"), width=4),
+                                      rope(base=500.0, scaling="linear", scaling_factor=2.0), "learnable", "cope"],
+                         ids=str)
+def test_an_earlier_versions_checkpoint_loads_with_the_same_weights(encoding):
+    torch.manual_seed(0)
+    model = build_backbone(BackboneConfig(pos_encoding=encoding, **SHAPE)).eval()
+    saved, old_state = legacy_form(model.config, model.state_dict())
+    assert "blocks.0.attn.dape.expand.weight" in old_state or not isinstance(model.config.pos_encoding, dape_v2)
+    checkpoint = {"hyper_parameters": {"backbone": saved},
+                  "state_dict": {f"backbone.{k}": v for k, v in old_state.items()}}
+    loaded_config = BackboneConfig.from_dict(saved)
+    assert loaded_config == model.config
+    loaded = build_backbone(loaded_config).eval()
+    loaded.load_state_dict({k.removeprefix("backbone."): v for k, v in saved_weights(checkpoint).items()})
+    x = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_a_current_backbone_dict_is_left_as_it_is():
+    current = BackboneConfig(pos_encoding="dape_v2+kerple_log", **SHAPE).to_dict()
+    assert upgrade_backbone_dict(current) is current
+
+
+# --- adding an encoding ------------------------------------------------------------------------------------
+
+TOY = '''
+"""A toy bias (-0.1 h |i - j|, fixed): an encoding added in one file."""
+from dataclasses import dataclass
+
+from cable_lightning.positional.base import Encoding, PositionalEncoding, ScoreBias
+
+
+class ToyBias(ScoreBias):
+    def __call__(self, b, h, q_idx, kv_idx):
+        return -0.1 * (h + 1) * self.distance(q_idx, kv_idx)
+
+
+class Toy(PositionalEncoding):
+    def score_bias(self, h, layer, offset, state):
+        return ToyBias(offset, self.causal)
+
+
+@dataclass
+class toy_distance(Encoding):
+    """A fixed distance penalty per head."""
+
+    slope: float = 0.1
+
+    module = Toy
+    scores = "bias"
+'''
+
+
+def test_an_encoding_in_a_file_of_its_own_is_registered_and_runs_everywhere(tmp_path, monkeypatch, capsys):
+    (tmp_path / "toy_encoding.py").write_text(textwrap.dedent(TOY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(Encoding, "registered", dict(Encoding.registered))  # forgotten after the test
+    import toy_encoding  # noqa: F401
+
+    try:
+        assert "toy_distance" in available()
+        assert from_label("dape_v2+toy_distance").label() == "dape_v2+toy_distance"
+        model = build_backbone(BackboneConfig(pos_encoding="dape_v2+toy_distance", **SHAPE))
+        assert model(torch.randint(0, 97, (1, 9))).shape == (1, 9, 97)
+        backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "toy_distance",
+                                    "--model.init_args.backbone.pos_encoding.slope", "0.5")
+        assert dataclasses.asdict(BackboneConfig.from_dict(backbone).pos_encoding) == {"slope": 0.5}
+    finally:
+        sys.modules.pop("toy_encoding", None)
