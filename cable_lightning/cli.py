@@ -233,7 +233,7 @@ class CableCLI(LightningCLI):
         # Every run ends with a perplexity-vs-length record of its final weights (unless the last
         # checkpoint's evaluation already was at the final step).
         results = self.model.length_results
-        if not results or results[0]["step"] != self.trainer.global_step:
+        if not results or results[0].step != self.trainer.global_step:
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
 

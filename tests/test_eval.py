@@ -119,10 +119,28 @@ def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):
     path = tmp_path / "length_eval.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     latest = report.latest_rows([str(path)])
-    assert sorted((r["pe"], r["ppl"]) for r in latest) == [("cable", 39.0), ("rope", 90.0)]
+    assert sorted((r.pe, r.ppl) for r in latest) == [("cable", 39.0), ("rope", 90.0)]
     assert report.markdown(*report.build_table(latest, "nonoverlap")).splitlines()[2] == "| 256 | **39.00** | 90.00 |"
 
 
 def test_report_without_records_names_the_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="no length_eval.jsonl under"):
         report.report([str(tmp_path)], str(tmp_path / "out"))
+
+
+def test_records_round_trip_through_the_one_writer_and_reader(tmp_path):
+    from cable_lightning.records import LengthRecord, PasskeyRecord, append_records, read_records
+
+    length = LengthRecord(pe="dape_v2+cable", train_length=128, step=7, stage="validate", checkpoint="/c.ckpt",
+                          length=512, mode="sliding", stride=64, ppl=12.5, loss=2.52, tokens=1000, seconds=1.5,
+                          tokens_per_sec=666.7)
+    passkey = PasskeyRecord(pe="cable", train_length=128, step=7, length=256, depth=0.5, trials=4, correct=None,
+                            accuracy=None)
+    append_records(str(tmp_path), [length, passkey, length])
+    assert read_records(str(tmp_path / "length_eval.jsonl"), LengthRecord) == [length, length]
+    assert read_records(str(tmp_path / "passkey.jsonl"), PasskeyRecord) == [passkey]
+    # a row an earlier version wrote: fewer keys (defaults fill them) and one this version no longer knows
+    (tmp_path / "old.jsonl").write_text(json.dumps({"pe": "rope", "train_length": 32, "step": 4, "length": 64,
+                                                    "mode": "nonoverlap", "ppl": 40.0, "retired": 1}) + "\n")
+    [old] = read_records(str(tmp_path / "old.jsonl"), LengthRecord)
+    assert (old.pe, old.ppl, old.stage, old.checkpoint) == ("rope", 40.0, "fit", None)

@@ -17,6 +17,7 @@ from test_cli import args
 from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
+from cable_lightning.positional.rope import rope
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import report  # noqa: E402
@@ -62,22 +63,22 @@ def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(ti
     longer = ["--data.eval_lengths", "[32, 128]", "--ckpt_path", ckpt]
     plain = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer])
     scaled = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer,
-                   "--model.init_args.backbone.rope_scaling", "linear",
-                   "--model.init_args.backbone.rope_scaling_factor", "4"])
-    assert (scaled.model.config.rope_scaling, scaled.model.config.rope_scaling_factor) == ("linear", 4.0)
-    assert plain.model.config.rope_scaling == "none"
-    ppl = {name: {r["length"]: r["ppl"] for r in cli.model.length_results}
+                   "--model.init_args.backbone.pos_encoding.scaling", "linear",
+                   "--model.init_args.backbone.pos_encoding.scaling_factor", "4"])
+    assert scaled.model.config.pos_encoding == rope(scaling="linear", scaling_factor=4.0)
+    assert plain.model.config.pos_encoding == rope()
+    ppl = {name: {r.length: r.ppl for r in cli.model.length_results}
            for name, cli in [("plain", plain), ("scaled", scaled)]}
     assert ppl["plain"][128] != ppl["scaled"][128]  # the scaling reached the model that was evaluated
     with open(os.path.join(scaled.trainer.log_dir, "config.yaml")) as f:
-        assert "rope_scaling: linear" in f.read()
+        assert "scaling: linear" in f.read()
     with open(os.path.join(scaled.trainer.log_dir, "length_eval.jsonl")) as f:
         assert {json.loads(line)["pe"] for line in f} == {"rope+linear4"}  # its own column in reports
 
     # Settings the command line leaves out come from the checkpoint (here: everything but the class).
     bare = ["--model", "cable_lightning.lit.CausalLM", *args(tiny_corpus_dir, rope_run, pe="rope")[14:]]
     cli = main(["validate", *bare, "--ckpt_path", ckpt])
-    assert (cli.model.config.pos_encoding, cli.model.config.n_layer, cli.model.config.n_embd) == ("rope", 2, 32)
+    assert (cli.model.config.pos_encoding.label(), cli.model.config.n_layer, cli.model.config.n_embd) == ("rope", 2, 32)
 
     with pytest.raises(ConfigError, match=r"pos_encoding \(checkpoint 'rope', configured 'alibi'\)"):
         main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="alibi"), "--ckpt_path", ckpt])
@@ -98,7 +99,7 @@ def test_revalidation_rows_carry_the_checkpoint_step_and_reach_the_report(tiny_c
     assert [(r["step"], os.path.basename(r["checkpoint"])) for r in revalidated][-2:] == [(2, "step0000002.ckpt"),
                                                                                           (4, "last.ckpt")]
     latest = report.latest_rows(report.find_records([os.path.join(rope_run, "test", "rope")]))
-    assert {r["length"] for r in latest} == {32, 64, 128} and {r["step"] for r in latest} == {4}
+    assert {r.length for r in latest} == {32, 64, 128} and {r.step for r in latest} == {4}
 
 
 def test_report_reads_runs_in_the_order_they_were_written(tmp_path):
@@ -108,7 +109,7 @@ def test_report_reads_runs_in_the_order_they_were_written(tmp_path):
         row = {"pe": "cable", "train_length": 32, "step": 4, "length": 64, "mode": "nonoverlap", "ppl": ppl}
         (tmp_path / version / "length_eval.jsonl").write_text(json.dumps(row) + "\n")
         time.sleep(0.01)  # distinct modification times (ordering only, nothing is timed)
-    assert [r["ppl"] for r in report.latest_rows(report.find_records([str(tmp_path)]))] == [40.0]
+    assert [r.ppl for r in report.latest_rows(report.find_records([str(tmp_path)]))] == [40.0]
 
 
 # --- seeds ---------------------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_perplexity_overflow_is_recorded_as_inf(tiny_corpus_dir, rope_run, tmp_p
     torch.save(state, broken)
     cli = main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="rope"), "--ckpt_path", broken])
     rows = cli.model.length_results
-    assert rows and all(r["ppl"] == float("inf") and r["loss"] > 709 for r in rows)
+    assert rows and all(r.ppl == float("inf") and r.loss > 709 for r in rows)
 
 
 # --- --ckpt_path last / auto, corrupt checkpoints -------------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_ckpt_path_last_skips_a_corrupt_last_and_refuses_when_nothing_loads(tiny
     os.utime(os.path.join(folder, "step0000002.ckpt"), (future, future))  # a copied folder: times say nothing
     assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
     cli = main(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", "last"])
-    assert cli.model.length_results[0]["step"] == 4
+    assert cli.model.length_results[0].step == 4
 
     line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs), "--ckpt_path",
                                     os.path.join(folder, "last.ckpt")])

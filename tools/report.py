@@ -14,38 +14,37 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
-import json
 import os
 
 from cable_lightning.callbacks.length_eval import ppl_figure
+from cable_lightning.records import LengthRecord, PasskeyRecord, Record, read_records
 
 
-def find_records(paths: list[str], name: str = "length_eval.jsonl", required: bool = True) -> list[str]:
+def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
             files += glob.glob(os.path.join(path, "**", name), recursive=True)
-        elif os.path.basename(path) == name or name == "length_eval.jsonl":
+        elif os.path.basename(path) == name or name == LengthRecord.FILE:
             files += glob.glob(path)
     if not files and required:
         raise FileNotFoundError(f"no {name} under {', '.join(paths)}; train or validate a run first")
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
-def latest_rows(files: list[str], cell=lambda row: (row["length"], row["mode"])) -> list[dict]:
+def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
+                cell=lambda row: (row.length, row.mode)) -> list[Record]:
     """Each run's rows from its latest evaluation step; at equal steps the later line wins, so a
     re-validation replaces the end-of-fit numbers. A run is one (pe, training length); ``cell`` names a row
     within an evaluation."""
     runs: dict[tuple, dict] = {}
     for file in files:
-        with open(file) as f:
-            for line in f:
-                row = json.loads(line)
-                run = runs.setdefault((row["pe"], row["train_length"]), {"step": -1, "rows": {}})
-                if row["step"] > run["step"]:
-                    run["step"], run["rows"] = row["step"], {}
-                if row["step"] == run["step"]:
-                    run["rows"][cell(row)] = row
+        for row in read_records(file, kind):
+            run = runs.setdefault((row.pe, row.train_length), {"step": -1, "rows": {}})
+            if row.step > run["step"]:
+                run["step"], run["rows"] = row.step, {}
+            if row.step == run["step"]:
+                run["rows"][cell(row)] = row
     return [row for run in runs.values() for row in run["rows"].values()]
 
 
@@ -53,21 +52,21 @@ def column_name(pe: str, train_length: int, several_lengths: bool) -> str:
     return f"{pe}@{train_length}" if several_lengths else pe
 
 
-def build_table(rows: list[dict], mode: str) -> tuple[list[str], list[list]]:
-    rows = [r for r in rows if r["mode"] == mode]
-    several = len({r["train_length"] for r in rows}) > 1
-    columns = sorted({column_name(r["pe"], r["train_length"], several) for r in rows})
-    lengths = sorted({r["length"] for r in rows})
-    cell = {(r["length"], column_name(r["pe"], r["train_length"], several)): r["ppl"] for r in rows}
+def build_table(rows: list[LengthRecord], mode: str) -> tuple[list[str], list[list]]:
+    rows = [r for r in rows if r.mode == mode]
+    several = len({r.train_length for r in rows}) > 1
+    columns = sorted({column_name(r.pe, r.train_length, several) for r in rows})
+    lengths = sorted({r.length for r in rows})
+    cell = {(r.length, column_name(r.pe, r.train_length, several)): r.ppl for r in rows}
     return columns, [[length] + [cell.get((length, c)) for c in columns] for length in lengths]
 
 
-def passkey_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+def passkey_table(rows: list[PasskeyRecord]) -> tuple[list[str], list[list]]:
     """Rows: prompt length, columns: PE; each cell the accuracy averaged over depths (None where unsupported)."""
-    several = len({r["train_length"] for r in rows}) > 1
+    several = len({r.train_length for r in rows}) > 1
     cells: dict[tuple, list] = {}
     for r in rows:
-        cells.setdefault((r["length"], column_name(r["pe"], r["train_length"], several)), []).append(r["accuracy"])
+        cells.setdefault((r.length, column_name(r.pe, r.train_length, several)), []).append(r.accuracy)
     columns = sorted({c for _, c in cells})
     mean = {k: None if None in v else sum(v) / len(v) for k, v in cells.items()}
     return columns, [[length] + [mean.get((length, c)) for c in columns] for length in sorted({n for n, _ in cells})]
@@ -98,7 +97,7 @@ def report(paths: list[str], out: str) -> dict[str, str]:
     rows = latest_rows(find_records(paths))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
-    for mode in sorted({r["mode"] for r in rows}):
+    for mode in sorted({r.mode for r in rows}):
         columns, table = build_table(rows, mode)
         tables[mode] = markdown(columns, table)
         with open(f"{out}_{mode}.md", "w") as f:
@@ -109,9 +108,10 @@ def report(paths: list[str], out: str) -> dict[str, str]:
             writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values]
                               for length, *values in table])
         plot(columns, table, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
-    passkey_files = find_records(paths, "passkey.jsonl", required=False)
+    passkey_files = find_records(paths, PasskeyRecord.FILE, required=False)
     if passkey_files:
-        columns, table = passkey_table(latest_rows(passkey_files, cell=lambda row: (row["length"], row["depth"])))
+        latest = latest_rows(passkey_files, PasskeyRecord, cell=lambda row: (row.length, row.depth))
+        columns, table = passkey_table(latest)
         tables["passkey"] = markdown(columns, table, best=max)
         with open(f"{out}_passkey.md", "w") as f:
             f.write(tables["passkey"] + "\n")

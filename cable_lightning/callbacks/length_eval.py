@@ -10,11 +10,11 @@ window mode, DDP-reduced by torchmetrics); this callback only writes them down o
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import lightning as L
+
+from ..records import LengthRecord, PositionRecord, append_records
 
 
 def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_length: int | None, xlabel: str,
@@ -50,63 +50,55 @@ def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_len
     return line_figure(series, title, train_length, "evaluation length (tokens)", "perplexity", log_y=True)
 
 
-def position_figure(rows: list[dict], title: str, train_length: int | None = None):
+def position_figure(rows: list[PositionRecord], title: str, train_length: int | None = None):
     """Mean NLL against token position (log-spaced buckets, plotted at their last position), one line per
     evaluation length: a line that rises with position means later tokens, with more context, fare worse."""
-    series = {f"length {length}": [(r["last_position"], r["loss"]) for r in rows if r["length"] == length]
-              for length in sorted({r["length"] for r in rows})}
+    series = {f"length {length}": [(r.last_position, r.loss) for r in rows if r.length == length]
+              for length in sorted({r.length for r in rows})}
     return line_figure(series, title, train_length, "token position in the window (bucket end)", "mean NLL (nats)",
                        log_y=False)
 
 
-def format_table(rows: list[dict], train_length: int) -> str:
-    modes = sorted({r["mode"] for r in rows})
-    by_key = {(r["length"], r["mode"]): r for r in rows}
+def format_table(rows: list[LengthRecord], train_length: int) -> str:
+    modes = sorted({r.mode for r in rows})
+    by_key = {(r.length, r.mode): r for r in rows}
     lines = ["length  (x train)  " + "  ".join(f"{m:>12}" for m in modes)]
-    for length in sorted({r["length"] for r in rows}):
+    for length in sorted({r.length for r in rows}):
         cells = []
         for m in modes:
             r = by_key.get((length, m))
-            cells.append(f"{'-' if r is None or r['ppl'] is None else format(r['ppl'], '.2f'):>12}")
+            cells.append(f"{'-' if r is None or r.ppl is None else format(r.ppl, '.2f'):>12}")
         lines.append(f"{length:>6}  {length / train_length:>8g}x  " + "  ".join(cells))
     return "\n".join(lines)
 
 
 class LengthEvalRecorder(L.Callback):
-    """Writes ``<log_dir>/length_eval.jsonl`` rows (step, length, mode, ppl, loss, tokens, seconds,
-    tokens/s) and ``<log_dir>/position_loss.jsonl`` rows (step, length, first/last position, loss, tokens), logs a
-    perplexity-vs-length and a loss-vs-position figure to TensorBoard, and prints the table."""
+    """Writes the module's :class:`LengthRecord` rows to ``<log_dir>/length_eval.jsonl`` and its
+    :class:`PositionRecord` rows to ``<log_dir>/position_loss.jsonl``, logs a perplexity-vs-length and a
+    loss-vs-position figure to TensorBoard, and prints the table."""
 
     def __init__(self, print_table: bool = True, figure: bool = True):
         self.print_table, self.figure = print_table, figure
 
     def on_validation_end(self, trainer, pl_module):
-        rows = getattr(pl_module, "length_results", None)
+        rows: list[LengthRecord] = pl_module.length_results
         if trainer.sanity_checking or not rows:
             return
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
-        config, step = pl_module.config, rows[0]["step"]
-        extra = {"pe": config.pos_encoding.label(), "train_length": config.block_size, "stage": trainer.state.fn.value}
-        os.makedirs(log_dir, exist_ok=True)
-        with open(os.path.join(log_dir, "length_eval.jsonl"), "a") as f:
-            for row in rows:
-                f.write(json.dumps({**extra, **row}) + "\n")
-        position_rows = getattr(pl_module, "position_results", [])
-        if position_rows:
-            with open(os.path.join(log_dir, "position_loss.jsonl"), "a") as f:
-                for row in position_rows:
-                    f.write(json.dumps({**extra, **row}) + "\n")
+        position_rows: list[PositionRecord] = pl_module.position_results
+        append_records(log_dir, rows + position_rows)
+        first = rows[0]
         experiment = getattr(trainer.logger, "experiment", None)
         if self.figure and hasattr(experiment, "add_figure"):
-            title = f"{extra['pe']}, step {step}"
-            series = {mode: [(r["length"], r["ppl"]) for r in rows if r["mode"] == mode]
-                      for mode in sorted({r["mode"] for r in rows})}
-            experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, config.block_size), step)
+            title = f"{first.pe}, step {first.step}"
+            series = {mode: [(r.length, r.ppl) for r in rows if r.mode == mode]
+                      for mode in sorted({r.mode for r in rows})}
+            experiment.add_figure("val_ppl_vs_length", ppl_figure(series, title, first.train_length), first.step)
             if position_rows:
-                figure = position_figure(position_rows, title, config.block_size)
-                experiment.add_figure("val_loss_vs_position", figure, step)
+                figure = position_figure(position_rows, title, first.train_length)
+                experiment.add_figure("val_loss_vs_position", figure, first.step)
         if self.print_table:
-            print(f"validation perplexity by length ({extra['pe']}, trained at {config.block_size} tokens, "
-                  f"step {step}):\n{format_table(rows, config.block_size)}", flush=True)
+            print(f"validation perplexity by length ({first.pe}, trained at {first.train_length} tokens, "
+                  f"step {first.step}):\n{format_table(rows, first.train_length)}", flush=True)

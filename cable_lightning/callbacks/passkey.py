@@ -8,8 +8,6 @@ the mean accuracy per length.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional
 
 import lightning as L
@@ -17,9 +15,10 @@ import torch
 
 from ..errors import ConfigError
 from ..eval.passkey import DEFAULT_DEPTHS, PasskeyPrompts, greedy_completion, passkey_grid
+from ..records import PasskeyRecord, append_records
 
 
-def passkey_heatmap(rows: list[dict], title: str):
+def passkey_heatmap(rows: list[PasskeyRecord], title: str):
     """Accuracy per (depth, length) cell; unsupported cells are blank."""
     import matplotlib
 
@@ -27,11 +26,11 @@ def passkey_heatmap(rows: list[dict], title: str):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    lengths, depths = sorted({r["length"] for r in rows}), sorted({r["depth"] for r in rows})
+    lengths, depths = sorted({r.length for r in rows}), sorted({r.depth for r in rows})
     grid = np.full((len(depths), len(lengths)), np.nan)
     for r in rows:
-        if r["accuracy"] is not None:
-            grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+        if r.accuracy is not None:
+            grid[depths.index(r.depth), lengths.index(r.length)] = r.accuracy
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 2))
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     for (i, j), value in np.ndenumerate(grid):
@@ -111,42 +110,36 @@ class PasskeyRetrieval(L.Callback):
                 )
         finally:
             backbone.train(was_training)
-        step = pl_module.length_results[0]["step"] if pl_module.length_results else trainer.global_step
-        checkpoint = pl_module.length_results[0]["checkpoint"] if pl_module.length_results else None
-        extra = {
-            "pe": pl_module.config.pos_encoding.label(),
-            "train_length": pl_module.config.block_size,
-            "stage": trainer.state.fn.value,
-            "step": step,
-            "checkpoint": checkpoint,
-            "seed": self.seed,
-        }
-        self.results = [{**extra, **row} for row in grid]
+        measured = pl_module.length_results[0] if pl_module.length_results else None  # this validation's step
+        step = measured.step if measured else trainer.global_step
+        checkpoint = measured.checkpoint if measured else None
+        config = pl_module.config
+        self.results = [PasskeyRecord(pe=config.pos_encoding.label(), train_length=config.block_size, step=step,
+                                      stage=trainer.state.fn.value, checkpoint=checkpoint, seed=self.seed, **row)
+                        for row in grid]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
-        os.makedirs(log_dir, exist_ok=True)
-        with open(os.path.join(log_dir, "passkey.jsonl"), "a") as f:
-            for row in self.results:
-                f.write(json.dumps(row) + "\n")
+        append_records(log_dir, self.results)
+        pe, train_length = self.results[0].pe, self.results[0].train_length
         experiment = getattr(trainer.logger, "experiment", None)
         if hasattr(experiment, "add_figure"):
-            title = f"passkey accuracy: {extra['pe']}, trained at {extra['train_length']}, step {step}"
+            title = f"passkey accuracy: {pe}, trained at {train_length}, step {step}"
             experiment.add_figure("passkey/accuracy", passkey_heatmap(self.results, title), step)
             for length in lengths:
-                cells = [r["accuracy"] for r in self.results if r["length"] == length and r["accuracy"] is not None]
+                cells = [r.accuracy for r in self.results if r.length == length and r.accuracy is not None]
                 if cells:
                     experiment.add_scalar(f"passkey/len_{length}", sum(cells) / len(cells), step)
         summary = "  ".join(f"{length}: {format_accuracy(self.results, length)}" for length in lengths)
         print(
-            f"passkey accuracy by length ({extra['pe']}, {self.trials} trials x {len(self.depths)} depths, "
+            f"passkey accuracy by length ({pe}, {self.trials} trials x {len(self.depths)} depths, "
             f"step {step}): {summary}",
             flush=True,
         )
 
 
-def format_accuracy(rows: list[dict], length: int) -> str:
-    cells = [r["accuracy"] for r in rows if r["length"] == length]
+def format_accuracy(rows: list[PasskeyRecord], length: int) -> str:
+    cells = [r.accuracy for r in rows if r.length == length]
     if not cells or any(c is None for c in cells):
         return "-"
     return f"{sum(cells) / len(cells):.2f}"

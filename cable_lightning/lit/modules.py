@@ -20,6 +20,7 @@ from ..eval import PositionNLL, scored_targets
 from ..models import BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
 from ..positional import UnsupportedLengthError
+from ..records import LengthRecord, PositionRecord
 from .masking import mask_tokens
 from .optim import build_optimizer
 
@@ -54,8 +55,8 @@ class LanguageModel(L.LightningModule):
         self.backbone.activation_checkpointing = activation_checkpointing
         self.val_nll = torch.nn.ModuleDict()
         self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
-        self.length_results: list[dict] = []
-        self.position_results: list[dict] = []
+        self.length_results: list[LengthRecord] = []
+        self.position_results: list[PositionRecord] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
         self._last_step_time = None
@@ -221,10 +222,11 @@ class LanguageModel(L.LightningModule):
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
             mode = "nonoverlap" if stride == length else "sliding"
-            row = {"step": step, "checkpoint": checkpoint, "length": length, "mode": mode, "stride": stride}
+            row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.block_size, step=step,
+                       stage=self.trainer.state.fn.value, checkpoint=checkpoint, length=length, mode=mode,
+                       stride=stride)
             if length in self.unsupported_lengths:
-                self.length_results.append({**row, "ppl": None, "loss": None, "tokens": 0, "seconds": 0.0,
-                                            "tokens_per_sec": None})
+                self.length_results.append(LengthRecord(**row))
                 continue
             if metric.update_count == 0 and self.trainer.world_size == 1:
                 continue  # under DDP a rank without windows still joins the metric's sync below
@@ -239,19 +241,19 @@ class LanguageModel(L.LightningModule):
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
             seconds = self._eval_time[key]
             ppl = math.exp(loss.item()) if loss.item() < MAX_LOG_PPL else math.inf
-            self.length_results.append({**row, "ppl": ppl, "loss": loss.item(), "tokens": tokens,
-                                        "seconds": seconds, "tokens_per_sec": tokens / seconds if seconds else None})
+            self.length_results.append(LengthRecord(**row, ppl=ppl, loss=loss.item(), tokens=tokens, seconds=seconds,
+                                                    tokens_per_sec=tokens / seconds if seconds else None))
             metric.reset()
             if key in self.val_nll_by_position:
                 self.position_results += self._position_rows(self.val_nll_by_position[key], row)
 
     @staticmethod
-    def _position_rows(metric: PositionNLL, row: dict) -> list[dict]:
+    def _position_rows(metric: PositionNLL, row: dict) -> list[PositionRecord]:
         """One row per position bucket (first and last 1-based position, mean NLL, scored tokens)."""
         means, counts = metric.compute()
         metric.reset()
-        return [{**row, "first_position": first, "last_position": last,
-                 "loss": mean.item() if count else None, "tokens": int(count.item())}
+        return [PositionRecord(**row, first_position=first, last_position=last, loss=mean.item() if count else None,
+                               tokens=int(count.item()))
                 for (first, last), mean, count in zip(metric.buckets, means, counts)]
 
     def on_load_checkpoint(self, checkpoint):
@@ -287,7 +289,9 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
     (:meth:`BackboneConfig.weight_settings`); runtime settings (attention backend, dropout, an encoding's own, such
     as RoPE scaling) may change freely."""
     old, new = BackboneConfig.from_dict(saved).weight_settings(), config.weight_settings()
-    return [(name, old.get(name), new.get(name)) for name in {**old, **new} if old.get(name) != new.get(name)]
+    differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
+    # Another encoding altogether is one difference, not one per setting it has or lacks.
+    return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]
 
 
 def saved_weights(checkpoint: dict) -> dict:
