@@ -130,7 +130,7 @@ def test_transformers_logits_equal_the_backbone_at_1x_and_4x(round_trip, pe, cau
         if pe == "learnable":  # the table cannot go past its size: the same one-line error, through transformers
             with pytest.raises(ValueError) as ours:
                 backbone(ids)
-            assert got["long_error"] == str(ours.value) and "exceeds the learnable position table" in got["long_error"]
+            assert got["long_error"] == str(ours.value) and "exceeds the learnable encoding's" in got["long_error"]
         else:
             torch.testing.assert_close(got["long"], backbone(ids), rtol=0, atol=1e-5)
 
