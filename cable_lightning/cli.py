@@ -22,6 +22,7 @@ What it adds to the stock CLI:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -45,7 +46,7 @@ from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, user_error
 from .lit import LanguageModel
 from .models.config import BackboneConfig, upgrade_backbone_dict
-from .positional import available
+from .positional import available, encoding_class
 
 EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 
@@ -126,20 +127,37 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
         trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
 
+ENCODING_ERRORS = ("unknown positional encoding ", "positional encoding ")  # how encoding_error's lines start
+
+
+def encoding_error(message: str) -> Optional[str]:
+    """jsonargparse's nested report of a bad encoding name or setting, as one line (None for any other error).
+    Nested parsers report into their parents' messages: the innermost names the encoding, the outer keep its line."""
+    known = [line.strip() for line in message.splitlines() if line.strip().startswith(ENCODING_ERRORS)]
+    if known:
+        return known[0]
+    unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
+    if unknown:
+        return f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
+    setting = re.search(r"Problem with given class_path '(?:[\w.]*\.)?(\w+)':\s+Option '(\w+)' is not accepted",
+                        message)
+    if setting and setting.group(1) in available():
+        name, option = setting.groups()
+        settings = ", ".join(f.name for f in dataclasses.fields(encoding_class(name))) or "none"
+        return (f"positional encoding {name!r} has no setting {option!r} (its settings: {settings}); name the encoding "
+                "before its settings (--model.init_args.backbone.pos_encoding NAME), also with --ckpt_path")
+    return None
+
+
 class TerseParser(LightningArgumentParser):
-    """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; an unknown
-    encoding name is one line with the valid names, not jsonargparse's nested report of every type it tried."""
+    """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
+    name or setting is one line (:func:`encoding_error`), not jsonargparse's report of every type it tried."""
 
     def print_usage(self, file=None):
         pass
 
     def error(self, message: str, *args, **kwargs):
-        # Nested parsers report into their parents' messages: the innermost names the encoding, the outer keep its line.
-        unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
-        if unknown:
-            message = f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
-        lines = [line.strip() for line in message.splitlines() if "unknown positional encoding" in line]
-        return super().error(lines[0] if lines else message, *args, **kwargs)
+        return super().error(encoding_error(message) or message, *args, **kwargs)
 
 
 class CableCLI(LightningCLI):

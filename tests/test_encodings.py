@@ -68,7 +68,9 @@ def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
      "dape_v2 augments a score bias and 'rope' has none"),
     (["--model.init_args.backbone.pos_encoding", "rope", "--model.init_args.backbone.n_embd", "60",
       "--model.init_args.backbone.n_head", "4"], "head size 15 (n_embd 60 / n_head 4) must be even"),
-], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape"])
+    (["--model.init_args.backbone.pos_encoding.scaling", "linear"],
+     "positional encoding 'cable' has no setting 'scaling' (its settings: bias_activation); name the encoding"),
+], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape", "no-such-setting"])
 def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_path, capsys, overrides, expected):
     """The quickstart's data would be prepared first (tens of seconds); a bad setting must stop the run before."""
     from cable_lightning.cli import run
@@ -202,3 +204,29 @@ def test_an_encoding_in_a_file_of_its_own_is_registered_and_runs_everywhere(tmp_
         assert dataclasses.asdict(BackboneConfig.from_dict(backbone).pos_encoding) == {"slope": 0.5}
     finally:
         sys.modules.pop("toy_encoding", None)
+
+
+def test_validate_reads_an_earlier_versions_checkpoint_through_the_cli(tiny_corpus_dir, tmp_path):
+    """A DAPEv2 run, its checkpoint rewritten as the earlier version wrote it (flat settings, convolutions inside
+    the attention layers): validate takes the model from it and measures the same perplexities."""
+    from test_cli import args as cli_args
+
+    runs = str(tmp_path / "runs")
+    main(["fit", *cli_args(tiny_corpus_dir, runs, pe="dape_v2", steps=2, every=2)])
+    current = os.path.join(runs, "test", "dape_v2+cable", "checkpoints", "last.ckpt")
+    checkpoint = torch.load(current, weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    config = BackboneConfig.from_dict(hparams["backbone"])
+    weights = {k.removeprefix("backbone."): v for k, v in checkpoint["state_dict"].items() if k.startswith("backbone.")}
+    hparams["backbone"], old_weights = legacy_form(config, weights)
+    checkpoint["state_dict"] = {**{k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")},
+                                **{f"backbone.{k}": v for k, v in old_weights.items()}}
+    legacy = str(tmp_path / "legacy.ckpt")
+    torch.save(checkpoint, legacy)
+    data_only = cli_args(tiny_corpus_dir, str(tmp_path / "validate"))[14:]  # no model settings: the checkpoint's
+    measured = {}
+    for name, path in [("current", current), ("legacy", legacy)]:
+        cli = main(["validate", "--model", "cable_lightning.lit.CausalLM", *data_only, "--ckpt_path", path])
+        assert cli.model.config.pos_encoding.label() == "dape_v2+cable"
+        measured[name] = [(r.length, r.ppl) for r in cli.model.length_results]
+    assert measured["legacy"] == measured["current"] and measured["current"][0][1] > 1

@@ -158,8 +158,9 @@ class Encoding:
 
     def to_dict(self) -> dict:
         """The form jsonargparse, checkpoints and exported config.json files hold; read back by
-        :func:`registry.encoding_from`."""
-        return {"class_path": self.name, "init_args": self.settings()}
+        :func:`registry.encoding_from` (by the class path's last part). The class path is whole because jsonargparse
+        resolves short names only at the top level, not for an encoding that another wraps."""
+        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": self.settings()}
 
     def weight_settings(self, prefix: str = "pos_encoding") -> dict:
         """What defines the weights, flattened: ``{"pos_encoding": "rope", "pos_encoding.base": 10000.0}``."""
