@@ -22,7 +22,6 @@ What it adds to the stock CLI:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import random
@@ -39,7 +38,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import BiasPictures, LengthEvalRecorder, PasskeyRetrieval, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, read_checkpoint, resolve_ckpt_path
+from .checkpoints import (
+    AtomicCheckpointIO,
+    claim_checkpoint_folder,
+    package_model_class,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, user_error
 from .lit import LanguageModel
@@ -85,10 +90,9 @@ def checkpoint_model(ckpt_path: str) -> Optional[dict]:
     class_path = hparams.pop("_class_path", None)
     if class_path is None:
         return None
-    module, _, name = class_path.rpartition(".")
     # Only what the class takes now: the data description is linked from the data section, and settings an older
     # version saved (vocab_size, block_size before they came from the data) would stop the parse.
-    accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    accepted = inspect.signature(package_model_class(class_path, ckpt_path)).parameters
     return {"class_path": class_path, "init_args": {k: v for k, v in hparams.items() if k in accepted and k != "data"}}
 
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import base64
 import glob
-import importlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 
-from ..checkpoints import read_checkpoint
+from ..checkpoints import package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
 from ..errors import ConfigError, MissingFileError, user_error
@@ -69,8 +68,7 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
     if not class_path or "data" not in hparams or "state_dict" not in ckpt:
         raise ConfigError(f"{ckpt_path} is not a checkpoint written by `python -m cable_lightning fit` (no model "
                           "class, data description or weights); export a checkpoint from a fit run")
-    module_name, _, class_name = class_path.rpartition(".")
-    model = getattr(importlib.import_module(module_name), class_name)(
+    model = package_model_class(class_path, ckpt_path)(
         backbone=BackboneConfig(**hparams["backbone"]), data=hparams["data"])
     model.load_state_dict(ckpt["state_dict"])
     return model.backbone.eval(), hparams["data"]

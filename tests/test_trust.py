@@ -1,0 +1,164 @@
+"""One trust policy at every door: checkpoints from anywhere (URLs included) load weights-only, a checkpoint may
+name only this package's model classes, and a crafted file never runs code. Each case goes through a real command
+(``python -m cable_lightning`` as :func:`run`, or ``export``) and must end in one ``error:`` line."""
+
+import functools
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+
+import pytest
+import torch
+from test_cli import args
+
+from cable_lightning.checkpoints import package_model_class, resolve_ckpt_path
+from cable_lightning.cli import main, run
+from cable_lightning.errors import ConfigError
+from cable_lightning.hf.export import main as export_main
+from cable_lightning.lit import CausalLM, MaskedLM
+
+
+class WritesMarker:
+    """Unpickling this (``weights_only=False``) runs ``open(marker, "w")``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def crafted_checkpoint(path, marker) -> str:
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "cable_lightning.lit.CausalLM"},
+                "payload": WritesMarker(str(marker))}, str(path))
+    return str(path)
+
+
+def one_error_line(capsys, call, status=2) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A folder served over http on 127.0.0.1 (an ephemeral port) for the test's duration; yields (folder, url)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_the_crafted_checkpoint_runs_code_when_unpickled_in_full(tmp_path):
+    """The payload the other tests serve is live: a plain ``torch.load(weights_only=False)`` writes the marker."""
+    marker = tmp_path / "marker"
+    path = crafted_checkpoint(tmp_path / "evil.ckpt", marker)
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({path!r}, weights_only=False)"], check=True,
+                   cwd=os.path.dirname(__file__))
+    assert marker.read_text() == "pwned"
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_crafted_checkpoint_url_is_refused_in_one_line_and_never_runs(tiny_corpus_dir, tmp_path, served, capsys,
+                                                                        subcommand):
+    folder, base = served
+    marker = tmp_path / "marker"
+    crafted_checkpoint(folder / "evil.ckpt", marker)
+    for url in (f"{base}/evil.ckpt", (folder / "evil.ckpt").as_uri()):
+        line = one_error_line(capsys, lambda: run([subcommand, *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                                   "--ckpt_path", url]))
+        assert "evil.ckpt cannot be loaded (UnpicklingError" in line, line
+        assert not marker.exists()
+    line = one_error_line(capsys, lambda: run([subcommand, *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                               "--ckpt_path", f"{base}/missing.ckpt"]))
+    assert f"checkpoint {base}/missing.ckpt cannot be downloaded (FileNotFoundError" in line, line
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_export_refuses_a_crafted_checkpoint_url(tmp_path, served, capsys):
+    folder, base = served
+    marker = tmp_path / "marker"
+    crafted_checkpoint(folder / "evil.ckpt", marker)
+    line = one_error_line(capsys, lambda: export_main(["--ckpt_path", f"{base}/evil.ckpt", "--out",
+                                                       str(tmp_path / "hf"), "--data_path", str(tmp_path)]))
+    assert "evil.ckpt cannot be loaded (UnpicklingError" in line
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_naming_a_foreign_class_is_refused_before_it_is_imported(tiny_corpus_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """``_class_path`` naming a module on the path (here one that writes a marker when imported) is refused by
+    validate and export without importing it."""
+    marker = tmp_path / "marker"
+    (tmp_path / "evil_module.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nclass Model: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for class_path in ("evil_module.Model", "os.system", "cable_lightning.data.prepare.prepare",
+                       "torch.nn.Linear"):
+        ckpt = str(tmp_path / "foreign.ckpt")
+        torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": class_path, "backbone": {}, "data": {}}},
+                   ckpt)
+        line = one_error_line(capsys, lambda: run(["validate", *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                                   "--ckpt_path", ckpt]))
+        assert f"names model class {class_path!r}, which is not one of this package's models" in line, line
+        line = one_error_line(capsys, lambda: export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "hf")]))
+        assert f"names model class {class_path!r}" in line, line
+    assert not marker.exists() and "evil_module" not in sys.modules
+
+
+class OutsideModel(CausalLM):
+    pass
+
+
+def test_package_model_class_accepts_only_the_packages_own_models():
+    assert package_model_class("cable_lightning.lit.CausalLM", "x") is CausalLM
+    assert package_model_class("cable_lightning.lit.modules.MaskedLM", "x") is MaskedLM
+    for refused in (f"{__name__}.OutsideModel", "cable_lightning.lit.modules.torch", "CausalLM", ""):
+        with pytest.raises(ConfigError, match="not one of this package's models"):
+            package_model_class(refused, "x")
+
+
+# --- verified reads: checkpoints are checked against the CRC-32s their zip stores -------------------------------------
+
+def flip_tensor_bytes(path: str, count: int = 64) -> None:
+    """Flip ``count`` bytes in the middle of the largest tensor in a checkpoint (its zip directory stays intact)."""
+    with zipfile.ZipFile(path) as archive:
+        member = max(archive.infolist(), key=lambda info: info.file_size)
+        content = archive.read(member)
+    with open(path, "r+b") as f:
+        start = f.read().find(content) + len(content) // 2
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in content[len(content) // 2:len(content) // 2 + count]))
+
+
+def test_a_checkpoint_with_flipped_bytes_is_named_by_every_reader(tiny_corpus_dir, tmp_path, capsys):
+    runs = str(tmp_path / "runs")
+    main(["fit", *args(tiny_corpus_dir, runs)])
+    folder = os.path.join(runs, "test", "cable", "checkpoints")
+    last = os.path.join(folder, "last.ckpt")
+    torch.load(last, weights_only=True)
+    flip_tensor_bytes(last)
+    torch.load(last, weights_only=True)  # torch itself does not notice
+    line = one_error_line(capsys, lambda: run(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", last]))
+    assert f"checkpoint {last} is corrupt: its member" in line and "fails the CRC-32 check" in line, line
+    line = one_error_line(capsys, lambda: export_main(["--ckpt_path", last, "--out", str(tmp_path / "hf")]))
+    assert f"checkpoint {last} is corrupt: its member" in line, line
+    # --ckpt_path last passes over it to the newest checkpoint whose checksums hold
+    assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
+    assert "skipping checkpoint" in capsys.readouterr().out
