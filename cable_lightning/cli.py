@@ -46,11 +46,9 @@ from .checkpoints import (
     resolve_ckpt_path,
 )
 from .data.datamodule import TokenDataModule
-from .errors import ConfigError, RunFailedError, user_error
+from .errors import ConfigError, RunFailedError, error_boundary
 from .lit import LanguageModel
 from .models.config import encoding_name
-
-EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 
 
 def describe_prepared(data: TokenDataModule) -> dict:
@@ -231,18 +229,13 @@ def run(args: list[str] | None = None) -> None:
     2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
     after SIGTERM and 130 after Ctrl-C (``last.ckpt`` saved; continue with ``--ckpt_path last``). Bugs keep their
     traceback."""
-    try:
-        main(args)
-    except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
-        signum = getattr(exc, "signum", signal.SIGTERM)
-        saved = getattr(exc, "saved_checkpoint", None)
-        print(f"error: stopped by {signal.Signals(signum).name}"
-              + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
-              file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
-    except Exception as exc:
-        known = user_error(exc)
-        if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):
-            raise
-        print(f"error: {known}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR if isinstance(known, ConfigError) else EXIT_RUN_FAILED)
+    with error_boundary():
+        try:
+            main(args)
+        except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
+            signum = getattr(exc, "signum", signal.SIGTERM)
+            saved = getattr(exc, "saved_checkpoint", None)
+            print(f"error: stopped by {signal.Signals(signum).name}"
+                  + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
+                  file=sys.stderr, flush=True)
+            sys.exit(128 + signum)

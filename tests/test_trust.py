@@ -3,7 +3,9 @@ name only this package's model classes, and a crafted file never runs code. Each
 (``python -m cable_lightning`` as :func:`run`, or ``export``) and must end in one ``error:`` line."""
 
 import functools
+import glob
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -162,3 +164,49 @@ def test_a_checkpoint_with_flipped_bytes_is_named_by_every_reader(tiny_corpus_di
     # --ckpt_path last passes over it to the newest checkpoint whose checksums hold
     assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
     assert "skipping checkpoint" in capsys.readouterr().out
+
+
+# --- records: one reader that names the file and line of a bad row ---------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW = {"pe": "cable", "train_length": 32, "stage": "fit", "step": 4, "length": 32, "mode": "nonoverlap", "ppl": 9.5}
+
+
+def tool(*argv: str) -> subprocess.CompletedProcess:
+    """A tool as its user runs it (this checkout's package first on the path, no debug variable)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("CABLE_LIGHTNING_DEBUG", None)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]:
+    assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_line(tmp_path):
+    records = tmp_path / "run" / "length_eval.jsonl"
+    records.parent.mkdir()
+    good = json.dumps(ROW) + "\n"
+    out = str(tmp_path / "report")
+    records.write_text(good + json.dumps({**ROW, "length": 64})[:30])  # a writer killed in the middle of a row
+    done = tool("tools/report.py", str(tmp_path / "run"), "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert f"{records}:2: skipping a truncated last line" in done.stderr
+    assert "| 32 | **9.50** |" in (tmp_path / "report_nonoverlap.md").read_text()
+
+    records.write_text(good + "{not json\n" + good)
+    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", out)) == [
+        f"error: {records}:2: not a JSON record (Expecting property name enclosed in double quotes); fix or remove "
+        "that line"]
+    older = {k: v for k, v in ROW.items() if k != "mode"}  # a row format from before window modes
+    records.write_text(good + json.dumps(older) + "\n")
+    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", out)) == [
+        f"error: {records}:2: the row lacks mode (another record format?); valid rows have pe, train_length, step, "
+        "length, mode, ppl"]
+    records.write_text("")
+    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", str(tmp_path / "empty"))) == [
+        f"error: {records} hold no evaluation rows; validate a run first"]
+    assert not glob.glob(str(tmp_path / "empty*"))
+    assert error_lines(tool("tools/report.py", str(tmp_path / "nothing"), "--out", out)) == [
+        f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]

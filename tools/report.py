@@ -14,10 +14,14 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
-import json
 import os
 
 from cable_lightning.callbacks.length_eval import ppl_figure
+from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.records import read_jsonl
+
+LENGTH_KEYS = ("pe", "train_length", "step", "length", "mode", "ppl")
+PASSKEY_KEYS = ("pe", "train_length", "step", "length", "depth", "accuracy")
 
 
 def find_records(paths: list[str], name: str = "length_eval.jsonl", required: bool = True) -> list[str]:
@@ -28,24 +32,23 @@ def find_records(paths: list[str], name: str = "length_eval.jsonl", required: bo
         elif os.path.basename(path) == name or name == "length_eval.jsonl":
             files += glob.glob(path)
     if not files and required:
-        raise FileNotFoundError(f"no {name} under {', '.join(paths)}; train or validate a run first")
+        raise MissingFileError(f"no {name} under {', '.join(paths)}; train or validate a run first")
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
-def latest_rows(files: list[str], cell=lambda row: (row["length"], row["mode"])) -> list[dict]:
+def latest_rows(files: list[str], cell=lambda row: (row["length"], row["mode"]),
+                required: tuple[str, ...] = LENGTH_KEYS) -> list[dict]:
     """Each run's rows from its latest evaluation step; at equal steps the later line wins, so a
     re-validation replaces the end-of-fit numbers. A run is one (pe, training length); ``cell`` names a row
-    within an evaluation."""
+    within an evaluation. Rows are read by :func:`read_jsonl` (a bad row names its file and line)."""
     runs: dict[tuple, dict] = {}
     for file in files:
-        with open(file) as f:
-            for line in f:
-                row = json.loads(line)
-                run = runs.setdefault((row["pe"], row["train_length"]), {"step": -1, "rows": {}})
-                if row["step"] > run["step"]:
-                    run["step"], run["rows"] = row["step"], {}
-                if row["step"] == run["step"]:
-                    run["rows"][cell(row)] = row
+        for row in read_jsonl(file, required):
+            run = runs.setdefault((row["pe"], row["train_length"]), {"step": -1, "rows": {}})
+            if row["step"] > run["step"]:
+                run["step"], run["rows"] = row["step"], {}
+            if row["step"] == run["step"]:
+                run["rows"][cell(row)] = row
     return [row for run in runs.values() for row in run["rows"].values()]
 
 
@@ -95,7 +98,10 @@ def plot(columns, table, title: str, path: str):
 def report(paths: list[str], out: str) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png for each window mode present, and <out>_passkey.md/.csv where runs have
     passkey rows; returns {mode or "passkey": markdown}."""
-    rows = latest_rows(find_records(paths))
+    files = find_records(paths)
+    rows = latest_rows(files)
+    if not rows:
+        raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
     for mode in sorted({r["mode"] for r in rows}):
@@ -111,7 +117,8 @@ def report(paths: list[str], out: str) -> dict[str, str]:
         plot(columns, table, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
     passkey_files = find_records(paths, "passkey.jsonl", required=False)
     if passkey_files:
-        columns, table = passkey_table(latest_rows(passkey_files, cell=lambda row: (row["length"], row["depth"])))
+        columns, table = passkey_table(latest_rows(passkey_files, cell=lambda row: (row["length"], row["depth"]),
+                                                    required=PASSKEY_KEYS))
         tables["passkey"] = markdown(columns, table, best=max)
         with open(f"{out}_passkey.md", "w") as f:
             f.write(tables["passkey"] + "\n")
@@ -134,4 +141,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with error_boundary():
+        main()

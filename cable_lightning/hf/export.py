@@ -17,13 +17,12 @@ import glob
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 from ..checkpoints import package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
-from ..errors import ConfigError, MissingFileError, user_error
+from ..errors import ConfigError, MissingFileError, error_boundary
 from ..models import Backbone, BackboneConfig, build_backbone
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,12 +200,49 @@ def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, ov
     return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite)
 
 
+def read_export_config(folder: str) -> dict:
+    """An exported folder's ``config.json``, checked: readable, and its ``core_files`` inside the folder's
+    ``cable_core/`` and present (the check the folder's own ``modeling_cable.py`` makes when transformers loads it)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise MissingFileError(f"{folder} holds no config.json; give a folder written by "
+                               "`python -m cable_lightning export`")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read ({type(exc).__name__}: {exc}); export the checkpoint again") from None
+    if "core_files" in config:
+        from types import SimpleNamespace
+
+        from .remote.modeling_cable import core_paths
+
+        try:
+            core_paths(SimpleNamespace(core_files=config["core_files"], name_or_path=folder))
+        except (ValueError, OSError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(f"{folder} is not a complete export ({first}); export the checkpoint again") from None
+    return config
+
+
+def check_remote_code(model: str, trusted: bool) -> None:
+    """Remote code runs only when asked: a local folder whose ``config.json`` maps transformers' Auto classes to its
+    own files (every export does) is refused without ``trusted`` (the tools' ``--trust_remote_code``, passed on as
+    transformers' ``trust_remote_code``). A hub id is left to transformers, which refuses custom code the same way."""
+    if not os.path.isdir(model):
+        return
+    auto_map = read_export_config(model).get("auto_map") or {}
+    if auto_map and not trusted:
+        files = sorted({str(v).split("--")[-1].split(".")[0] + ".py" for v in auto_map.values()})
+        raise ConfigError(f"{model} runs its own code when loaded ({', '.join(files)}); pass --trust_remote_code to "
+                          "allow it (transformers' trust_remote_code=True)")
+
+
 def load_backbone(folder: str) -> Backbone:
     """An exported folder back as this package's ``Backbone`` (the same weights, through ``safetensors``)."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        saved = json.load(f)["backbone"]
+    saved = read_export_config(folder)["backbone"]
     known = BackboneConfig.__dataclass_fields__
     backbone = build_backbone(BackboneConfig(**{k: v for k, v in saved.items() if k in known}))
     weights = load_file(os.path.join(folder, WEIGHTS))
@@ -227,12 +263,6 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one line of output: what was written where
-    try:
+    with error_boundary():
         out = export_checkpoint(args.ckpt_path, args.out, args.data_path, args.overwrite)
-    except Exception as exc:
-        known = user_error(exc)
-        if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):
-            raise
-        print(f"error: {known}", file=sys.stderr, flush=True)
-        sys.exit(2)
     print(f"exported {args.ckpt_path} to {out}")
