@@ -130,11 +130,8 @@ def _fsync_dir(folder: str) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``<path>.partial`` beside the target, fsyncs it, checks it reads back as a checkpoint, then renames
     it over the target: the target is always the old complete file or the new one. A failed write is an error
-    (the previous checkpoints are untouched) and leaves no partial file; partial files left by a killed run are
-    removed by the next save into the same folder."""
-
-    def __init__(self) -> None:
-        self._cleaned: set[str] = set()
+    (the previous checkpoints are untouched) and leaves no partial file; the partial file a killed run left for a
+    target is replaced by the next save of that target (no other file is removed)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         path = os.fspath(path)
@@ -144,11 +141,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         partial = path + PARTIAL_SUFFIX
         try:
             os.makedirs(folder, exist_ok=True)
-            if folder not in self._cleaned:
-                for stale in glob.glob(os.path.join(glob.escape(folder), "*" + PARTIAL_SUFFIX)):
-                    os.remove(stale)
-                self._cleaned.add(folder)
-            with open(partial, "wb") as f:
+            with open(partial, "wb") as f:  # replaces this target's own partial left by a killed run, nothing else
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())

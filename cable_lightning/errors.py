@@ -40,6 +40,10 @@ class MissingFileError(ConfigError, FileNotFoundError):
     """A data folder, tokenizer file or checkpoint that is not there."""
 
 
+class TargetExistsError(ConfigError, FileExistsError):
+    """An output folder that may not be replaced (not written by this tool, or holding the command's input)."""
+
+
 @contextlib.contextmanager
 def error_boundary():
     """The error boundary of every entry point (``python -m cable_lightning`` and ``export``, ``prepare``, every

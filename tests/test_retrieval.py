@@ -162,3 +162,31 @@ def test_core_files_must_stay_inside_the_export_and_be_there(encoder_folder, tmp
     shutil.rmtree(folder / "cable_core" / "positional")
     with pytest.raises(ConfigError, match=f"{folder} is not a complete export"):
         retrieval.encoder(str(folder), 16, trust_remote_code=True)
+
+
+def test_finetune_out_replaces_only_an_export_that_is_not_its_input(encoder_folder, tmp_path):
+    folder = encoder_folder[0]
+    triples = tmp_path / "triples.jsonl"
+    triples.write_text("".join(json.dumps({"query": q, "positive": p, "negative": n}) + "\n"
+                               for q, p, n in EXTRA_TRIPLES))
+
+    def tune(out, overwrite=False):
+        return retrieval.finetune(folder, str(triples), str(out), max_seq_length=16, batch_size=3, max_steps=1,
+                                  trust_remote_code=True, overwrite=overwrite)
+
+    with pytest.raises(ConfigError, match=f"--out {folder} holds this command's input {folder}"):
+        tune(folder, overwrite=True)  # in place would replace the model being read
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="was not written by export"):
+        tune(mine, overwrite=True)
+    assert os.listdir(mine) == ["notes.txt"]
+    other = tmp_path / "other-export"
+    shutil.copytree(folder, other)
+    (other / "stale.bin").write_text("from the old export")
+    with pytest.raises(ConfigError, match=r"already exists \(written by export\); pass --overwrite"):
+        tune(other)
+    tune(other, overwrite=True)
+    assert not (other / "stale.bin").exists() and (other / "model.safetensors").is_file()  # replaced, not mixed
+    assert [p for p in os.listdir(tmp_path) if ".partial-" in p or ".old-" in p] == []

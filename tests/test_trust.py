@@ -210,3 +210,38 @@ def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_
     assert not glob.glob(str(tmp_path / "empty*"))
     assert error_lines(tool("tools/report.py", str(tmp_path / "nothing"), "--out", out)) == [
         f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]
+
+
+# --- owned replacement: --overwrite replaces only what the tool wrote, never its own input ----------------------------
+
+def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write(tmp_path, capsys):
+    from cable_lightning.data.prepare import main as prepare_main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(2):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    base = ["--source", str(corpus), "--tokenizer", "bpe:300", "--val-tokens", "20", "--num-workers", "1", "--quiet"]
+    for extra in ([], ["--overwrite"]):
+        line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(corpus), *extra]))
+        assert line.startswith(f"error: --out {corpus} holds this command's input {corpus / 'doc0.txt'}"), line
+        assert "--overwrite" not in line  # no advice that would delete the corpus
+    assert sorted(os.listdir(corpus)) == ["doc0.txt", "doc1.txt"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("not prepared data")
+    line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(mine), "--overwrite"]))
+    assert f"{mine} already exists and was not written by prepare" in line, line
+    assert os.listdir(mine) == ["keep.txt"]
+
+
+def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
+    from cable_lightning.checkpoints import AtomicCheckpointIO
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("notes.partial", "step0000002.ckpt.partial", "last.ckpt.partial"):  # the last: a killed save's
+        (folder / name).write_bytes(b"PK partial bytes")
+    AtomicCheckpointIO().save_checkpoint({"step": 4}, str(folder / "last.ckpt"))
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "notes.partial", "step0000002.ckpt.partial"]
+    assert torch.load(folder / "last.ckpt", weights_only=True) == {"step": 4}

@@ -27,6 +27,7 @@ import shutil
 import sys
 
 from cable_lightning.errors import ConfigError, error_boundary
+from cable_lightning.owned import check_replaceable, staging_folder, swap_in
 from cable_lightning.records import read_jsonl
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
@@ -71,9 +72,10 @@ def load_triples(triples: str):
 
 def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batch_size: int = 32,
              max_steps: int = 1000, lr: float = 2e-5, warmup_ratio: float = 0.1, seed: int = 42,
-             trust_remote_code: bool = False) -> str:
+             trust_remote_code: bool = False, overwrite: bool = False) -> str:
     """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and hard negatives); save the result
-    as an export (the input folder's files with the new weights)."""
+    as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
+    (``overwrite``) that holds neither input, swapped in by rename."""
     import tempfile
 
     from safetensors.torch import save_file
@@ -81,6 +83,7 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
+    check_replaceable(out, "export", overwrite, (model, triples))  # before any work
     st_model = encoder(model, max_seq_length, trust_remote_code=trust_remote_code)
     dataset = load_triples(triples)
     with tempfile.TemporaryDirectory() as scratch:
@@ -91,10 +94,14 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
             batch_sampler=BatchSamplers.NO_DUPLICATES, use_cpu=not _cuda())
         SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
                                    loss=MultipleNegativesRankingLoss(st_model)).train()
-    if os.path.abspath(out) != os.path.abspath(model):
-        shutil.copytree(model, out, dirs_exist_ok=True)
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
-    save_file(weights, os.path.join(out, WEIGHTS), metadata={"format": "pt"})
+    staged = staging_folder(out)
+    try:
+        shutil.copytree(model, staged, dirs_exist_ok=True)
+        save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
+        swap_in(staged, out, "export")
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     return out
 
 
@@ -196,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     tune.add_argument("--lr", type=float, default=2e-5)
     tune.add_argument("--warmup_ratio", type=float, default=0.1)
     tune.add_argument("--seed", type=int, default=42)
+    tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input)")
     ev = commands.add_parser("evaluate", help="nDCG@10 at several maximum input lengths (Table 3)")
     ev.add_argument("--models", nargs="+", required=True, help="NAME=EXPORTED_FOLDER, one per table column")
     ev.add_argument("--lengths", nargs="+", type=int, required=True)
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "finetune":
         out = finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
-                       args.lr, args.warmup_ratio, args.seed, args.trust_remote_code)
+                       args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite)
         print(f"saved {out}")
         return
     if min(args.lengths) < 1:

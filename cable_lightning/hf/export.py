@@ -22,8 +22,9 @@ import tempfile
 from ..checkpoints import package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
-from ..errors import ConfigError, MissingFileError, error_boundary
+from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary
 from ..models import Backbone, BackboneConfig, build_backbone
+from ..owned import check_replaceable, staging_folder, swap_in
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
@@ -148,18 +149,19 @@ def training_length(config: BackboneConfig) -> int:
     return (config.max_positions or config.block_size) if config.pos_encoding == "learnable" else config.block_size
 
 
-def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False) -> str:
+def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False,
+                    inputs: tuple = ()) -> str:
     """Write ``backbone`` (and ``tokenizer``, one of this package's tokenizers) as a Hugging Face folder ``out``.
 
-    The folder is built beside ``out`` and renamed into place: a failed export leaves no half folder."""
+    ``overwrite`` replaces only a folder an export wrote (its marker, :mod:`cable_lightning.owned`), never one that
+    holds ``inputs`` (the checkpoint, the data). The folder is built in a private folder beside ``out`` and renamed
+    into place: a failed export leaves no half folder and the old one intact; a failed write is one line (exit 1)."""
     out = os.path.abspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    check_replaceable(out, "export", overwrite, inputs)
     config = backbone.config
-    partial = out + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    partial = None
     try:
+        partial = staging_folder(out)
         core_files = copy_core(partial)
         for name in REMOTE_FILES:
             shutil.copyfile(os.path.join(REMOTE, name), os.path.join(partial, name))
@@ -182,22 +184,26 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
         model.save_pretrained(partial)
         if tokenizer is not None:
             hf_tokenizer(tokenizer, training_length(config)).save_pretrained(partial)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(partial, out)
+        swap_in(partial, out, "export")
+    except OSError as exc:
+        raise RunFailedError(f"could not write the export {out} ({type(exc).__name__}: {exc}); nothing was "
+                             "replaced") from exc
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
     return out
 
 
 def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, overwrite: bool = False) -> str:
     """Export a fit checkpoint with its data's tokenizer (``data_path``, or the run's own ``data.path``)."""
-    backbone, data = checkpoint_backbone(ckpt_path)
     data_path = data_path or run_data_path(ckpt_path)
     if data_path is None:
         raise MissingFileError(f"no run config.yaml beside {ckpt_path} names the prepared data; pass --data_path "
                                "<the prepared folder the run trained on> (its tokenizer is exported)")
-    return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite)
+    check_replaceable(os.path.abspath(out), "export", overwrite, (ckpt_path, data_path))  # before any work
+    backbone, data = checkpoint_backbone(ckpt_path)
+    return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite,
+                           inputs=(ckpt_path, data_path))
 
 
 def read_export_config(folder: str) -> dict:
