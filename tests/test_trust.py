@@ -21,6 +21,7 @@ from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError
 from cable_lightning.hf.export import main as export_main
 from cable_lightning.lit import CausalLM, MaskedLM
+from cable_lightning.positional.registry import available
 
 
 class WritesMarker:
@@ -245,3 +246,17 @@ def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"step": 4}, str(folder / "last.ckpt"))
     assert sorted(os.listdir(folder)) == ["last.ckpt", "notes.partial", "step0000002.ckpt.partial"]
     assert torch.load(folder / "last.ckpt", weights_only=True) == {"step": 4}
+
+
+# --- one error boundary for every tool --------------------------------------------------------------------------
+
+def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable(tmp_path):
+    line = error_lines(tool("tools/sweep.py", "--config", "configs/quickstart.yaml", "--pes", "cable",
+                            "dape_v2+nonesuch", "--print-only"))
+    assert line == ["error: --pes dape_v2+nonesuch: unknown positional encoding 'nonesuch'; valid: "
+                    f"{', '.join(available())} (dape_v2+<pe> augments <pe>)"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "CABLE_LIGHTNING_DEBUG": "1"}
+    debug = subprocess.run([sys.executable, "tools/report.py", str(tmp_path / "nothing")], capture_output=True,
+                           text=True, env=env, cwd=ROOT)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "MissingFileError: no length_eval.jsonl" in \
+        debug.stderr
