@@ -260,3 +260,11 @@ def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable
                            text=True, env=env, cwd=ROOT)
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "MissingFileError: no length_eval.jsonl" in \
         debug.stderr
+
+
+@pytest.mark.parametrize("stride", ["0", "-2"])
+def test_a_zero_or_negative_eval_stride_is_refused_before_training(tiny_corpus_dir, tmp_path, capsys, stride):
+    line = one_error_line(capsys, lambda: run(["fit", *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                               "--data.eval_stride", stride]))
+    assert f"eval_stride positive or None, got [32, 64] and {stride}" in line, line
+    assert not glob.glob(str(tmp_path / "runs" / "**" / "*.ckpt"), recursive=True)
