@@ -171,8 +171,8 @@ def test_cli_with_spawned_workers(small_txt_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:400", "--out", out, "--quiet"])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "--overwrite" in err and "\n" not in err
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "--overwrite" in err[0]
 
 
 def test_bad_requests_are_one_line_errors(small_txt_dir, tmp_path):

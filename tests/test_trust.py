@@ -275,3 +275,25 @@ def test_a_passkey_length_too_short_for_its_prompt_is_refused_before_training(ti
                                                "--passkey.enabled", "true", "--passkey.lengths", "[8, 64]"]))
     assert "passkey prompt length 8 is too short: intro, key sentence and question take" in line, line
     assert not glob.glob(str(tmp_path / "runs" / "**" / "*.ckpt"), recursive=True)  # no step was trained
+
+
+# --- sources: each real file once, loops refused, skipped files listed ------------------------------------------------
+
+def test_a_source_folder_reads_each_real_file_once_and_refuses_a_symlink_loop(tmp_path, capsys):
+    from cable_lightning.data.sources import get_source
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("first document")
+    (corpus / "sub" / "b.txt").write_text("second document")
+    (corpus / "notes.md").write_text("not a corpus file")
+    os.symlink(corpus / "a.txt", corpus / "sub" / "again.txt")  # the same file by a second path
+    source = get_source(str(corpus))
+    assert source.files == [str(corpus / "a.txt"), str(corpus / "sub" / "b.txt")]
+    assert sorted(source.documents()) == ["first document", "second document"]
+    err = capsys.readouterr().err
+    assert f"skipping 1 files (the same file as another path): {corpus / 'sub' / 'again.txt'}" in err
+    assert f"skipping 1 files (not .txt, .jsonl, .parquet): {corpus / 'notes.md'}" in err
+    os.symlink(corpus, corpus / "sub" / "loop")  # a link back to the top: glob would read every file again and again
+    with pytest.raises(ValueError, match=f"{corpus / 'sub' / 'loop'} is {corpus} again \\(a symlink loop"):
+        get_source(str(corpus))
