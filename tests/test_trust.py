@@ -7,9 +7,11 @@ import glob
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 
 import pytest
@@ -297,3 +299,57 @@ def test_a_source_folder_reads_each_real_file_once_and_refuses_a_symlink_loop(tm
     os.symlink(corpus, corpus / "sub" / "loop")  # a link back to the top: glob would read every file again and again
     with pytest.raises(ValueError, match=f"{corpus / 'sub' / 'loop'} is {corpus} again \\(a symlink loop"):
         get_source(str(corpus))
+
+
+# --- SIGTERM during prepare: the workers stop, nothing is left, exit 143 ----------------------------------------------
+
+SIGTERM_SCRIPT = """
+import functools, os, sys, time
+import cable_lightning.data.prepare as prep
+
+flag = sys.argv[1]
+real_tokenize = prep.tokenize_work
+
+def slow(work, **kwargs):
+    with open(flag + ".workers", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    open(flag, "w").close()
+    time.sleep(600)  # until stopped
+    yield from real_tokenize(work, **kwargs)
+
+prep.tokenize_work = slow
+prep.prepare = functools.partial(prep.prepare, start_method="fork")
+sys.exit(prep.main(sys.argv[2:]))
+"""
+
+
+def test_sigterm_during_prepare_stops_the_workers_leaves_nothing_and_exits_143(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    out, flag = tmp_path / "out", str(tmp_path / "started")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, flag, "--source", str(corpus), "--tokenizer",
+                              "bpe:300", "--out", str(out), "--val-tokens", "20", "--num-workers", "2", "--quiet"],
+                             env=env, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):  # the workers are tokenizing (at most 120 s)
+        if os.path.exists(flag) or child.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert os.path.exists(flag), child.stderr.read()
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 143, err
+    assert err.strip().splitlines()[-1] == (f"error: stopped by SIGTERM; the workers were stopped and nothing was "
+                                            f"written to {out}; run the same command again")
+    assert not out.exists() and not os.path.exists(f"{out}.partial")
+    for pid in map(int, open(flag + ".workers").read().split()):
+        for _ in range(100):  # a stopped worker is gone (reaped) within 10 s
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"worker {pid} still runs after prepare stopped")

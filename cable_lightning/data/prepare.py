@@ -138,7 +138,33 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
-        return _prepare(src, request, out, num_workers, start_method, log)
+        previous = (signal.signal(signal.SIGTERM, functools.partial(_stop, main_pid=os.getpid()))
+                    if threading.current_thread() is threading.main_thread() else None)
+        try:
+            return _prepare(src, request, out, num_workers, start_method, log)
+        except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
+            shutil.rmtree(out + ".partial", ignore_errors=True)
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+class PrepareStopped(BaseException):
+    """SIGTERM during prepare: raised in the main thread so that the workers are ended and the partial output removed
+    (like KeyboardInterrupt, not an Exception: nothing may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _stop(signum: int, frame: Any, main_pid: int = os.getpid()) -> None:
+    if os.getpid() != main_pid:  # a forked worker inherited this handler: it dies of the signal, as it would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise PrepareStopped(signum)
 
 
 def _silent(*_: Any) -> None:
@@ -367,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     with error_boundary():  # one line, exit 2 for a bad request or source, 1 for a run that failed
         try:
             prepare(**{k: v for k, v in args.items() if k != "quiet"}, verbose=not args["quiet"])
+        except PrepareStopped as stop:  # 128 + the signal, as fit
+            print(f"error: {stop}; the workers were stopped and nothing was written to {args['out']}; run the same "
+                  "command again", file=sys.stderr, flush=True)
+            sys.exit(128 + stop.signum)
         except ConfigError:
             raise
         except (ValueError, OSError) as exc:  # prepare's own one-line errors about its inputs
