@@ -41,11 +41,10 @@ def check_checkpoint_file(path: str, checksums: bool = False) -> None:
                 bad = archive.testzip()
     except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
         raise CorruptCheckpointError(f"checkpoint {shown_name(path)} is corrupt or truncated ({exc}); use another "
-                                     "checkpoint (the step*.ckpt files beside it) or --ckpt_path last") from None
+                                     "checkpoint (the step*.ckpt files beside it)") from None
     if bad is not None:
         raise CorruptCheckpointError(f"checkpoint {shown_name(path)} is corrupt: its member {bad} fails the CRC-32 "
-                                     "check; use another checkpoint (the step*.ckpt files beside it) or --ckpt_path "
-                                     "last")
+                                     "check; use another checkpoint (the step*.ckpt files beside it)")
 
 
 _downloads: dict[str, str] = {}  # URL -> local copy
@@ -109,7 +108,7 @@ def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: bool = T
     if is_url(path):
         path = fetch_checkpoint(path)
     if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint {path} does not exist; give a checkpoint file, 'last' or 'auto'")
+        raise ConfigError(f"checkpoint {path} does not exist; give an existing checkpoint file")
     check_checkpoint_file(path, checksums=not mmap)
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

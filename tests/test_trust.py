@@ -122,7 +122,8 @@ def test_a_checkpoint_naming_a_foreign_class_is_refused_before_it_is_imported(ti
         line = one_error_line(capsys, lambda: run(["validate", *args(tiny_corpus_dir, str(tmp_path / "runs")),
                                                    "--ckpt_path", ckpt]))
         assert f"names model class {class_path!r}, which is not one of this package's models" in line, line
-        line = one_error_line(capsys, lambda: export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "hf")]))
+        line = one_error_line(capsys, lambda: export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "hf"),
+                                                           "--data_path", tiny_corpus_dir]))
         assert f"names model class {class_path!r}" in line, line
     assert not marker.exists() and "evil_module" not in sys.modules
 
