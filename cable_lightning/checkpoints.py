@@ -8,11 +8,14 @@ fsyncs and renames instead.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import glob
 import os
 import shutil
+import sys
+import tempfile
 import zipfile
 from typing import Any, Optional
 
@@ -25,30 +28,94 @@ PARTIAL_SUFFIX = ".partial"
 RESUME_CHOICES = ("last", "auto")  # last: must exist; auto: resume when there is a checkpoint, else start afresh
 
 
-def check_checkpoint_file(path: str) -> None:
-    """Cheap structural check (the zip directory written last by ``torch.save`` is intact): catches truncated and
-    foreign files without reading the tensors."""
+def check_checkpoint_file(path: str, checksums: bool = False) -> None:
+    """Structural check (the zip directory written last by ``torch.save`` is intact): catches truncated and foreign
+    files without reading the tensors. With ``checksums``, every member is read and checked against the CRC-32 the
+    zip format stores for it (``torch.load`` does not): flipped bytes inside a tensor are caught too."""
+    bad = None
     try:
         with zipfile.ZipFile(path) as archive:
             if not any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):
                 raise zipfile.BadZipFile("no data.pkl inside")
-    except (OSError, zipfile.BadZipFile, ValueError) as exc:
-        raise CorruptCheckpointError(f"checkpoint {path} is corrupt or truncated ({exc}); use another checkpoint "
-                                     "(the step*.ckpt files beside it) or --ckpt_path last") from None
+            if checksums:
+                bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
+        raise CorruptCheckpointError(f"checkpoint {shown_name(path)} is corrupt or truncated ({exc}); use another "
+                                     "checkpoint (the step*.ckpt files beside it)") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"checkpoint {shown_name(path)} is corrupt: its member {bad} fails the CRC-32 "
+                                     "check; use another checkpoint (the step*.ckpt files beside it)")
 
 
-def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: Optional[bool] = True,
-                    mmap: bool = False) -> dict:
-    """``torch.load`` that names the file when it is missing, truncated or refused."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint {path} does not exist; give a checkpoint file, 'last' or 'auto'")
-    check_checkpoint_file(path)
+_downloads: dict[str, str] = {}  # URL -> local copy
+
+
+def shown_name(path: str) -> str:
+    """How errors name a checkpoint: its URL when it was downloaded."""
+    return next((url for url, local in _downloads.items() if local == path), path)
+
+
+def is_url(path) -> bool:
+    return "://" in str(path)
+
+
+def fetch_checkpoint(url: str) -> str:
+    """A checkpoint URL (http(s), file, s3 and whatever else fsspec reads) downloaded once per process into a
+    temporary folder (removed at exit), so that it is read like a local file: checked and loaded weights-only."""
+    if url in _downloads:
+        return _downloads[url]
+    import fsspec
+
+    folder = tempfile.mkdtemp(prefix="cable_lightning-ckpt-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    local = os.path.join(folder, os.path.basename(url.split("?")[0].rstrip("/")) or "checkpoint.ckpt")
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        with fsspec.open(url, "rb") as source, open(local, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+    except Exception as exc:  # fsspec and its backends raise their own types (unknown protocol, HTTP status...)
+        shutil.rmtree(folder, ignore_errors=True)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"checkpoint {url} cannot be downloaded ({type(exc).__name__}: {first}); give a reachable "
+                          "URL or a local checkpoint file") from None
+    _downloads[url] = local
+    return local
+
+
+def package_model_class(class_path: str, source: str) -> type:
+    """The LightningModule class a checkpoint names in ``_class_path``, accepted only when it is one of this
+    package's own models (:class:`~cable_lightning.lit.LanguageModel` or a subclass defined in the package). The
+    name is looked up among the modules already imported, never imported: a checkpoint cannot make us run code."""
+    from .lit import LanguageModel
+
+    module_name, _, name = str(class_path).rpartition(".")
+    module = sys.modules.get(module_name) if module_name.split(".")[0] == __package__ else None
+    cls = getattr(module, name, None)
+    if isinstance(cls, type) and issubclass(cls, LanguageModel) and cls.__module__.split(".")[0] == __package__:
+        return cls
+    valid = ", ".join(f"{__package__}.lit.{n}" for n in ("CausalLM", "MaskedLM"))
+    raise ConfigError(f"checkpoint {source} names model class {class_path!r}, which is not one of this package's "
+                      f"models ({valid} or their subclasses in {__package__}); use a checkpoint written by fit")
+
+
+def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: bool = True, mmap: bool = False) -> dict:
+    """``torch.load`` that names the file when it is missing, truncated, damaged or refused; the file is checked
+    against its CRC-32s first unless ``mmap`` (reading the metadata only, as scanning for ``last`` does). Always
+    weights-only (a crafted
+    pickle is refused, not run; ``weights_only`` is kept for callers' clarity and must be True). A URL is
+    downloaded first (:func:`fetch_checkpoint`)."""
+    if weights_only is not True:
+        raise ValueError("checkpoints are loaded weights-only in this package")
+    if is_url(path):
+        path = fetch_checkpoint(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint {path} does not exist; give an existing checkpoint file")
+    check_checkpoint_file(path, checksums=not mmap)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError... for a damaged file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CorruptCheckpointError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {first}); "
-                                     "use another checkpoint") from None
+        raise CorruptCheckpointError(f"checkpoint {shown_name(path)} cannot be loaded ({type(exc).__name__}: "
+                                     f"{first}); use another checkpoint") from None
 
 
 def _fsync_dir(folder: str) -> None:
@@ -62,11 +129,8 @@ def _fsync_dir(folder: str) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``<path>.partial`` beside the target, fsyncs it, checks it reads back as a checkpoint, then renames
     it over the target: the target is always the old complete file or the new one. A failed write is an error
-    (the previous checkpoints are untouched) and leaves no partial file; partial files left by a killed run are
-    removed by the next save into the same folder."""
-
-    def __init__(self) -> None:
-        self._cleaned: set[str] = set()
+    (the previous checkpoints are untouched) and leaves no partial file; the partial file a killed run left for a
+    target is replaced by the next save of that target (no other file is removed)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         path = os.fspath(path)
@@ -76,11 +140,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         partial = path + PARTIAL_SUFFIX
         try:
             os.makedirs(folder, exist_ok=True)
-            if folder not in self._cleaned:
-                for stale in glob.glob(os.path.join(glob.escape(folder), "*" + PARTIAL_SUFFIX)):
-                    os.remove(stale)
-                self._cleaned.add(folder)
-            with open(partial, "wb") as f:
+            with open(partial, "wb") as f:  # replaces this target's own partial left by a killed run, nothing else
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -100,10 +160,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = os.fspath(path)
-        if "://" in path:
-            return super().load_checkpoint(path, map_location, weights_only)
-        return read_checkpoint(path, map_location, weights_only)
+        # weights-only whatever Lightning asks for (it asks for weights_only=False for URLs)
+        return read_checkpoint(os.fspath(path), map_location)
 
 
 def checkpoint_step(path: str) -> int:
@@ -116,8 +174,10 @@ def resolve_ckpt_path(value: Optional[str], folder: str, subcommand: str = "fit"
     loads (``last.ckpt`` first among equals; a corrupt one is skipped, said in one line), an error when there is
     none; ``auto``: the same, but a folder with no checkpoint at all starts a new run (None). A file must exist.
     By step, not modification time: a restored or copied folder keeps its order."""
-    if value is None or "://" in str(value) or value in ("best", "hpc", "registry"):
+    if value is None or value in ("best", "hpc", "registry"):
         return value
+    if is_url(value):  # downloaded, then checked and loaded like a local file
+        return fetch_checkpoint(value)
     if value not in RESUME_CHOICES:
         if not os.path.isfile(value):
             raise ConfigError(f"--ckpt_path {value}: no such file; give a checkpoint file, "
@@ -130,8 +190,12 @@ def resolve_ckpt_path(value: Optional[str], folder: str, subcommand: str = "fit"
             readable.append((checkpoint_step(path), os.path.basename(path) == "last.ckpt", path))
         except ConfigError as err:  # corrupt, or a dangling link
             print(f"--ckpt_path {value}: skipping {err}", flush=True)
-    if readable:
-        step, is_last, path = max(readable)
+    for step, is_last, path in sorted(readable, reverse=True):
+        try:
+            check_checkpoint_file(path, checksums=True)  # only the one chosen is read in full
+        except ConfigError as err:
+            print(f"--ckpt_path {value}: skipping {err}", flush=True)
+            continue
         if not is_last:
             print(f"--ckpt_path {value}: using {path} (step {step}), the newest checkpoint that loads", flush=True)
         return path

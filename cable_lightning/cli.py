@@ -23,7 +23,6 @@ What it adds to the stock CLI:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import os
 import random
@@ -41,14 +40,18 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import BiasPictures, LengthEvalRecorder, PasskeyRetrieval, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, read_checkpoint, resolve_ckpt_path
+from .checkpoints import (
+    AtomicCheckpointIO,
+    claim_checkpoint_folder,
+    package_model_class,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
 from .data.datamodule import TokenDataModule
-from .errors import ConfigError, RunFailedError, user_error
+from .errors import ConfigError, RunFailedError, error_boundary
 from .lit import LanguageModel
 from .models.config import BackboneConfig, upgrade_backbone_dict
 from .positional import available, encoding_class
-
-EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 
 
 def describe_prepared(data: TokenDataModule) -> dict:
@@ -94,10 +97,9 @@ def checkpoint_model(ckpt_path: str) -> Optional[dict]:
     class_path = hparams.pop("_class_path", None)
     if class_path is None:
         return None
-    module, _, name = class_path.rpartition(".")
     # Only what the class takes now: the data description is linked from the data section, and settings an older
     # version saved (vocab_size, block_size before they came from the data) would stop the parse.
-    accepted = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    accepted = inspect.signature(package_model_class(class_path, ckpt_path)).parameters
     init_args = {k: v for k, v in hparams.items() if k in accepted and k != "data"}
     if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
         backbone = upgrade_backbone_dict(init_args["backbone"])
@@ -267,18 +269,13 @@ def run(args: list[str] | None = None) -> None:
     2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
     after SIGTERM and 130 after Ctrl-C (``last.ckpt`` saved; continue with ``--ckpt_path last``). Bugs keep their
     traceback."""
-    try:
-        main(args)
-    except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
-        signum = getattr(exc, "signum", signal.SIGTERM)
-        saved = getattr(exc, "saved_checkpoint", None)
-        print(f"error: stopped by {signal.Signals(signum).name}"
-              + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
-              file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
-    except Exception as exc:
-        known = user_error(exc)
-        if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):
-            raise
-        print(f"error: {known}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR if isinstance(known, ConfigError) else EXIT_RUN_FAILED)
+    with error_boundary():
+        try:
+            main(args)
+        except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
+            signum = getattr(exc, "signum", signal.SIGTERM)
+            saved = getattr(exc, "saved_checkpoint", None)
+            print(f"error: stopped by {signal.Signals(signum).name}"
+                  + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
+                  file=sys.stderr, flush=True)
+            sys.exit(128 + signum)

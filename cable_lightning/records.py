@@ -1,5 +1,8 @@
 """The records a run writes beside its TensorBoard events, one JSON object a line: each kind is a dataclass with
-its file name, written by :func:`append_records` and read back by :func:`read_records` (the report's input).
+its file name, written by :func:`append_records` and read back by :func:`read_records` (the report's input). Every
+JSON-lines file the package and its tools read (records, BEIR-style ``corpus.jsonl``/``queries.jsonl``) goes through
+:func:`read_jsonl`: a bad row is an error naming the file and line, and a truncated last line (a writer killed
+mid-row) is skipped with a word.
 
 Every record carries its run's context (the encoding's label, the training length, the stage that wrote it) and
 the step and checkpoint it measured, so a file can be read on its own.
@@ -10,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Iterable, Optional
+
+from .errors import ConfigError, MissingFileError
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Record:
     """What every record says about where it comes from."""
 
@@ -27,49 +33,49 @@ class Record:
     checkpoint: Optional[str] = None  # the checkpoint a validate/test measured (None: the weights of the running fit)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LengthRecord(Record):
     """Perplexity at one evaluation length and window mode."""
 
     FILE: ClassVar[str] = "length_eval.jsonl"
 
-    length: int = 0
-    mode: str = "nonoverlap"  # or sliding
+    length: int
+    mode: str  # nonoverlap or sliding
+    ppl: Optional[float]  # None: the encoding cannot serve this length
     stride: int = 0
-    ppl: Optional[float] = None  # None: the encoding cannot serve this length
     loss: Optional[float] = None
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_sec: Optional[float] = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PositionRecord(Record):
     """Mean loss over one bucket of token positions of the non-overlapping windows of one length."""
 
     FILE: ClassVar[str] = "position_loss.jsonl"
 
-    length: int = 0
+    length: int
+    first_position: int
+    last_position: int
+    loss: Optional[float]  # None: no token was scored in the bucket
     mode: str = "nonoverlap"
     stride: int = 0
-    first_position: int = 0
-    last_position: int = 0
-    loss: Optional[float] = None
     tokens: int = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PasskeyRecord(Record):
     """Passkey-retrieval accuracy at one prompt length and depth."""
 
     FILE: ClassVar[str] = "passkey.jsonl"
 
-    seed: int = 0
-    length: int = 0
-    depth: float = 0.0
+    length: int
+    depth: float
+    accuracy: Optional[float]  # None: the encoding cannot serve this length
     trials: int = 0
     correct: Optional[int] = None
-    accuracy: Optional[float] = None  # None: the encoding cannot serve this length
+    seed: int = 0
 
 
 def append_records(folder: str, records: list[Record]) -> None:
@@ -82,8 +88,39 @@ def append_records(folder: str, records: list[Record]) -> None:
                     f.write(json.dumps(dataclasses.asdict(record)) + "\n")
 
 
+def read_jsonl(path: str, required: Iterable[str] = ()) -> list[dict]:
+    """The rows of ``path`` (blank lines skipped), each an object holding the ``required`` keys."""
+    required = tuple(required)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        raise MissingFileError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # no newline after it: the writer stopped in the middle of this row
+                print(f"{path}:{number}: skipping a truncated last line", file=sys.stderr, flush=True)
+                continue
+            raise ConfigError(f"{path}:{number}: not a JSON record ({exc.msg}); fix or remove that line") from None
+        missing = [key for key in required if not isinstance(row, dict) or key not in row]
+        if missing:
+            raise ConfigError(f"{path}:{number}: the row lacks {', '.join(missing)} (another record format?); "
+                              f"valid rows have {', '.join(required)}")
+        rows.append(row)
+    return rows
+
+
 def read_records(path: str, kind: type[Record]) -> list[Record]:
-    """The records of one file; keys an earlier version wrote and this one does not know are ignored."""
-    known = {f.name for f in dataclasses.fields(kind)}
-    with open(path, encoding="utf-8") as f:
-        return [kind(**{k: v for k, v in json.loads(line).items() if k in known}) for line in f if line.strip()]
+    """The records of one file (through :func:`read_jsonl`); keys an earlier version wrote and this one does not
+    know are ignored, and a row without a field that has no default is an error naming its line."""
+    fields = dataclasses.fields(kind)
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    known = {f.name for f in fields}
+    return [kind(**{k: v for k, v in row.items() if k in known}) for row in read_jsonl(path, required)]

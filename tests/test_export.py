@@ -188,15 +188,24 @@ def test_load_backbone_gives_back_the_same_weights(round_trip, pe):
         assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in original.state_dict().items())
 
 
-def test_export_refuses_an_existing_folder_and_leaves_no_partial_one(tmp_path):
+def test_export_replaces_only_its_own_folder_and_leaves_no_partial_one(tmp_path):
     backbone = tiny_backbone("nope", True, 300)
     out = tmp_path / "model"
     out.mkdir()
-    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+    (out / "notes.txt").write_text("mine")  # a folder export did not write: never replaced, --overwrite or not
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="already exists and was not written by export .*; choose another --out"):
+            export_backbone(backbone, str(out), overwrite=overwrite)
+    assert list(tmp_path.iterdir()) == [out] and (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    export_backbone(backbone, str(out))  # an empty folder is filled
+    with pytest.raises(ValueError, match=r"already exists \(written by export\); pass --overwrite"):
         export_backbone(backbone, str(out))
-    assert list(tmp_path.iterdir()) == [out]
+    first = (out / "model.safetensors").stat().st_ino
     export_backbone(backbone, str(out), overwrite=True)
-    assert (out / "model.safetensors").is_file() and not (tmp_path / "model.partial").exists()
+    assert (out / "model.safetensors").stat().st_ino != first and list(tmp_path.iterdir()) == [out]
+    with pytest.raises(ValueError, match=f"--out {out} holds this command's input {out / 'model.safetensors'}"):
+        export_backbone(backbone, str(out), overwrite=True, inputs=(str(out / "model.safetensors"),))
 
 
 def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
@@ -244,4 +253,17 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, t
         runpy.run_module("cable_lightning", run_name="__main__")
     assert exit_status.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {out} already exists; pass --overwrite to replace it or choose another --out"]
+        f"error: {out} already exists (written by export); pass --overwrite to replace it or choose another --out"]
+
+    # --overwrite never replaces the run's own folder (it holds the checkpoint being exported): one line, exit 2
+    run_folder = tmp_path / "runs" / "export" / "cable"
+    before = sorted(p.name for p in run_folder.rglob("*"))
+    monkeypatch.setattr(sys, "argv", ["cable_lightning", "export", "--ckpt_path", str(ckpt), "--out", str(run_folder),
+                                      "--overwrite"])
+    with pytest.raises(SystemExit) as exit_status:
+        runpy.run_module("cable_lightning", run_name="__main__")
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --out {run_folder} holds this command's input {ckpt}; replacing it would delete the input: choose "
+        "another --out"]
+    assert sorted(p.name for p in run_folder.rglob("*")) == before

@@ -78,7 +78,7 @@ def test_local_multiple_choice_task_at_two_lengths_gives_finite_accuracy(export,
         'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
     lm_eval_lengths.main(["--model", folder, "--tasks", "tiny_mc", "--lengths", "16", "12", "--batch_size", "2",
                           "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out"),
-                          "--bootstrap_iters", "0"])
+                          "--bootstrap_iters", "0", "--trust_remote_code"])
     scores = {length: json.loads((tmp_path / "out" / f"len_{length}.json").read_text()) for length in (16, 12)}
     for per_task in scores.values():
         for metric in ("acc", "acc_norm"):

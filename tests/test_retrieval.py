@@ -4,6 +4,8 @@ the answers are known, the Table-3 layout, and MLDR's one-line error when the hu
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -14,6 +16,7 @@ pytest.importorskip("sentence_transformers")  # the hf extra: tools/install.sh i
 from safetensors.torch import load_file
 
 from cable_lightning.data.tokenizers import get_tokenizer
+from cable_lightning.errors import ConfigError
 from cable_lightning.hf import export_backbone
 from cable_lightning.models import BackboneConfig, build_backbone
 
@@ -67,7 +70,7 @@ def write_beir(folder, relevant: dict[str, str]) -> list[str]:
 @pytest.mark.parametrize("length", [8, 24])  # 24: past the training length
 def test_encoder_mean_pools_and_truncates_inputs_at_the_requested_length(encoder_folder, length):
     folder, tok = encoder_folder
-    model = retrieval.encoder(folder, length)
+    model = retrieval.encoder(folder, length, trust_remote_code=True)
     seen = []
     model[0].auto_model.backbone.wte.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
     long_text, short_text = " ".join(DISTRACTORS), "short"
@@ -86,29 +89,104 @@ def test_finetune_then_ndcg_beats_a_shuffled_ranking_and_table_layout(encoder_fo
     (tmp_path / "triples.jsonl").write_text(
         "".join(json.dumps({"query": q, "positive": p, "negative": n}) + "\n" for q, p, n in triples))
     tuned = retrieval.finetune(folder, str(tmp_path / "triples.jsonl"), str(tmp_path / "tuned"), max_seq_length=32,
-                               batch_size=3, max_steps=10, lr=1e-3)
+                               batch_size=3, max_steps=10, lr=1e-3, trust_remote_code=True)
     assert {"model.safetensors", "config.json", "cable_core", "tokenizer.json"} <= set(os.listdir(tuned))
     before, after = (load_file(os.path.join(f, "model.safetensors")) for f in (folder, tuned))
     assert before.keys() == after.keys()
     assert not torch.equal(before["backbone.wte.weight"], after["backbone.wte.weight"])
     truth = {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()}
     shuffled = dict(zip(truth, list(truth.values())[1:] + list(truth.values())[:1]))  # every query's answer is wrong
-    model = retrieval.encoder(tuned, 32)
+    model = retrieval.encoder(tuned, 32, trust_remote_code=True)
     trained = retrieval.ndcg_local(model, *retrieval.read_beir(*write_beir(tmp_path / "truth", truth)))
     wrong = retrieval.ndcg_local(model, *retrieval.read_beir(*write_beir(tmp_path / "shuffled", shuffled)))
     assert 0 <= wrong < trained <= 1 and trained > 0.8, (trained, wrong)
 
     corpus, queries, qrels = write_beir(tmp_path / "truth", truth)
     retrieval.main(["evaluate", "--models", f"tuned={tuned}", f"base={folder}", "--lengths", "8", "32",
-                    "--corpus", corpus, "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table")])
+                    "--corpus", corpus, "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table"),
+                    "--trust_remote_code"])
     lines = (tmp_path / "table" / "table.md").read_text().splitlines()
     assert lines[2] == "| length | tuned | base |" and [line.split(" | ")[0] for line in lines[4:]] == ["| 8", "| 32"]
     assert f"{100 * trained:.2f}" in lines[5]
 
 
 def test_mldr_offline_is_one_line(encoder_folder):
-    with pytest.raises(SystemExit) as stop:
-        retrieval.ndcg_mldr(retrieval.encoder(encoder_folder[0], 16))
+    with pytest.raises(ConfigError) as stop:
+        retrieval.ndcg_mldr(retrieval.encoder(encoder_folder[0], 16, trust_remote_code=True))
     message = str(stop.value)
-    assert message.startswith("error: MTEB could not run MultiLongDocRetrieval") and "\n" not in message
+    assert message.startswith("MTEB could not run MultiLongDocRetrieval") and "\n" not in message
     assert "--corpus/--queries/--qrels" in message
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tool(*argv: str) -> subprocess.CompletedProcess:
+    """A tool as its user runs it (this checkout's package first on the path)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    env.pop("CABLE_LIGHTNING_DEBUG", None)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def test_an_export_runs_its_own_code_only_behind_trust_remote_code(encoder_folder, tmp_path):
+    folder = encoder_folder[0]
+    with pytest.raises(ConfigError, match=r"runs its own code when loaded \(configuration_cable.py, modeling_cable.py"
+                                          r"\); pass --trust_remote_code"):
+        retrieval.encoder(folder, 16)
+    corpus, queries, qrels = write_beir(tmp_path / "beir", {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    done = tool("tools/retrieval.py", "evaluate", "--models", f"base={folder}", "--lengths", "8", "--corpus", corpus,
+                "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: {folder} runs its own code when loaded (configuration_cable.py, modeling_cable.py); pass "
+        "--trust_remote_code to allow it (transformers' trust_remote_code=True)"]
+    assert not (tmp_path / "table").exists()
+
+
+def test_core_files_must_stay_inside_the_export_and_be_there(encoder_folder, tmp_path):
+    from transformers import AutoModel
+
+    from cable_lightning.hf.export import load_backbone
+
+    folder = tmp_path / "export"
+    shutil.copytree(encoder_folder[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "evil.py").write_text("raise SystemExit('ran code from outside the export')\n")
+    for escape in ("../../evil.py", str(tmp_path / "evil.py")):
+        (folder / "config.json").write_text(json.dumps({**config, "core_files": [*config["core_files"], escape]}))
+        with pytest.raises(ConfigError, match=f"core_files entry '{escape}' in .* leaves cable_core/"):
+            load_backbone(str(folder))
+        with pytest.raises(ValueError, match=f"core_files entry '{escape}' in .* leaves cable_core/"):
+            AutoModel.from_pretrained(str(folder), trust_remote_code=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    shutil.rmtree(folder / "cable_core" / "positional")
+    with pytest.raises(ConfigError, match=f"{folder} is not a complete export"):
+        retrieval.encoder(str(folder), 16, trust_remote_code=True)
+
+
+def test_finetune_out_replaces_only_an_export_that_is_not_its_input(encoder_folder, tmp_path):
+    folder = encoder_folder[0]
+    triples = tmp_path / "triples.jsonl"
+    triples.write_text("".join(json.dumps({"query": q, "positive": p, "negative": n}) + "\n"
+                               for q, p, n in EXTRA_TRIPLES))
+
+    def tune(out, overwrite=False):
+        return retrieval.finetune(folder, str(triples), str(out), max_seq_length=16, batch_size=3, max_steps=1,
+                                  trust_remote_code=True, overwrite=overwrite)
+
+    with pytest.raises(ConfigError, match=f"--out {folder} holds this command's input {folder}"):
+        tune(folder, overwrite=True)  # in place would replace the model being read
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="was not written by export"):
+        tune(mine, overwrite=True)
+    assert os.listdir(mine) == ["notes.txt"]
+    other = tmp_path / "other-export"
+    shutil.copytree(folder, other)
+    (other / "stale.bin").write_text("from the old export")
+    with pytest.raises(ConfigError, match=r"already exists \(written by export\); pass --overwrite"):
+        tune(other)
+    tune(other, overwrite=True)
+    assert not (other / "stale.bin").exists() and (other / "model.safetensors").is_file()  # replaced, not mixed
+    assert [p for p in os.listdir(tmp_path) if ".partial-" in p or ".old-" in p] == []

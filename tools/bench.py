@@ -239,4 +239,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from cable_lightning.errors import error_boundary
+
+    with error_boundary():
+        main()

@@ -1,7 +1,7 @@
 """lm-evaluation-harness tasks on an exported model at several maximum input lengths, as one table.
 
     python tools/lm_eval_lengths.py --model exports/gpt2-tiny-cable --tasks hellaswag --lengths 1024 2048 4096 \
-        --out results/hellaswag --device cuda --batch_size 16
+        --out results/hellaswag --device cuda --batch_size 16 --trust_remote_code
 
 Each length is one run of the harness's own evaluation (``lm_eval.simple_evaluate`` with the ``hf`` model and
 ``max_length=L``: the harness keeps the last L tokens of each input), the same as
@@ -25,15 +25,21 @@ import os
 
 def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_path: str | None = None,
              batch_size: int = 1, device: str = "cpu", limit: float | None = None,
-             bootstrap_iters: int = 100000, include_defaults: bool = True) -> dict[int | None, dict]:
-    """``{length: {task: {metric: value}}}``; ``None`` is the model's own maximum (its training length)."""
+             bootstrap_iters: int = 100000, include_defaults: bool = True,
+             trust_remote_code: bool = False) -> dict[int | None, dict]:
+    """``{length: {task: {metric: value}}}``; ``None`` is the model's own maximum (its training length). An export
+    runs its own code (``modeling_cable.py``): that needs ``trust_remote_code``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+
+    from cable_lightning.hf.export import check_remote_code
+
+    check_remote_code(model, trust_remote_code)
 
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
     scores = {}
     for length in lengths:
-        model_args = {"pretrained": model, "trust_remote_code": True}
+        model_args = {"pretrained": model, "trust_remote_code": trust_remote_code}
         if length is not None:
             model_args["max_length"] = length
         results = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=manager,
@@ -86,13 +92,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--limit", type=float, default=None, help="documents per task (for a quick look)")
     parser.add_argument("--bootstrap_iters", type=int, default=100000, help="for standard errors; 0 skips them")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="let the model run its own code (an export's modeling_cable.py needs it), as transformers")
     args = parser.parse_args(argv)
     if args.lengths is not None and min(args.lengths) < 1:
         parser.error(f"--lengths must be positive, got {args.lengths}")
     scores = evaluate(args.model, args.tasks, args.lengths or [None], args.include_path, args.batch_size, args.device,
-                      args.limit, args.bootstrap_iters, include_defaults=not args.only_include_path)
+                      args.limit, args.bootstrap_iters, include_defaults=not args.only_include_path,
+                      trust_remote_code=args.trust_remote_code)
     print(write(scores, args.out), end="")
 
 
 if __name__ == "__main__":
-    main()
+    from cable_lightning.errors import error_boundary
+
+    with error_boundary():
+        main()

@@ -38,4 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from cable_lightning.errors import error_boundary
+
+    with error_boundary():
+        sys.exit(main())

@@ -17,6 +17,7 @@ import glob
 import os
 
 from cable_lightning.callbacks.length_eval import ppl_figure
+from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.records import LengthRecord, PasskeyRecord, Record, read_records
 
 
@@ -28,7 +29,7 @@ def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool
         elif os.path.basename(path) == name or name == LengthRecord.FILE:
             files += glob.glob(path)
     if not files and required:
-        raise FileNotFoundError(f"no {name} under {', '.join(paths)}; train or validate a run first")
+        raise MissingFileError(f"no {name} under {', '.join(paths)}; train or validate a run first")
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
@@ -36,7 +37,7 @@ def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
                 cell=lambda row: (row.length, row.mode)) -> list[Record]:
     """Each run's rows from its latest evaluation step; at equal steps the later line wins, so a
     re-validation replaces the end-of-fit numbers. A run is one (pe, training length); ``cell`` names a row
-    within an evaluation."""
+    within an evaluation. Rows are read by :func:`read_records` (a bad row names its file and line)."""
     runs: dict[tuple, dict] = {}
     for file in files:
         for row in read_records(file, kind):
@@ -94,7 +95,10 @@ def plot(columns, table, title: str, path: str):
 def report(paths: list[str], out: str) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png for each window mode present, and <out>_passkey.md/.csv where runs have
     passkey rows; returns {mode or "passkey": markdown}."""
-    rows = latest_rows(find_records(paths))
+    files = find_records(paths)
+    rows = latest_rows(files)
+    if not rows:
+        raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
     for mode in sorted({r.mode for r in rows}):
@@ -134,4 +138,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with error_boundary():
+        main()

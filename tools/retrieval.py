@@ -3,12 +3,12 @@
     # (b) fine-tune with MultipleNegativesRankingLoss on (query, positive, negative) triples: MS MARCO with mined
     #     hard negatives from the hub, or any local jsonl of {"query", "positive", "negative"} rows
     python tools/retrieval.py finetune --model exports/bert-cable --triples msmarco --out exports/bert-cable-msmarco \
-        --max_seq_length 512 --batch_size 32 --max_steps 20000
+        --max_seq_length 512 --batch_size 32 --max_steps 20000 --trust_remote_code
     # (c) nDCG@10 at several maximum input lengths: MLDR (English) through MTEB, or a local BEIR-style set
     python tools/retrieval.py evaluate --models cable=exports/bert-cable-msmarco alibi=exports/bert-alibi-msmarco \
-        --lengths 512 1024 2048 4096 8192 --mldr --out results/mldr
+        --lengths 512 1024 2048 4096 8192 --mldr --out results/mldr --trust_remote_code
     python tools/retrieval.py evaluate --models cable=DIR --lengths 128 512 --corpus corpus.jsonl \
-        --queries queries.jsonl --qrels qrels.tsv --out results/local
+        --queries queries.jsonl --qrels qrels.tsv --out results/local --trust_remote_code
 
 (a) An export is a sentence-transformers model as is: transformers' ``AutoModel`` (the folder's own code) under
 mean pooling over the real tokens; ``max_seq_length`` truncates every input to the length being evaluated.
@@ -22,23 +22,31 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import shutil
 import sys
+
+from cable_lightning.errors import ConfigError, error_boundary
+from cable_lightning.owned import check_replaceable, staging_folder, swap_in
+from cable_lightning.records import read_jsonl
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
 MLDR = "MultiLongDocRetrieval"
 WEIGHTS = "model.safetensors"
 
 
-def encoder(folder: str, max_seq_length: int, device: str | None = None):
-    """An exported encoder as a sentence-transformers model: the folder's AutoModel, then mean pooling."""
+def encoder(folder: str, max_seq_length: int, device: str | None = None, trust_remote_code: bool = False):
+    """An exported encoder as a sentence-transformers model: the folder's AutoModel, then mean pooling. An export
+    runs its own code (``modeling_cable.py``): that needs ``trust_remote_code``."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
-    words = Transformer(folder, max_seq_length=max_seq_length, model_kwargs={"trust_remote_code": True},
-                        config_kwargs={"trust_remote_code": True}, processor_kwargs={"trust_remote_code": True})
+    from cable_lightning.hf.export import check_remote_code
+
+    check_remote_code(folder, trust_remote_code)
+    trust = {"trust_remote_code": trust_remote_code}
+    words = Transformer(folder, max_seq_length=max_seq_length, model_kwargs=trust, config_kwargs=trust,
+                        processor_kwargs=trust)
     pooling = Pooling(words.get_embedding_dimension(), pooling_mode="mean")
     return SentenceTransformer(modules=[words, pooling], device=device)
 
@@ -51,21 +59,23 @@ def load_triples(triples: str):
         try:
             return load_dataset(*MSMARCO, split="train")
         except Exception as exc:  # datasets raises several types for "no network"
-            raise SystemExit(f"error: cannot load {MSMARCO[0]} ({MSMARCO[1]}) from the Hugging Face hub "
+            raise ConfigError(f"cannot load {MSMARCO[0]} ({MSMARCO[1]}) from the Hugging Face hub "
                              f"({type(exc).__name__}); offline, pass --triples a local jsonl of "
                              "query/positive/negative rows")
     if not os.path.isfile(triples):
-        raise SystemExit(f"error: --triples {triples!r} is neither 'msmarco' nor a jsonl file")
+        raise ConfigError(f"--triples {triples!r} is neither 'msmarco' nor a jsonl file")
     dataset = load_dataset("json", data_files=triples, split="train")
     if dataset.column_names[:3] != ["query", "positive", "negative"]:
-        raise SystemExit(f"error: {triples} has columns {dataset.column_names}; valid: query, positive, negative")
+        raise ConfigError(f"{triples} has columns {dataset.column_names}; valid: query, positive, negative")
     return dataset.select_columns(["query", "positive", "negative"])
 
 
 def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batch_size: int = 32,
-             max_steps: int = 1000, lr: float = 2e-5, warmup_ratio: float = 0.1, seed: int = 42) -> str:
+             max_steps: int = 1000, lr: float = 2e-5, warmup_ratio: float = 0.1, seed: int = 42,
+             trust_remote_code: bool = False, overwrite: bool = False) -> str:
     """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and hard negatives); save the result
-    as an export (the input folder's files with the new weights)."""
+    as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
+    (``overwrite``) that holds neither input, swapped in by rename."""
     import tempfile
 
     from safetensors.torch import save_file
@@ -73,7 +83,8 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    st_model = encoder(model, max_seq_length)
+    check_replaceable(out, "export", overwrite, (model, triples))  # before any work
+    st_model = encoder(model, max_seq_length, trust_remote_code=trust_remote_code)
     dataset = load_triples(triples)
     with tempfile.TemporaryDirectory() as scratch:
         args = SentenceTransformerTrainingArguments(
@@ -83,10 +94,14 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
             batch_sampler=BatchSamplers.NO_DUPLICATES, use_cpu=not _cuda())
         SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
                                    loss=MultipleNegativesRankingLoss(st_model)).train()
-    if os.path.abspath(out) != os.path.abspath(model):
-        shutil.copytree(model, out, dirs_exist_ok=True)
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
-    save_file(weights, os.path.join(out, WEIGHTS), metadata={"format": "pt"})
+    staged = staging_folder(out)
+    try:
+        shutil.copytree(model, staged, dirs_exist_ok=True)
+        save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
+        swap_in(staged, out, "export")
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     return out
 
 
@@ -97,12 +112,8 @@ def _cuda() -> bool:
 
 
 def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
-    def rows(path):
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-
-    docs = {str(r["_id"]): (r.get("title", "") + " " + r["text"]).strip() for r in rows(corpus)}
-    questions = {str(r["_id"]): r["text"] for r in rows(queries)}
+    docs = {str(r["_id"]): (r.get("title", "") + " " + r["text"]).strip() for r in read_jsonl(corpus, ("_id", "text"))}
+    questions = {str(r["_id"]): r["text"] for r in read_jsonl(queries, ("_id", "text"))}
     relevant: dict[str, set] = {}
     with open(qrels, encoding="utf-8") as f:
         reader = csv.reader(f, delimiter="\t")
@@ -131,19 +142,19 @@ def ndcg_mldr(st_model, batch_size: int = 16) -> float:
                                show_progress_bar=False)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise SystemExit(f"error: MTEB could not run {MLDR} ({type(exc).__name__}: {first}); it needs the Hugging "
+        raise ConfigError(f"MTEB could not run {MLDR} ({type(exc).__name__}: {first}); it needs the Hugging "
                          "Face hub the first time; offline, evaluate a local set with --corpus/--queries/--qrels")
     return float(result.task_results[0].get_score(splits=["test"], getter=lambda scores: scores["ndcg_at_10"]))
 
 
 def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, str] | None = None,
-             batch_size: int = 16) -> dict[int, dict[str, float]]:
+             batch_size: int = 16, trust_remote_code: bool = False) -> dict[int, dict[str, float]]:
     """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length."""
     data = read_beir(*local) if local else None
     scores: dict[int, dict[str, float]] = {length: {} for length in lengths}
     for name, folder in models.items():
         for length in lengths:
-            st_model = encoder(folder, length)
+            st_model = encoder(folder, length, trust_remote_code=trust_remote_code)
             scores[length][name] = (ndcg_local(st_model, *data, batch_size=batch_size) if data
                                     else ndcg_mldr(st_model, batch_size))
     return scores
@@ -174,7 +185,7 @@ def _named_models(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, folder = pair.partition("=")
         if not sep or not name or not os.path.isdir(folder):
-            raise SystemExit(f"error: --models entry {pair!r} is not NAME=EXPORTED_FOLDER (an existing folder)")
+            raise ConfigError(f"--models entry {pair!r} is not NAME=EXPORTED_FOLDER (an existing folder)")
         models[name] = folder
     return models
 
@@ -192,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     tune.add_argument("--lr", type=float, default=2e-5)
     tune.add_argument("--warmup_ratio", type=float, default=0.1)
     tune.add_argument("--seed", type=int, default=42)
+    tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input)")
     ev = commands.add_parser("evaluate", help="nDCG@10 at several maximum input lengths (Table 3)")
     ev.add_argument("--models", nargs="+", required=True, help="NAME=EXPORTED_FOLDER, one per table column")
     ev.add_argument("--lengths", nargs="+", type=int, required=True)
@@ -202,10 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--qrels")
     ev.add_argument("--batch_size", type=int, default=16)
     ev.add_argument("--out", required=True)
+    for command in (tune, ev):
+        command.add_argument("--trust_remote_code", action="store_true", help="let the model run its own code (an "
+                             "export's modeling_cable.py needs it), as transformers' trust_remote_code=True")
     args = parser.parse_args(argv)
     if args.command == "finetune":
         out = finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
-                       args.lr, args.warmup_ratio, args.seed)
+                       args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite)
         print(f"saved {out}")
         return
     if min(args.lengths) < 1:
@@ -213,8 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.corpus and not (args.queries and args.qrels):
         parser.error("--corpus needs --queries and --qrels")
     local = (args.corpus, args.queries, args.qrels) if args.corpus else None
-    print(write_table(evaluate(_named_models(args.models), args.lengths, local, args.batch_size), args.out), end="")
+    print(write_table(evaluate(_named_models(args.models), args.lengths, local, args.batch_size,
+                               args.trust_remote_code), args.out), end="")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with error_boundary():
+        sys.exit(main())

@@ -19,10 +19,12 @@ import sys
 
 from report import report
 
+from cable_lightning.errors import RunFailedError, error_boundary
 from cable_lightning.positional import from_label
 
 
 def commands(args) -> list[tuple[str, list[str]]]:
+    """Every run's command; an unknown encoding label is an error before any run starts."""
     runs = []
     for length in args.train_lengths or [None]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
@@ -58,7 +60,9 @@ def main(argv=None):
         return
     for _, cmd in runs:
         print("+", shlex.join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
+        if (status := subprocess.run(cmd).returncode) != 0:
+            raise RunFailedError(f"the run `{shlex.join(cmd[1:])}` ended with exit status {status} (its error is "
+                                 "above); running the sweep again continues it")
     out = args.report or f"{args.runs_dir}/{args.experiment}/report"
     for mode, table in report([f"{args.runs_dir}/{experiment}" for experiment in sorted({e for e, _ in runs})],
                               out).items():
@@ -66,4 +70,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with error_boundary():
+        main()

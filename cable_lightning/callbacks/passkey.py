@@ -83,18 +83,27 @@ class PasskeyRetrieval(L.Callback):
             self._builder = PasskeyPrompts(datamodule.load_tokenizer())
         return self._builder
 
+    def grid_lengths(self, pl_module) -> list[int]:
+        return self.lengths or sorted({length for length, _ in pl_module.eval_specs()})
+
     def setup(self, trainer, pl_module, stage):
-        """Refuse a model that cannot answer before any training or evaluation runs."""
-        if self.enabled and not pl_module.backbone.causal:
+        """Refuse a model that cannot answer, or a length too short for the prompt's fixed text, before any training
+        or evaluation runs (the prompts of the shortest length are built once here)."""
+        if not self.enabled:
+            return
+        if not pl_module.backbone.causal:
             raise ConfigError(
                 "passkey retrieval needs a causal LM (it decodes an answer); this model is a masked LM: "
                 "leave passkey.enabled false"
             )
+        builder, shortest = self.prompts(trainer), min(self.grid_lengths(pl_module))
+        for trial in range(self.trials):  # each trial has its own key, whose length in tokens may differ
+            builder.sample(shortest, 0.0, trial, self.seed)
 
     def on_validation_end(self, trainer, pl_module):
         if not self.enabled or trainer.sanity_checking:
             return
-        lengths = self.lengths or sorted({length for length, _ in pl_module.eval_specs()})
+        lengths = self.grid_lengths(pl_module)
         backbone, was_training = pl_module.backbone, pl_module.backbone.training
         backbone.eval()
         try:

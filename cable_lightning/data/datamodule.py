@@ -61,7 +61,8 @@ class TokenDataModule(L.LightningDataModule):
                                      ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
             if value < minimum:
                 raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
-        if eval_lengths is not None and (not eval_lengths or min(eval_lengths) < 1) or (eval_stride or 1) < 1:
+        if eval_lengths is not None and (not eval_lengths or min(eval_lengths) < 1) or (
+                eval_stride is not None and eval_stride < 1):
             raise ConfigError("eval_lengths must be a non-empty list of positive lengths and eval_stride positive or "
                               f"None, got {eval_lengths} and {eval_stride}")
         if (source is None) != (tokenizer is None):

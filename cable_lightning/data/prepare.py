@@ -42,6 +42,8 @@ from cable_lightning.data.tokenizers import (
     parse_bpe_spec,
     train_bpe,
 )
+from cable_lightning.errors import ConfigError, RunFailedError, TargetExistsError, error_boundary
+from cable_lightning.owned import check_replaceable, swap_in
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
@@ -131,12 +133,38 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         # A second prepare of this out waits here, then finds it done. A POSIX lock belongs to this process alone:
         # forked litdata helpers that outlive a killed worker cannot keep it (an flock would stay held by them).
         fcntl.lockf(lock, fcntl.LOCK_EX)
-        if (done := _existing(out, request, overwrite)) is not None:
+        if (done := _existing(out, request, overwrite, src.files or ())) is not None:
             (log or _silent)(f"{out} is already prepared for this request "
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
-        return _prepare(src, request, out, num_workers, start_method, log)
+        previous = (signal.signal(signal.SIGTERM, functools.partial(_stop, main_pid=os.getpid()))
+                    if threading.current_thread() is threading.main_thread() else None)
+        try:
+            return _prepare(src, request, out, num_workers, start_method, log)
+        except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
+            shutil.rmtree(out + ".partial", ignore_errors=True)
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+class PrepareStopped(BaseException):
+    """SIGTERM during prepare: raised in the main thread so that the workers are ended and the partial output removed
+    (like KeyboardInterrupt, not an Exception: nothing may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _stop(signum: int, frame: Any, main_pid: int = os.getpid()) -> None:
+    if os.getpid() != main_pid:  # a forked worker inherited this handler: it dies of the signal, as it would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise PrepareStopped(signum)
 
 
 def _silent(*_: Any) -> None:
@@ -201,22 +229,23 @@ def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | Non
     }
     with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(partial, out)
+    swap_in(partial, out, "prepare")
     log(f"wrote {out} in {manifest['seconds']} s: " + ", ".join(f"{k} {v['tokens']} tokens" for k, v in splits.items()))
     return manifest
 
 
-def _existing(out: str, request: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
-    """The finished manifest when ``out`` already holds this exact request; errors on a conflicting one."""
+def _existing(out: str, request: dict[str, Any], overwrite: bool, inputs: Iterable[str]) -> dict[str, Any] | None:
+    """The finished manifest when ``out`` already holds this exact request; errors on a conflicting one. ``out`` is
+    replaced only when prepare wrote it (its marker or manifest) and it holds none of the source's files."""
+    check_replaceable(out, "prepare", True, inputs)  # ownership and inputs; --overwrite is looked at below
     if overwrite or not os.path.exists(out) or (os.path.isdir(out) and not os.listdir(out)):
         return None
     if not os.path.isfile(os.path.join(out, MANIFEST)):
-        raise FileExistsError(f"{out} exists but holds no {MANIFEST}; pass --overwrite to replace it "
-                              "or choose another --out")
+        raise TargetExistsError(f"{out} was written by prepare but holds no {MANIFEST}; pass --overwrite to replace "
+                                "it or choose another --out")
     old = read_manifest(out, check_files=False).get("request", {})
     if old != request:
-        raise FileExistsError(f"{out} already holds data prepared from {old.get('source')!r} "
+        raise TargetExistsError(f"{out} already holds data prepared from {old.get('source')!r} "
                               f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}); "
                               "pass --overwrite to replace it or choose another --out")
     return read_manifest(out)
@@ -361,11 +390,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an output prepared for a different request")
     p.add_argument("--quiet", action="store_true")
     args = vars(p.parse_args(argv))
-    try:
-        prepare(**{k: v for k, v in args.items() if k != "quiet"}, verbose=not args["quiet"])
-    except (ValueError, RuntimeError, OSError) as exc:  # our errors are one line; say it without a traceback
-        print(f"prepare: error: {exc}", file=sys.stderr)
-        return 2
+    with error_boundary():  # one line, exit 2 for a bad request or source, 1 for a run that failed
+        try:
+            prepare(**{k: v for k, v in args.items() if k != "quiet"}, verbose=not args["quiet"])
+        except PrepareStopped as stop:  # 128 + the signal, as fit
+            print(f"error: {stop}; the workers were stopped and nothing was written to {args['out']}; run the same "
+                  "command again", file=sys.stderr, flush=True)
+            sys.exit(128 + stop.signum)
+        except ConfigError:
+            raise
+        except (ValueError, OSError) as exc:  # prepare's own one-line errors about its inputs
+            raise ConfigError(str(exc)) from exc
+        except RuntimeError as exc:  # a worker failed or was killed
+            raise RunFailedError(str(exc)) from exc
     return 0
 
 

@@ -220,12 +220,44 @@ class DatasetSource:
                 **python}
 
 
+def _folder_files(folder: str) -> list[str]:
+    """Every (non-hidden) file under ``folder``, following links; a folder reached a second time (a symlink loop,
+    or two links to one folder) is refused, so no file is read twice."""
+    seen: dict[str, str] = {}
+    found = []
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            raise ValueError(f"{root} is {seen[real]} again (a symlink loop, or a second link to one folder); "
+                             "remove the link so that each file is read once")
+        seen[real] = root
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    return sorted(p for p in found if os.path.isfile(p))
+
+
+def _skipped(spec: str, paths: list[str], why: str) -> None:
+    if paths:
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        print(f"source {spec}: skipping {len(paths)} files ({why}): {shown}", file=sys.stderr, flush=True)
+
+
 def local_files(spec: str, name: str | None = None) -> DatasetSource:
-    """``.txt`` (whole file = one document), ``.jsonl`` (a ``text`` field per line), ``.parquet`` (``text``)."""
-    pattern = os.path.join(spec, "**", "*") if os.path.isdir(spec) else spec
-    found = ([spec] if os.path.isfile(spec)
-             else sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)))
+    """``.txt`` (whole file = one document), ``.jsonl`` (a ``text`` field per line), ``.parquet`` (``text``). Each
+    real file is read once (a second path to it is skipped, said in one line, as are a folder's other files)."""
+    if os.path.isdir(spec):
+        found = _folder_files(spec)
+    else:
+        found = [spec] if os.path.isfile(spec) else sorted(p for p in glob.glob(spec, recursive=True)
+                                                           if os.path.isfile(p))
+    real: dict[str, str] = {}
+    for path in found:
+        real.setdefault(os.path.realpath(path), path)
+    _skipped(spec, [p for p in found if real[os.path.realpath(p)] != p], "the same file as another path")
+    found = [p for p in found if real[os.path.realpath(p)] == p]
     files = [f for f in found if f.endswith(tuple(LOCAL_BUILDERS))]
+    if os.path.isdir(spec):
+        _skipped(spec, [f for f in found if f not in files], f"not {', '.join(LOCAL_BUILDERS)}")
     if not os.path.isdir(spec) and len(files) < len(found):
         bad = next(f for f in found if f not in files)
         raise ValueError(f"unsupported file type {bad!r}; local sources must be {', '.join(LOCAL_BUILDERS)} files")

@@ -14,20 +14,19 @@ from __future__ import annotations
 import argparse
 import base64
 import glob
-import importlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 
-from ..checkpoints import read_checkpoint
+from ..checkpoints import package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
-from ..errors import ConfigError, MissingFileError, user_error
+from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary
 from ..lit.modules import saved_weights
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
+from ..owned import check_replaceable, staging_folder, swap_in
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
@@ -71,8 +70,7 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
     if not class_path or "data" not in hparams or "state_dict" not in ckpt:
         raise ConfigError(f"{ckpt_path} is not a checkpoint written by `python -m cable_lightning fit` (no model "
                           "class, data description or weights); export a checkpoint from a fit run")
-    module_name, _, class_name = class_path.rpartition(".")
-    model = getattr(importlib.import_module(module_name), class_name)(
+    model = package_model_class(class_path, ckpt_path)(
         backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
     model.load_state_dict(saved_weights(ckpt))
     return model.backbone.eval(), hparams["data"]
@@ -153,18 +151,19 @@ def training_length(config: BackboneConfig) -> int:
     return config.pos_encoding.longest_length(config.block_size) or config.block_size
 
 
-def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False) -> str:
+def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False,
+                    inputs: tuple = ()) -> str:
     """Write ``backbone`` (and ``tokenizer``, one of this package's tokenizers) as a Hugging Face folder ``out``.
 
-    The folder is built beside ``out`` and renamed into place: a failed export leaves no half folder."""
+    ``overwrite`` replaces only a folder an export wrote (its marker, :mod:`cable_lightning.owned`), never one that
+    holds ``inputs`` (the checkpoint, the data). The folder is built in a private folder beside ``out`` and renamed
+    into place: a failed export leaves no half folder and the old one intact; a failed write is one line (exit 1)."""
     out = os.path.abspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    check_replaceable(out, "export", overwrite, inputs)
     config = backbone.config
-    partial = out + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    partial = None
     try:
+        partial = staging_folder(out)
         core_files = copy_core(partial)
         for name in REMOTE_FILES:
             shutil.copyfile(os.path.join(REMOTE, name), os.path.join(partial, name))
@@ -187,30 +186,71 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
         model.save_pretrained(partial)
         if tokenizer is not None:
             hf_tokenizer(tokenizer, training_length(config)).save_pretrained(partial)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(partial, out)
+        swap_in(partial, out, "export")
+    except OSError as exc:
+        raise RunFailedError(f"could not write the export {out} ({type(exc).__name__}: {exc}); nothing was "
+                             "replaced") from exc
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
     return out
 
 
 def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, overwrite: bool = False) -> str:
     """Export a fit checkpoint with its data's tokenizer (``data_path``, or the run's own ``data.path``)."""
-    backbone, data = checkpoint_backbone(ckpt_path)
     data_path = data_path or run_data_path(ckpt_path)
     if data_path is None:
         raise MissingFileError(f"no run config.yaml beside {ckpt_path} names the prepared data; pass --data_path "
                                "<the prepared folder the run trained on> (its tokenizer is exported)")
-    return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite)
+    check_replaceable(os.path.abspath(out), "export", overwrite, (ckpt_path, data_path))  # before any work
+    backbone, data = checkpoint_backbone(ckpt_path)
+    return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite,
+                           inputs=(ckpt_path, data_path))
+
+
+def read_export_config(folder: str) -> dict:
+    """An exported folder's ``config.json``, checked: readable, and its ``core_files`` inside the folder's
+    ``cable_core/`` and present (the check the folder's own ``modeling_cable.py`` makes when transformers loads it)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise MissingFileError(f"{folder} holds no config.json; give a folder written by "
+                               "`python -m cable_lightning export`")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read ({type(exc).__name__}: {exc}); export the checkpoint again") from None
+    if "core_files" in config:
+        from types import SimpleNamespace
+
+        from .remote.modeling_cable import core_paths
+
+        try:
+            core_paths(SimpleNamespace(core_files=config["core_files"], name_or_path=folder))
+        except (ValueError, OSError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(f"{folder} is not a complete export ({first}); export the checkpoint again") from None
+    return config
+
+
+def check_remote_code(model: str, trusted: bool) -> None:
+    """Remote code runs only when asked: a local folder whose ``config.json`` maps transformers' Auto classes to its
+    own files (every export does) is refused without ``trusted`` (the tools' ``--trust_remote_code``, passed on as
+    transformers' ``trust_remote_code``). A hub id is left to transformers, which refuses custom code the same way."""
+    if not os.path.isdir(model):
+        return
+    auto_map = read_export_config(model).get("auto_map") or {}
+    if auto_map and not trusted:
+        files = sorted({str(v).split("--")[-1].split(".")[0] + ".py" for v in auto_map.values()})
+        raise ConfigError(f"{model} runs its own code when loaded ({', '.join(files)}); pass --trust_remote_code to "
+                          "allow it (transformers' trust_remote_code=True)")
 
 
 def load_backbone(folder: str) -> Backbone:
     """An exported folder back as this package's ``Backbone`` (the same weights, through ``safetensors``)."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        saved = json.load(f)["backbone"]
+    saved = read_export_config(folder)["backbone"]
     backbone = build_backbone(BackboneConfig.from_dict(saved))
     weights = upgrade_state_dict(load_file(os.path.join(folder, WEIGHTS)), saved)
     backbone.load_state_dict({k.removeprefix("backbone."): v for k, v in weights.items()})
@@ -230,12 +270,6 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one line of output: what was written where
-    try:
+    with error_boundary():
         out = export_checkpoint(args.ckpt_path, args.out, args.data_path, args.overwrite)
-    except Exception as exc:
-        known = user_error(exc)
-        if known is None or os.environ.get("CABLE_LIGHTNING_DEBUG"):
-            raise
-        print(f"error: {known}", file=sys.stderr, flush=True)
-        sys.exit(2)
     print(f"exported {args.ckpt_path} to {out}")

@@ -226,7 +226,7 @@ class LanguageModel(L.LightningModule):
                        stage=self.trainer.state.fn.value, checkpoint=checkpoint, length=length, mode=mode,
                        stride=stride)
             if length in self.unsupported_lengths:
-                self.length_results.append(LengthRecord(**row))
+                self.length_results.append(LengthRecord(**row, ppl=None))
                 continue
             if metric.update_count == 0 and self.trainer.world_size == 1:
                 continue  # under DDP a rank without windows still joins the metric's sync below

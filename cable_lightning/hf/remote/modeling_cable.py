@@ -40,6 +40,11 @@ def core_paths(config):
     if not config.core_files or not config.name_or_path:
         raise ValueError(f"{type(config).__name__} has no core_files or name_or_path: load it with from_pretrained "
                          "from a folder written by `python -m cable_lightning export`")
+    for name in config.core_files:  # paths read from the folder's config.json stay inside the folder's cable_core/
+        parts = str(name).replace("\\", "/").split("/")
+        if os.path.isabs(str(name)) or ".." in parts or "" in parts:
+            raise ValueError(f"core_files entry {name!r} in {config.name_or_path}/config.json leaves {CORE}/; valid: "
+                             f"relative paths inside {CORE}/ (e.g. models/backbone.py)")
     return [cached_file(config.name_or_path, f"{CORE}/{name}", _commit_hash=getattr(config, "_commit_hash", None))
             for name in config.core_files]
 

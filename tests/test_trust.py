@@ -1,0 +1,356 @@
+"""One trust policy at every door: checkpoints from anywhere (URLs included) load weights-only, a checkpoint may
+name only this package's model classes, and a crafted file never runs code. Each case goes through a real command
+(``python -m cable_lightning`` as :func:`run`, or ``export``) and must end in one ``error:`` line."""
+
+import functools
+import glob
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+
+import pytest
+import torch
+from test_cli import args
+
+from cable_lightning.checkpoints import package_model_class, resolve_ckpt_path
+from cable_lightning.cli import main, run
+from cable_lightning.errors import ConfigError
+from cable_lightning.hf.export import main as export_main
+from cable_lightning.lit import CausalLM, MaskedLM
+from cable_lightning.positional.registry import available
+
+
+class WritesMarker:
+    """Unpickling this (``weights_only=False``) runs ``open(marker, "w")``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def crafted_checkpoint(path, marker) -> str:
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "cable_lightning.lit.CausalLM"},
+                "payload": WritesMarker(str(marker))}, str(path))
+    return str(path)
+
+
+def one_error_line(capsys, call, status=2) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A folder served over http on 127.0.0.1 (an ephemeral port) for the test's duration; yields (folder, url)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_the_crafted_checkpoint_runs_code_when_unpickled_in_full(tmp_path):
+    """The payload the other tests serve is live: a plain ``torch.load(weights_only=False)`` writes the marker."""
+    marker = tmp_path / "marker"
+    path = crafted_checkpoint(tmp_path / "evil.ckpt", marker)
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({path!r}, weights_only=False)"], check=True,
+                   cwd=os.path.dirname(__file__))
+    assert marker.read_text() == "pwned"
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_crafted_checkpoint_url_is_refused_in_one_line_and_never_runs(tiny_corpus_dir, tmp_path, served, capsys,
+                                                                        subcommand):
+    folder, base = served
+    marker = tmp_path / "marker"
+    crafted_checkpoint(folder / "evil.ckpt", marker)
+    for url in (f"{base}/evil.ckpt", (folder / "evil.ckpt").as_uri()):
+        line = one_error_line(capsys, lambda: run([subcommand, *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                                   "--ckpt_path", url]))
+        assert "evil.ckpt cannot be loaded (UnpicklingError" in line, line
+        assert not marker.exists()
+    line = one_error_line(capsys, lambda: run([subcommand, *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                               "--ckpt_path", f"{base}/missing.ckpt"]))
+    assert f"checkpoint {base}/missing.ckpt cannot be downloaded (FileNotFoundError" in line, line
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_export_refuses_a_crafted_checkpoint_url(tmp_path, served, capsys):
+    folder, base = served
+    marker = tmp_path / "marker"
+    crafted_checkpoint(folder / "evil.ckpt", marker)
+    line = one_error_line(capsys, lambda: export_main(["--ckpt_path", f"{base}/evil.ckpt", "--out",
+                                                       str(tmp_path / "hf"), "--data_path", str(tmp_path)]))
+    assert "evil.ckpt cannot be loaded (UnpicklingError" in line
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_naming_a_foreign_class_is_refused_before_it_is_imported(tiny_corpus_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """``_class_path`` naming a module on the path (here one that writes a marker when imported) is refused by
+    validate and export without importing it."""
+    marker = tmp_path / "marker"
+    (tmp_path / "evil_module.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nclass Model: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for class_path in ("evil_module.Model", "os.system", "cable_lightning.data.prepare.prepare",
+                       "torch.nn.Linear"):
+        ckpt = str(tmp_path / "foreign.ckpt")
+        torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": class_path, "backbone": {}, "data": {}}},
+                   ckpt)
+        line = one_error_line(capsys, lambda: run(["validate", *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                                   "--ckpt_path", ckpt]))
+        assert f"names model class {class_path!r}, which is not one of this package's models" in line, line
+        line = one_error_line(capsys, lambda: export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "hf"),
+                                                           "--data_path", tiny_corpus_dir]))
+        assert f"names model class {class_path!r}" in line, line
+    assert not marker.exists() and "evil_module" not in sys.modules
+
+
+class OutsideModel(CausalLM):
+    pass
+
+
+def test_package_model_class_accepts_only_the_packages_own_models():
+    assert package_model_class("cable_lightning.lit.CausalLM", "x") is CausalLM
+    assert package_model_class("cable_lightning.lit.modules.MaskedLM", "x") is MaskedLM
+    for refused in (f"{__name__}.OutsideModel", "cable_lightning.lit.modules.torch", "CausalLM", ""):
+        with pytest.raises(ConfigError, match="not one of this package's models"):
+            package_model_class(refused, "x")
+
+
+# --- verified reads: checkpoints are checked against the CRC-32s their zip stores -------------------------------------
+
+def flip_tensor_bytes(path: str, count: int = 64) -> None:
+    """Flip ``count`` bytes in the middle of the largest tensor in a checkpoint (its zip directory stays intact)."""
+    with zipfile.ZipFile(path) as archive:
+        member = max(archive.infolist(), key=lambda info: info.file_size)
+        content = archive.read(member)
+    with open(path, "r+b") as f:
+        start = f.read().find(content) + len(content) // 2
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in content[len(content) // 2:len(content) // 2 + count]))
+
+
+def test_a_checkpoint_with_flipped_bytes_is_named_by_every_reader(tiny_corpus_dir, tmp_path, capsys):
+    runs = str(tmp_path / "runs")
+    main(["fit", *args(tiny_corpus_dir, runs)])
+    folder = os.path.join(runs, "test", "cable", "checkpoints")
+    last = os.path.join(folder, "last.ckpt")
+    torch.load(last, weights_only=True)
+    flip_tensor_bytes(last)
+    torch.load(last, weights_only=True)  # torch itself does not notice
+    line = one_error_line(capsys, lambda: run(["validate", *args(tiny_corpus_dir, runs), "--ckpt_path", last]))
+    assert f"checkpoint {last} is corrupt: its member" in line and "fails the CRC-32 check" in line, line
+    line = one_error_line(capsys, lambda: export_main(["--ckpt_path", last, "--out", str(tmp_path / "hf")]))
+    assert f"checkpoint {last} is corrupt: its member" in line, line
+    # --ckpt_path last passes over it to the newest checkpoint whose checksums hold
+    assert resolve_ckpt_path("last", folder) == os.path.join(folder, "step0000004.ckpt")
+    assert "skipping checkpoint" in capsys.readouterr().out
+
+
+# --- records: one reader that names the file and line of a bad row ---------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW = {"pe": "cable", "train_length": 32, "stage": "fit", "step": 4, "length": 32, "mode": "nonoverlap", "ppl": 9.5}
+
+
+def tool(*argv: str) -> subprocess.CompletedProcess:
+    """A tool as its user runs it (this checkout's package first on the path, no debug variable)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("CABLE_LIGHTNING_DEBUG", None)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]:
+    assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_line(tmp_path):
+    records = tmp_path / "run" / "length_eval.jsonl"
+    records.parent.mkdir()
+    good = json.dumps(ROW) + "\n"
+    out = str(tmp_path / "report")
+    records.write_text(good + json.dumps({**ROW, "length": 64})[:30])  # a writer killed in the middle of a row
+    done = tool("tools/report.py", str(tmp_path / "run"), "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert f"{records}:2: skipping a truncated last line" in done.stderr
+    assert "| 32 | **9.50** |" in (tmp_path / "report_nonoverlap.md").read_text()
+
+    records.write_text(good + "{not json\n" + good)
+    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", out)) == [
+        f"error: {records}:2: not a JSON record (Expecting property name enclosed in double quotes); fix or remove "
+        "that line"]
+    older = {k: v for k, v in ROW.items() if k != "mode"}  # a row format from before window modes
+    records.write_text(good + json.dumps(older) + "\n")
+    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", out)) == [
+        f"error: {records}:2: the row lacks mode (another record format?); valid rows have pe, train_length, step, "
+        "length, mode, ppl"]
+    records.write_text("")
+    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", str(tmp_path / "empty"))) == [
+        f"error: {records} hold no evaluation rows; validate a run first"]
+    assert not glob.glob(str(tmp_path / "empty*"))
+    assert error_lines(tool("tools/report.py", str(tmp_path / "nothing"), "--out", out)) == [
+        f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]
+
+
+# --- owned replacement: --overwrite replaces only what the tool wrote, never its own input ----------------------------
+
+def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write(tmp_path, capsys):
+    from cable_lightning.data.prepare import main as prepare_main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(2):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    base = ["--source", str(corpus), "--tokenizer", "bpe:300", "--val-tokens", "20", "--num-workers", "1", "--quiet"]
+    for extra in ([], ["--overwrite"]):
+        line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(corpus), *extra]))
+        assert line.startswith(f"error: --out {corpus} holds this command's input {corpus / 'doc0.txt'}"), line
+        assert "--overwrite" not in line  # no advice that would delete the corpus
+    assert sorted(os.listdir(corpus)) == ["doc0.txt", "doc1.txt"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("not prepared data")
+    line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(mine), "--overwrite"]))
+    assert f"{mine} already exists and was not written by prepare" in line, line
+    assert os.listdir(mine) == ["keep.txt"]
+
+
+def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
+    from cable_lightning.checkpoints import AtomicCheckpointIO
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("notes.partial", "step0000002.ckpt.partial", "last.ckpt.partial"):  # the last: a killed save's
+        (folder / name).write_bytes(b"PK partial bytes")
+    AtomicCheckpointIO().save_checkpoint({"step": 4}, str(folder / "last.ckpt"))
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "notes.partial", "step0000002.ckpt.partial"]
+    assert torch.load(folder / "last.ckpt", weights_only=True) == {"step": 4}
+
+
+# --- one error boundary for every tool --------------------------------------------------------------------------
+
+def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable(tmp_path):
+    line = error_lines(tool("tools/sweep.py", "--config", "configs/quickstart.yaml", "--pes", "cable",
+                            "dape_v2+nonesuch", "--print-only"))
+    assert line == ["error: --pes dape_v2+nonesuch: unknown positional encoding 'nonesuch'; valid: "
+                    f"{', '.join(available())} (dape_v2+<pe> augments <pe>)"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "CABLE_LIGHTNING_DEBUG": "1"}
+    debug = subprocess.run([sys.executable, "tools/report.py", str(tmp_path / "nothing")], capture_output=True,
+                           text=True, env=env, cwd=ROOT)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "MissingFileError: no length_eval.jsonl" in \
+        debug.stderr
+
+
+@pytest.mark.parametrize("stride", ["0", "-2"])
+def test_a_zero_or_negative_eval_stride_is_refused_before_training(tiny_corpus_dir, tmp_path, capsys, stride):
+    line = one_error_line(capsys, lambda: run(["fit", *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                               "--data.eval_stride", stride]))
+    assert f"eval_stride positive or None, got [32, 64] and {stride}" in line, line
+    assert not glob.glob(str(tmp_path / "runs" / "**" / "*.ckpt"), recursive=True)
+
+
+def test_a_passkey_length_too_short_for_its_prompt_is_refused_before_training(tiny_corpus_dir, tmp_path, capsys):
+    line = one_error_line(capsys, lambda: run(["fit", *args(tiny_corpus_dir, str(tmp_path / "runs")),
+                                               "--passkey.enabled", "true", "--passkey.lengths", "[8, 64]"]))
+    assert "passkey prompt length 8 is too short: intro, key sentence and question take" in line, line
+    assert not glob.glob(str(tmp_path / "runs" / "**" / "*.ckpt"), recursive=True)  # no step was trained
+
+
+# --- sources: each real file once, loops refused, skipped files listed ------------------------------------------------
+
+def test_a_source_folder_reads_each_real_file_once_and_refuses_a_symlink_loop(tmp_path, capsys):
+    from cable_lightning.data.sources import get_source
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("first document")
+    (corpus / "sub" / "b.txt").write_text("second document")
+    (corpus / "notes.md").write_text("not a corpus file")
+    os.symlink(corpus / "a.txt", corpus / "sub" / "again.txt")  # the same file by a second path
+    source = get_source(str(corpus))
+    assert source.files == [str(corpus / "a.txt"), str(corpus / "sub" / "b.txt")]
+    assert sorted(source.documents()) == ["first document", "second document"]
+    err = capsys.readouterr().err
+    assert f"skipping 1 files (the same file as another path): {corpus / 'sub' / 'again.txt'}" in err
+    assert f"skipping 1 files (not .txt, .jsonl, .parquet): {corpus / 'notes.md'}" in err
+    os.symlink(corpus, corpus / "sub" / "loop")  # a link back to the top: glob would read every file again and again
+    with pytest.raises(ValueError, match=f"{corpus / 'sub' / 'loop'} is {corpus} again \\(a symlink loop"):
+        get_source(str(corpus))
+
+
+# --- SIGTERM during prepare: the workers stop, nothing is left, exit 143 ----------------------------------------------
+
+SIGTERM_SCRIPT = """
+import functools, os, sys, time
+import cable_lightning.data.prepare as prep
+
+flag = sys.argv[1]
+real_tokenize = prep.tokenize_work
+
+def slow(work, **kwargs):
+    with open(flag + ".workers", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    open(flag, "w").close()
+    time.sleep(600)  # until stopped
+    yield from real_tokenize(work, **kwargs)
+
+prep.tokenize_work = slow
+prep.prepare = functools.partial(prep.prepare, start_method="fork")
+sys.exit(prep.main(sys.argv[2:]))
+"""
+
+
+def test_sigterm_during_prepare_stops_the_workers_leaves_nothing_and_exits_143(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    out, flag = tmp_path / "out", str(tmp_path / "started")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, flag, "--source", str(corpus), "--tokenizer",
+                              "bpe:300", "--out", str(out), "--val-tokens", "20", "--num-workers", "2", "--quiet"],
+                             env=env, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):  # the workers are tokenizing (at most 120 s)
+        if os.path.exists(flag) or child.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert os.path.exists(flag), child.stderr.read()
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 143, err
+    assert err.strip().splitlines()[-1] == (f"error: stopped by SIGTERM; the workers were stopped and nothing was "
+                                            f"written to {out}; run the same command again")
+    assert not out.exists() and not os.path.exists(f"{out}.partial")
+    for pid in map(int, open(flag + ".workers").read().split()):
+        for _ in range(100):  # a stopped worker is gone (reaped) within 10 s
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"worker {pid} still runs after prepare stopped")
