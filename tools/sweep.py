@@ -19,12 +19,18 @@ import sys
 
 from report import report
 
-from cable_lightning.errors import RunFailedError, error_boundary
+from cable_lightning.errors import ConfigError, RunFailedError, error_boundary
 from cable_lightning.positional import from_label
 
 
 def commands(args) -> list[tuple[str, list[str]]]:
     """Every run's command; an unknown encoding label is an error before any run starts."""
+    encodings = {}
+    for pe in args.pes:
+        try:
+            encodings[pe] = json.dumps(from_label(pe).to_dict())  # dape_v2+cable: DAPEv2 over CABLE
+        except ConfigError as exc:
+            raise ConfigError(f"--pes {pe}: {exc}") from None
     runs = []
     for length in args.train_lengths or [None]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
@@ -33,9 +39,8 @@ def commands(args) -> list[tuple[str, list[str]]]:
             for config in args.config:
                 cmd += ["--config", config]
             # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
-            encoding = json.dumps(from_label(pe).to_dict())  # dape_v2+cable: DAPEv2 over CABLE
             cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
-                    "--model.init_args.backbone.pos_encoding", encoding, "--ckpt_path", "auto"]
+                    "--model.init_args.backbone.pos_encoding", encodings[pe], "--ckpt_path", "auto"]
             if length is not None:
                 cmd += ["--data.block_size", str(length)]
             runs.append((experiment, cmd + args.extra))
