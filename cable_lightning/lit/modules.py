@@ -61,7 +61,6 @@ class LanguageModel(L.LightningModule):
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
-        self._checked_ids: set[str] = set()
 
     @cached_property
     def _flops_per_token(self) -> float:
@@ -100,20 +99,7 @@ class LanguageModel(L.LightningModule):
                 block.compile()
 
     # --- training ------------------------------------------------------------------------------
-    def check_token_ids(self, tokens: torch.Tensor, where: str) -> None:
-        """Once per data stream: ids the embedding cannot look up get a clear error, not torch's IndexError."""
-        if where in self._checked_ids:
-            return
-        self._checked_ids.add(where)
-        largest, smallest = int(tokens.max()), int(tokens.min())
-        if largest >= self.config.vocab_size or smallest < 0:
-            bad = largest if largest >= self.config.vocab_size else smallest
-            raise ConfigError(f"token id {bad} in the {where} data is outside the model's vocabulary of "
-                              f"{self.config.vocab_size} ids: the data was not made with the model's tokenizer; "
-                              "prepare it again with that tokenizer (or point data.path at data that was)")
-
     def training_step(self, batch, batch_idx):
-        self.check_token_ids(batch, "training")
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
         loss = self.backbone.loss(inputs, targets)
         self._last_loss = loss.detach()
@@ -190,8 +176,6 @@ class LanguageModel(L.LightningModule):
         key = self.spec_key(length, stride)
         if length in self.unsupported_lengths:
             return None
-        if batch_idx == 0:
-            self.check_token_ids(batch["tokens"], "validation")
         inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx)
         targets = scored_targets(targets, batch["first_scored"])
         start = time.perf_counter()
