@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from .callbacks import BiasPictures, LengthEvalRecorder, PasskeyRetrieval, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
@@ -228,7 +228,10 @@ class CableCLI(LightningCLI):
             config.trainer.check_val_every_n_epoch = None
 
     def instantiate_trainer(self, **kwargs):
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, TypeError, ValueError) as exc:  # Lightning's word on its own settings
+            raise ConfigError(f"the trainer settings are not valid here: {str(exc).strip().splitlines()[0]}") from exc
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO plugin is kept
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         trainer.callbacks.append(PreemptionCheckpoint(self.config[self.subcommand].checkpoint.dirpath))

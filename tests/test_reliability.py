@@ -323,6 +323,7 @@ def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_
     (["--data.path", "/nonexistent/data"], "no prepared data at /nonexistent/data"),
     (["--global_batch_tokens", "1000"], "global_batch_tokens=1000 is not a multiple of"),
     (["--trainer.max_stepz", "3"], "unrecognized arguments: --trainer.max_stepz 3"),
+    (["--trainer.devices", "0,1"], "the trainer settings are not valid here: `devices` selected with `CPUAccelerator`"),
 ])
 def test_user_errors_are_one_line_with_exit_status_2(tiny_corpus_dir, tmp_path, capsys, extra, message):
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1), *extra])
