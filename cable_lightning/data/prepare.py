@@ -92,6 +92,11 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
     for index, item in enumerate(items):
         for used, (doc, ids) in enumerate(encode(tok, src.read(item), dtype)):
             if taken >= budget:
+                if taken > 2 * budget:  # whole documents are held out: one long document can take far more
+                    unit = "characters" if by_chars else "tokens"
+                    print(f"warning: {src.name}: validation holds {taken} {unit}, {taken / budget:.1f}x the "
+                          f"{budget:.0f} asked for, because whole documents are held out; split long documents "
+                          "or pass --val-tokens", file=sys.stderr, flush=True)
                 return np.concatenate(head), [(item, used)] + [(rest, 0) for rest in items[index + 1 :]]
             head.append(ids)
             taken += len(doc) if by_chars else len(ids)
