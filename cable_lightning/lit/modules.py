@@ -250,7 +250,8 @@ class LanguageModel(L.LightningModule):
                               f"set --data.block_size {saved_data['block_size']} (data.eval_lengths "
                               "sets the evaluation lengths)")
         self.check_same_model(checkpoint, "the checkpoint's model differs from the configured one in settings that "
-                              "define the weights: ", "; drop them from the command line to use the checkpoint's")
+                              "define the weights: ", "; remove them from the command line and the config files to "
+                              "use the checkpoint's")
         checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
 
