@@ -143,21 +143,25 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
-        previous = (signal.signal(signal.SIGTERM, functools.partial(_stop, main_pid=os.getpid()))
-                    if threading.current_thread() is threading.main_thread() else None)
+        stop = functools.partial(_stop, main_pid=os.getpid())
+        previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+                    if threading.current_thread() is threading.main_thread() else {})
         try:
             return _prepare(src, request, out, num_workers, start_method, log)
         except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
             shutil.rmtree(out + ".partial", ignore_errors=True)
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's stop and Ctrl-C
 
 
 class PrepareStopped(BaseException):
-    """SIGTERM during prepare: raised in the main thread so that the workers are ended and the partial output removed
-    (like KeyboardInterrupt, not an Exception: nothing may swallow it)."""
+    """SIGTERM or Ctrl-C during prepare: raised in the main thread so that the workers are ended and the partial output
+    removed (like KeyboardInterrupt, not an Exception: nothing may swallow it)."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
@@ -260,8 +264,14 @@ def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, sta
               verbose: bool) -> None:
     """litdata's ``optimize`` under a :class:`_Watchdog`; any failure is one line that names its cause."""
     from litdata import TokensLoader, optimize
+    from litdata.processing.data_processor import DataProcessor
 
     watchdog, sigint, error = _Watchdog(), signal.getsignal(signal.SIGINT), None
+    # litdata 0.2.76 installs a SIGINT handler that ends the process with status 0 in the middle of the run, leaving
+    # its workers and a partial folder; while it runs, a Ctrl-C goes to prepare's own handler instead (as SIGTERM).
+    litdata_handler = DataProcessor._signal_handler
+    DataProcessor._signal_handler = lambda processor, signum, frame: (
+        sigint if callable(sigint) else functools.partial(litdata_handler, processor))(signum, frame)
     watchdog.start()
     try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
         optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
@@ -271,6 +281,7 @@ def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, sta
         error = exc
     finally:
         watchdog.finish()
+        DataProcessor._signal_handler = litdata_handler
         if sigint is not None:  # litdata leaves its SIGINT handler behind: a later Ctrl-C would exit with status 0
             signal.signal(signal.SIGINT, sigint)
     if isinstance(error, RuntimeError) and "Traceback" in str(error):  # a worker raised: litdata passes on its text
