@@ -266,6 +266,8 @@ def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, sta
     from litdata import TokensLoader, optimize
     from litdata.processing.data_processor import DataProcessor
 
+    from cable_lightning.console import LITDATA_VERBOSE  # litdata's own output is off (see console.py)
+
     watchdog, sigint, error = _Watchdog(), signal.getsignal(signal.SIGINT), None
     # litdata 0.2.76 installs a SIGINT handler that ends the process with status 0 in the middle of the run, leaving
     # its workers and a partial folder; while it runs, a Ctrl-C goes to prepare's own handler instead (as SIGTERM).
@@ -276,7 +278,7 @@ def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, sta
     try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
         optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
                  num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method,
-                 verbose=verbose)
+                 verbose=verbose and LITDATA_VERBOSE)
     except Exception as exc:  # noqa: BLE001 - kept to be raised below, after a watchdog's cause
         error = exc
     finally:
