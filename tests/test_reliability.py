@@ -46,8 +46,13 @@ def jsonl_rows(runs, pe="rope"):
 
 def user_error_line(capsys, argv, status=2):
     """Runs the command line; asserts the exit status and that stderr holds one ``error:`` line and no traceback."""
+    return one_error_line(capsys, lambda: run(argv), status)
+
+
+def one_error_line(capsys, call, status=2) -> str:
+    """Calls ``call``; asserts it exits with ``status`` and that stderr holds one ``error:`` line and no traceback."""
     with pytest.raises(SystemExit) as exit_info:
-        run(argv)
+        call()
     assert exit_info.value.code == status
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -17,6 +17,7 @@ import zipfile
 import pytest
 import torch
 from test_cli import args
+from test_reliability import one_error_line
 
 from cable_lightning.checkpoints import package_model_class, resolve_ckpt_path
 from cable_lightning.cli import main, run
@@ -40,17 +41,6 @@ def crafted_checkpoint(path, marker) -> str:
     torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "cable_lightning.lit.CausalLM"},
                 "payload": WritesMarker(str(marker))}, str(path))
     return str(path)
-
-
-def one_error_line(capsys, call, status=2) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        call()
-    assert exit_info.value.code == status
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err
-    return errors[0]
 
 
 @pytest.fixture
