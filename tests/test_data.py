@@ -735,3 +735,23 @@ def test_a_held_out_document_far_longer_than_the_budget_is_warned_in_one_line(tm
     assert manifest["splits"]["val"]["tokens"] > 0
     fast_prepare(source=str(source), tokenizer="bpe:300", out=str(tmp_path / "even"), val_fraction=0.5)
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+
+
+def test_a_long_document_is_encoded_in_segments_to_the_same_ids(tiny_corpus_docs, monkeypatch):
+    """Memory stays bounded on a one-line 40 MB document: it is encoded a segment at a time, cut only where a
+    pre-token ends, so the ids equal those of encoding it whole (here on real text, segments of ~500 characters)."""
+    import cable_lightning.data.prepare as prep
+    from cable_lightning.data.tokenizers import train_bpe
+
+    _, docs = tiny_corpus_docs
+    long_doc = "".join(docs[:40])
+    tok = train_bpe(iter(docs), 300)
+    whole = next(prep.encode(tok, [long_doc], "uint16"))[1]
+    monkeypatch.setattr(prep, "SEGMENT_CHARS", 500)
+    pieces = prep.segments(long_doc, 500)
+    assert len(pieces) > 20 and "".join(pieces) == long_doc
+    calls = []
+    monkeypatch.setattr(tok, "encode_batch", lambda texts, real=tok.encode_batch: calls.append(texts) or real(texts))
+    segmented = next(prep.encode(tok, [long_doc], "uint16"))[1]
+    assert max(len(text) for batch in calls for text in batch) <= 500  # never the whole document at once
+    np.testing.assert_array_equal(segmented, whole)
