@@ -306,6 +306,9 @@ def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, sta
                  verbose=verbose and LITDATA_VERBOSE)
     except Exception as exc:  # noqa: BLE001 - kept to be raised below, after a watchdog's cause
         error = exc
+    except BaseException:  # PrepareStopped (SIGTERM, Ctrl-C): every process the run started must end
+        watchdog.stopping = True
+        raise
     finally:
         watchdog.finish()
         DataProcessor._signal_handler = litdata_handler
@@ -339,9 +342,11 @@ class _Watchdog(threading.Thread):
     def __init__(self) -> None:
         super().__init__(name="prepare-watchdog", daemon=True)
         self.before = set(_started_children())
+        self.before_pids = set(_children(os.getpid()))
         self.workers: dict[int, Any] = {}  # pid -> Process, every child started while watching
         self.helpers: dict[int, str | None] = {}  # pid -> start time of the workers' children
         self.cause: str | None = None
+        self.stopping = False  # set when a stop signal ends optimize
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -356,6 +361,9 @@ class _Watchdog(threading.Thread):
             if proc not in self.before:
                 self.workers.setdefault(proc.pid, proc)
                 self.helpers.update((pid, _start_time(pid)) for pid in _children(proc.pid) if pid not in self.helpers)
+        if self.stopping:  # a worker forked while the stop interrupted start() was never registered: end it too
+            forked = set(_children(os.getpid())) - self.before_pids - set(self.workers) - set(self.helpers)
+            self.helpers.update((pid, _start_time(pid)) for pid in forked)
         for pid, proc in self.workers.items():
             if proc.exitcode and self.cause is None:  # None: running, 0: done, < 0: killed by that signal
                 self.cause = _death(pid, proc.exitcode)
