@@ -29,7 +29,7 @@ import csv
 import glob
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from cable_lightning.callbacks.length_eval import ppl_figure
@@ -84,16 +84,20 @@ class Cell:
 
     values: dict
     windows: Optional[dict] = None
+    _estimate: list = field(default_factory=list, repr=False, compare=False)  # computed once (a bootstrap is slow)
 
     def estimate(self) -> Optional[Estimate]:
         """None: the encoding cannot serve the length (some run recorded no value)."""
-        values = list(self.values.values())
-        if None in values:
-            return None
-        if len(values) == 1 and self.windows and all(self.windows.values()):
-            [(windows, reference)] = self.windows.values()
-            return window_interval(windows, reference)
-        return seed_interval(values)
+        if not self._estimate:
+            values = list(self.values.values())
+            if None in values:
+                self._estimate.append(None)
+            elif len(values) == 1 and self.windows and all(self.windows.values()):
+                [(windows, reference)] = self.windows.values()
+                self._estimate.append(window_interval(windows, reference))
+            else:
+                self._estimate.append(seed_interval(values))
+        return self._estimate[0]
 
 
 Table = tuple[list[str], list[list]]  # columns, rows of [row label, Cell or None per column]
