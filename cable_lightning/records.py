@@ -50,8 +50,8 @@ class LengthRecord(Record):
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_sec: Optional[float] = None
-    # Per evaluated window: its mean NLL (4 decimals) and scored tokens, in the order the windows were evaluated
-    # (rank by rank under DDP); the report's one-seed bootstrap interval resamples them.
+    # Per evaluated window: its mean NLL (4 decimals) and scored tokens, in stream order (each window scores the
+    # targets after the previous one's, also under DDP); the report's one-seed bootstrap interval resamples them.
     window_nll: Optional[list[float]] = None
     window_tokens: Optional[list[int]] = None
 

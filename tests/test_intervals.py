@@ -45,6 +45,18 @@ def test_paired_t_test_by_hand():
     assert not separable(a, a) and separable(a, [x + 1 for x in a])
 
 
+def test_one_seed_ratio_interval_pairs_windows_that_score_the_same_tokens():
+    # two 4-token windows (mean NLL 2.0, 3.0) against four 2-token reference windows over the same 8 tokens: window
+    # 0 goes with reference windows 0-1, window 1 with 2-3. A resample is windows (0, 0), (1, 1) or one of each: the
+    # ratio exp(2.0 - 2.0), exp(3.0 - 2.8) or exp(2.5 - 2.4); the 2.5% and 97.5% percentiles are the extremes
+    e = window_interval(([2.0, 3.0], [4, 4]), ([2.0, 2.0, 2.8, 2.8], [2, 2, 2, 2]))
+    assert e.mean == pytest.approx(math.exp(0.1))
+    assert (e.low, e.high) == (pytest.approx(1.0), pytest.approx(math.exp(0.2)))
+    # the same reference windows in the other order pair differently: exp(2.0 - 2.8) and exp(3.0 - 2.0)
+    e = window_interval(([2.0, 3.0], [4, 4]), ([2.8, 2.8, 2.0, 2.0], [2, 2, 2, 2]))
+    assert (e.low, e.high) == (pytest.approx(math.exp(-0.8)), pytest.approx(math.exp(1.0)))
+
+
 def rows(pe, ppls, length=256):
     return [LengthRecord(pe=pe, train_length=128, step=10, run_seed=seed, length=length, mode="nonoverlap", ppl=ppl)
             for seed, ppl in enumerate(ppls)]

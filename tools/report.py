@@ -128,7 +128,7 @@ def build_table(rows: list[LengthRecord], mode: str) -> Table:
 def ratio_table(rows: list[LengthRecord], mode: str) -> Table:
     """ppl(L) / ppl(training length) by evaluation length (other than the training length) and encoding, each run's
     ratio from its own rows (runs that did not evaluate their training length are left out). A one-seed interval
-    resamples the two lengths' windows independently, which ignores that they cover the same tokens (wider)."""
+    resamples each window with the training-length windows that score the same tokens."""
     rows = [r for r in rows if r.mode == mode]
     at_train = {(run_key(r), r.step): r for r in rows if r.length == r.train_length and r.ppl}
     rows = [r for r in rows if (run_key(r), r.step) in at_train and r.length != r.train_length]

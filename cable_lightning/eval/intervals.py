@@ -4,8 +4,9 @@
   degrees of freedom and the standard error of the mean; two encodings are compared by a paired t-test across the
   seeds they share (``scipy.stats.ttest_rel``), since runs of one seed see the same data in the same order.
 - Within one run (one seed): a percentile bootstrap over the evaluated windows (``scipy.stats.bootstrap``), of
-  exp(token-weighted mean NLL), or of the ratio of two such perplexities (the windows of each length resampled
-  independently); two encodings are compared by a paired t-test over the per-window mean NLLs of the same windows.
+  exp(token-weighted mean NLL), or of the ratio of two such perplexities (a window resampled with the windows of
+  the other length that score the same tokens); two encodings are compared by a paired t-test over the per-window
+  mean NLLs of the same windows.
 """
 
 from __future__ import annotations
@@ -51,27 +52,31 @@ def seed_interval(values: Sequence[float]) -> Estimate:
 
 
 def window_interval(windows: Windows, reference: Optional[Windows] = None) -> Estimate:
-    """One run's perplexity over its windows (or, with ``reference``, the ratio of it to the reference windows'
-    perplexity) and a 95% percentile bootstrap interval; none with fewer than two windows on a side."""
-    sides = [(np.asarray(nll, dtype=float), np.asarray(tokens, dtype=float))
-             for nll, tokens in ([windows] if reference is None else [windows, reference])]
+    """One run's perplexity over its windows and a 95% percentile bootstrap interval over them; with ``reference``
+    (the same run's windows at another length), the ratio of the two perplexities, paired: each resampled window
+    brings the reference windows that score the same tokens. Windows are in stream order, each scoring the targets
+    after the previous one's (as LengthRecord keeps them), so a reference window belongs to the window its first
+    scored target falls in (exact when the reference windows are no longer). No interval with one window."""
+    nll, tokens = np.asarray(windows[0], dtype=float), np.asarray(windows[1], dtype=float)
+    sums = [nll * tokens, tokens]
+    if reference is not None:
+        ref_nll, ref_tokens = np.asarray(reference[0], dtype=float), np.asarray(reference[1], dtype=float)
+        starts = np.concatenate([[0.0], np.cumsum(tokens)[:-1]])
+        ref_starts = np.concatenate([[0.0], np.cumsum(ref_tokens)[:-1]])
+        owner = np.clip(np.searchsorted(starts, ref_starts, side="right") - 1, 0, len(nll) - 1)
+        sums += [np.bincount(owner, ref_nll * ref_tokens, len(nll)), np.bincount(owner, ref_tokens, len(nll))]
 
-    def ppl(side, index):
-        nll, tokens = side
-        return np.exp((nll[index] * tokens[index]).sum(axis=-1) / tokens[index].sum(axis=-1))
+    def statistic(index, axis=-1):
+        num, den, *ref = [s[index].sum(axis=-1) for s in sums]
+        return np.exp(num / den) / (np.exp(ref[0] / ref[1]) if ref else 1.0)
 
-    def statistic(*indices, axis=-1):
-        values = [ppl(side, index) for side, index in zip(sides, indices)]
-        return values[0] if len(values) == 1 else values[0] / values[1]
-
-    indices = [np.arange(len(nll)) for nll, _ in sides]
-    value = float(statistic(*indices))
-    if min(len(i) for i in indices) < 2 or not math.isfinite(value):
-        return Estimate(value, n=min(len(i) for i in indices))
-    result = stats.bootstrap(indices, statistic, vectorized=True, paired=False, confidence_level=CONFIDENCE,
+    value = float(statistic(np.arange(len(nll))))
+    if len(nll) < 2 or not math.isfinite(value):
+        return Estimate(value, n=len(nll))
+    result = stats.bootstrap((np.arange(len(nll)),), statistic, vectorized=True, confidence_level=CONFIDENCE,
                              n_resamples=RESAMPLES, batch=BATCH, method="percentile", rng=np.random.default_rng(0))
     interval = result.confidence_interval
-    return Estimate(value, float(interval.low), float(interval.high), len(indices[0]), "bootstrap")
+    return Estimate(value, float(interval.low), float(interval.high), len(nll), "bootstrap")
 
 
 def separable(a: Sequence[float], b: Sequence[float]) -> bool:

@@ -254,7 +254,8 @@ class LanguageModel(L.LightningModule):
                 self.position_results += self._position_rows(self.val_nll_by_position[key], row)
 
     def _windows(self, key: str) -> tuple[list[float], list[int]]:
-        """Each evaluated window's mean NLL and scored tokens (windows that score nothing left out), every rank's."""
+        """Each evaluated window's mean NLL and scored tokens in stream order (each window scores the targets after
+        the previous one's), every rank's; windows that score nothing are left out."""
         pairs = self._window_nll.get(key) or []
         sums = torch.cat([s for s, _ in pairs]) if pairs else torch.zeros(0)
         counts = torch.cat([c for _, c in pairs]) if pairs else torch.zeros(0, dtype=torch.long)
@@ -264,7 +265,9 @@ class LanguageModel(L.LightningModule):
         if self.trainer.world_size > 1 and torch.distributed.is_initialized():
             gathered = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(gathered, windows)
-            windows = ([m for g in gathered for m in g[0]], [c for g in gathered for c in g[1]])
+            # rank r evaluated windows r, r + world, r + 2 world, ... (EvalWindows): back into stream order
+            order = [(i, r) for r, g in enumerate(gathered) for i in range(len(g[0]))]
+            windows = tuple([gathered[r][part][i] for i, r in sorted(order)] for part in (0, 1))
         return windows
 
     @staticmethod
