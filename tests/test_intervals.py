@@ -150,6 +150,13 @@ def test_an_interrupted_seed_resumes_in_its_own_folder(two_seeds):
     assert not os.path.exists(os.path.join(runs, "seeds", "cable", "checkpoints"))
 
 
+def test_a_validation_of_a_seeds_checkpoint_is_recorded_as_that_seed(two_seeds, tiny_corpus_dir, tmp_path):
+    runs, _, _ = two_seeds
+    ckpt = os.path.join(runs, "seeds", "cable", "seed1", "checkpoints", "last.ckpt")
+    cli = main(["validate", *tiny_args(tiny_corpus_dir, str(tmp_path)), "--ckpt_path", ckpt])  # seed_everything 7
+    assert {r.run_seed for r in cli.model.length_results} == {1}
+
+
 def test_ratio_table_from_a_real_fit(two_seeds):
     runs, _, _ = two_seeds
     latest = report.latest_rows(report.find_records([os.path.join(runs, "seeds")]))

@@ -59,7 +59,8 @@ class LanguageModel(L.LightningModule):
         self.position_results: list[PositionRecord] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
-        self.run_seed: Optional[int] = None  # the run's seed_everything, set by the CLI; copied into every record
+        # The run's seed_everything (set by the CLI, kept in checkpoints and taken from a loaded one); in every record
+        self.run_seed: Optional[int] = None
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
         self._checked_ids: set[str] = set()
@@ -161,6 +162,7 @@ class LanguageModel(L.LightningModule):
             raise RunFailedError(f"weights at step {self.global_step} are not finite "
                                  f"({bad[0]} and {len(bad) - 1} more); "
                                  "not saving them; the checkpoints already written are finite")
+        checkpoint["run_seed"] = self.run_seed  # a validation of these weights is recorded as the same run
 
     def configure_optimizers(self):
         h = self.hparams
@@ -292,6 +294,8 @@ class LanguageModel(L.LightningModule):
                               "define the weights: ", "; drop them from the command line to use the checkpoint's")
         checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
+        # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
+        self.run_seed = checkpoint.get("run_seed")
 
     def check_same_model(self, checkpoint: dict, problem: str, advice: str) -> None:
         """The checkpoint's tokenizer and weight-defining backbone settings must be this model's; a difference is
