@@ -34,10 +34,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from .callbacks import BiasPictures, LengthEvalRecorder, PasskeyRetrieval, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
@@ -48,6 +48,7 @@ from .checkpoints import (
     read_checkpoint,
     resolve_ckpt_path,
 )
+from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, error_boundary
 from .lit import LanguageModel
@@ -243,10 +244,15 @@ class CableCLI(LightningCLI):
         self.model.run_seed = None if isinstance(seed, bool) else seed
 
     def instantiate_trainer(self, **kwargs):
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, TypeError, ValueError) as exc:  # Lightning's word on its own settings
+            raise ConfigError(f"the trainer settings are not valid here: {str(exc).strip().splitlines()[0]}") from exc
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO plugin is kept
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         trainer.callbacks.append(PreemptionCheckpoint(self.config[self.subcommand].checkpoint.dirpath))
+        trainer.callbacks = [ParameterSummary(max_depth=cb._max_depth) if type(cb) in (ModelSummary, RichModelSummary)
+                             else cb for cb in trainer.callbacks]  # Lightning's default summary, without FLOPs 0
         return trainer
 
     def before_fit(self):
@@ -270,6 +276,10 @@ class CableCLI(LightningCLI):
         results = self.model.length_results
         if not results or results[0].step != self.trainer.global_step:
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        if self.trainer.is_global_zero:  # the last line of a run: where it went
+            logger = self.trainer.logger
+            print(f"run written to {logger.log_dir if logger else '(no logger)'}, checkpoints to "
+                  f"{self.config['fit'].checkpoint.dirpath}", flush=True)
 
 
 def main(args: list[str] | None = None) -> CableCLI:
@@ -284,6 +294,7 @@ def run(args: list[str] | None = None) -> None:
     2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
     after SIGTERM and 130 after Ctrl-C (``last.ckpt`` saved; continue with ``--ckpt_path last``). Bugs keep their
     traceback."""
+    quiet_library_chatter()  # other libraries' notes that say nothing about this run (see console.py)
     with error_boundary():
         try:
             main(args)

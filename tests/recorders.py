@@ -55,3 +55,12 @@ class NanGradientsAt(L.Callback):
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == self.step:
             next(pl_module.parameters()).grad.fill_(float("nan"))
+
+
+class Warns(L.Callback):
+    """Warns once at the start of training, as a user's own code might: the console must still show it."""
+
+    def on_train_start(self, trainer, pl_module):
+        import warnings
+
+        warnings.warn("a warning from the run's own code (tests/recorders.Warns)", UserWarning, stacklevel=1)

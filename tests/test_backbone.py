@@ -1,5 +1,7 @@
 """Backbone behaviour: causality, incremental decoding, RoPE, presets, errors, memory at long lengths."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,27 @@ def test_linear_rope_scaling_is_position_interpolation():
     plain = rotary(pos_encoding=rope(), **shape)
     # Position 2p under factor 2 rotates like position p unscaled.
     torch.testing.assert_close(scaled[:, :, 2:3], plain.rotate(q[:, :, 2:3], q[:, :, 2:3], 1)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_p_rope_rotates_the_highest_frequencies_and_leaves_the_rest(fraction):
+    """Each pair (i, i + D/2) against a 2x2 rotation written out by hand: angle position * base^(-2i/D) for the first
+    round(fraction * D/2) pairs (the highest frequencies), no rotation for the others."""
+    from cable_lightning.positional.p_rope import p_rope
+
+    torch.manual_seed(0)
+    d, positions = 16, 9
+    q = torch.randn(1, 1, positions, d, dtype=torch.float64)
+    rotated = rotary(pos_encoding=p_rope(fraction=fraction, base=100.0), n_layer=1, n_head=1, n_embd=d)
+    got = rotated.rotate(q.float(), q.float(), 0)[0][0, 0].double()
+    kept = round(fraction * d / 2)
+    for t in range(positions):
+        for i in range(d // 2):
+            angle = t * 100.0 ** (-2 * i / d) if i < kept else 0.0
+            c, s = math.cos(angle), math.sin(angle)
+            x, y = q[0, 0, t, i].item(), q[0, 0, t, i + d // 2].item()
+            assert got[t, i].item() == pytest.approx(c * x - s * y, abs=1e-5)
+            assert got[t, i + d // 2].item() == pytest.approx(s * x + c * y, abs=1e-5)
 
 
 def count(preset, **kw):

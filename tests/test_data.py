@@ -721,3 +721,17 @@ def test_empty_or_one_document_sources_say_so(tmp_path):
     with pytest.raises(ValueError, match=r"validation took all 1 documents.*a \.txt file is one document"):
         fast_prepare(source=str(one), tokenizer="bpe:300", out=str(tmp_path / "b"), val_fraction=0.01)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_held_out_document_far_longer_than_the_budget_is_warned_in_one_line(tmp_path, capsys):
+    """Validation takes whole documents: a long first document holds out far more than asked, which is said."""
+    source = tmp_path / "docs.jsonl"
+    docs = ["a very long first document " * 2000] + [f"short document number {i} " * 20 for i in range(200)]
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    manifest = fast_prepare(source=str(source), tokenizer="bpe:300", out=str(tmp_path / "out"), val_fraction=0.05)
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    budget = 0.05 * sum(map(len, docs))
+    assert len(warning) == 1 and f"x the {budget:.0f} asked for" in warning[0] and "--val-tokens" in warning[0]
+    assert manifest["splits"]["val"]["tokens"] > 0
+    fast_prepare(source=str(source), tokenizer="bpe:300", out=str(tmp_path / "even"), val_fraction=0.5)
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]

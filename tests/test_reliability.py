@@ -323,6 +323,7 @@ def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_
     (["--data.path", "/nonexistent/data"], "no prepared data at /nonexistent/data"),
     (["--global_batch_tokens", "1000"], "global_batch_tokens=1000 is not a multiple of"),
     (["--trainer.max_stepz", "3"], "unrecognized arguments: --trainer.max_stepz 3"),
+    (["--trainer.devices", "0,1"], "the trainer settings are not valid here: `devices` selected with `CPUAccelerator`"),
 ])
 def test_user_errors_are_one_line_with_exit_status_2(tiny_corpus_dir, tmp_path, capsys, extra, message):
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1), *extra])
@@ -335,9 +336,33 @@ def test_token_ids_beyond_the_vocabulary_are_named(tiny_corpus_dir, tmp_path):
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["vocab_size"] = 100  # as if the folder said another (smaller) tokenizer made it
     (data / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ConfigError,
-                       match=r"token id \d+ in the training data is outside the model's vocabulary of 100 ids"):
+    with pytest.raises(ConfigError, match=r"token id \d+ in (training batch 0|the val split) of .* is outside the "
+                                          r"model's vocabulary of 100 ids"):
         main(["fit", *args(str(data), str(tmp_path / "runs"), steps=1)])
+
+
+def test_every_training_batch_is_checked_not_only_the_first(tiny_corpus_dir):
+    """A chunk corrupted deep in the stream is named when its batch is read, on the host, before it reaches the
+    embedding (an IndexError there, or a device-side assert on CUDA)."""
+    from types import SimpleNamespace
+
+    from cable_lightning.data.datamodule import TokenDataModule
+
+    dm = TokenDataModule(path=tiny_corpus_dir, block_size=32, micro_batch_size=2)
+    vocab = dm.describe().vocab_size
+    progress = SimpleNamespace(total=SimpleNamespace(ready=0))
+    dm.trainer = SimpleNamespace(training=True, global_rank=0,
+                                 fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    good = torch.randint(0, vocab, (2, 33))
+    for batch_number in range(3):
+        progress.total.ready = batch_number
+        assert torch.equal(dm.on_before_batch_transfer(good, 0), good)
+    progress.total.ready = 4711
+    bad = good.clone()
+    bad[1, 20] = vocab
+    with pytest.raises(ConfigError, match=rf"token id {vocab} in training batch 4711 of .* is outside the model's "
+                                          rf"vocabulary of {vocab} ids"):
+        dm.on_before_batch_transfer(bad, 0)
 
 
 def test_a_resumed_schedule_follows_the_configured_learning_rate():

@@ -23,24 +23,29 @@ import sys
 
 from report import report
 
-from cable_lightning.errors import RunFailedError, error_boundary
+from cable_lightning.errors import ConfigError, RunFailedError, error_boundary
 from cable_lightning.positional import from_label
 
 
 def commands(args) -> list[tuple[str, list[str]]]:
     """Every run's command; an unknown encoding label is an error before any run starts."""
+    encodings = {}
+    for pe in args.pes:
+        try:
+            encodings[pe] = json.dumps(from_label(pe).to_dict())  # dape_v2+cable: DAPEv2 over CABLE
+        except ConfigError as exc:
+            raise ConfigError(f"--pes {pe}: {exc}") from None
     runs = []
     for length in args.train_lengths or [None]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
         for pe in args.pes:
-            encoding = json.dumps(from_label(pe).to_dict())  # dape_v2+cable: DAPEv2 over CABLE
             for seed in args.seeds or [None]:
                 cmd = [sys.executable, "-m", "cable_lightning", "fit"]
                 for config in args.config:
                     cmd += ["--config", config]
                 # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
                 cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
-                        "--model.init_args.backbone.pos_encoding", encoding, "--ckpt_path", "auto"]
+                        "--model.init_args.backbone.pos_encoding", encodings[pe], "--ckpt_path", "auto"]
                 if seed is not None:
                     cmd += ["--seed_everything", str(seed), "--folder_per_seed", "true"]
                 if length is not None:

@@ -29,6 +29,16 @@ def collate_tokens(windows: list[Any]) -> torch.Tensor:
     return torch.from_numpy(np.stack([np.asarray(w) for w in windows]).astype(np.int64))
 
 
+def check_token_ids(tokens: torch.Tensor | np.ndarray, vocab_size: int, where: str) -> None:
+    """Ids the embedding cannot look up are a one-line error naming where they were read, not torch's IndexError."""
+    largest, smallest = int(tokens.max()), int(tokens.min())
+    if largest >= vocab_size or smallest < 0:
+        bad = largest if largest >= vocab_size else smallest
+        raise ConfigError(f"token id {bad} in {where} is outside the model's vocabulary of {vocab_size} ids: the data "
+                          "is corrupt or was not made with the model's tokenizer; prepare it again with that tokenizer "
+                          "(or point data.path at data that was)")
+
+
 class TokenDataModule(L.LightningDataModule):
     """Token windows from a folder written by ``python -m cable_lightning.data.prepare``.
 
@@ -141,15 +151,18 @@ class TokenDataModule(L.LightningDataModule):
         return tok
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``passkey_fraction``, the first rows of each training batch become passkey sequences, drawn from a
-        generator seeded by (seed, rank, batch number) so that a resumed run sees the same ones."""
+        """Every training batch's token ids are checked against the vocabulary here, on the host before the copy to the
+        device (a chunk corrupted anywhere in the stream is named when it is read). With ``passkey_fraction``, the
+        first rows of each training batch then become passkey sequences, drawn from a generator seeded by (seed, rank,
+        batch number) so that a resumed run sees the same ones."""
         trainer = getattr(self, "trainer", None)
-        if not self.passkey_fraction or trainer is None or not trainer.training:
+        if trainer is None or not trainer.training:
             return batch
+        batch_number = trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        check_token_ids(batch, self.describe().vocab_size, f"training batch {batch_number} of {self.path}")
         rows = round(self.passkey_fraction * batch.shape[0])
         if rows:
             batch = batch.clone()
-            batch_number = trainer.fit_loop.epoch_loop.batch_progress.total.ready
             rng = random.Random(hash((self.seed, trainer.global_rank, batch_number)))
             for row in range(rows):
                 batch[row] = torch.tensor(self.passkey_sequence(rng), dtype=batch.dtype)
@@ -191,6 +204,7 @@ class TokenDataModule(L.LightningDataModule):
         if split not in self._eval_streams:
             self.describe()
             held_out = load_split(self.path, split, self._manifest)
+            check_token_ids(held_out, self.describe().vocab_size, f"the {split} split of {self.path}")
             longest = max(length for length, _ in self.eval_specs())
             if len(held_out) < longest + 1:
                 raise ConfigError(f"eval length {longest} needs {longest + 1} consecutive tokens but the {split} split "

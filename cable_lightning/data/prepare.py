@@ -92,6 +92,11 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
     for index, item in enumerate(items):
         for used, (doc, ids) in enumerate(encode(tok, src.read(item), dtype)):
             if taken >= budget:
+                if taken > 2 * budget:  # whole documents are held out: one long document can take far more
+                    unit = "characters" if by_chars else "tokens"
+                    print(f"warning: {src.name}: validation holds {taken} {unit}, {taken / budget:.1f}x the "
+                          f"{budget:.0f} asked for, because whole documents are held out; split long documents "
+                          "or pass --val-tokens", file=sys.stderr, flush=True)
                 return np.concatenate(head), [(item, used)] + [(rest, 0) for rest in items[index + 1 :]]
             head.append(ids)
             taken += len(doc) if by_chars else len(ids)
@@ -138,21 +143,25 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
-        previous = (signal.signal(signal.SIGTERM, functools.partial(_stop, main_pid=os.getpid()))
-                    if threading.current_thread() is threading.main_thread() else None)
+        stop = functools.partial(_stop, main_pid=os.getpid())
+        previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+                    if threading.current_thread() is threading.main_thread() else {})
         try:
             return _prepare(src, request, out, num_workers, start_method, log)
         except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
             shutil.rmtree(out + ".partial", ignore_errors=True)
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's stop and Ctrl-C
 
 
 class PrepareStopped(BaseException):
-    """SIGTERM during prepare: raised in the main thread so that the workers are ended and the partial output removed
-    (like KeyboardInterrupt, not an Exception: nothing may swallow it)."""
+    """SIGTERM or Ctrl-C during prepare: raised in the main thread so that the workers are ended and the partial output
+    removed (like KeyboardInterrupt, not an Exception: nothing may swallow it)."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
@@ -255,17 +264,26 @@ def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, sta
               verbose: bool) -> None:
     """litdata's ``optimize`` under a :class:`_Watchdog`; any failure is one line that names its cause."""
     from litdata import TokensLoader, optimize
+    from litdata.processing.data_processor import DataProcessor
+
+    from cable_lightning.console import LITDATA_VERBOSE  # litdata's own output is off (see console.py)
 
     watchdog, sigint, error = _Watchdog(), signal.getsignal(signal.SIGINT), None
+    # litdata 0.2.76 installs a SIGINT handler that ends the process with status 0 in the middle of the run, leaving
+    # its workers and a partial folder; while it runs, a Ctrl-C goes to prepare's own handler instead (as SIGTERM).
+    litdata_handler = DataProcessor._signal_handler
+    DataProcessor._signal_handler = lambda processor, signum, frame: (
+        sigint if callable(sigint) else functools.partial(litdata_handler, processor))(signum, frame)
     watchdog.start()
     try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
         optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
                  num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method,
-                 verbose=verbose)
+                 verbose=verbose and LITDATA_VERBOSE)
     except Exception as exc:  # noqa: BLE001 - kept to be raised below, after a watchdog's cause
         error = exc
     finally:
         watchdog.finish()
+        DataProcessor._signal_handler = litdata_handler
         if sigint is not None:  # litdata leaves its SIGINT handler behind: a later Ctrl-C would exit with status 0
             signal.signal(signal.SIGINT, sigint)
     if isinstance(error, RuntimeError) and "Traceback" in str(error):  # a worker raised: litdata passes on its text

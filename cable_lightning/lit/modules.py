@@ -63,7 +63,6 @@ class LanguageModel(L.LightningModule):
         self.run_seed: Optional[int] = None
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
-        self._checked_ids: set[str] = set()
 
     @cached_property
     def _flops_per_token(self) -> float:
@@ -102,20 +101,7 @@ class LanguageModel(L.LightningModule):
                 block.compile()
 
     # --- training ------------------------------------------------------------------------------
-    def check_token_ids(self, tokens: torch.Tensor, where: str) -> None:
-        """Once per data stream: ids the embedding cannot look up get a clear error, not torch's IndexError."""
-        if where in self._checked_ids:
-            return
-        self._checked_ids.add(where)
-        largest, smallest = int(tokens.max()), int(tokens.min())
-        if largest >= self.config.vocab_size or smallest < 0:
-            bad = largest if largest >= self.config.vocab_size else smallest
-            raise ConfigError(f"token id {bad} in the {where} data is outside the model's vocabulary of "
-                              f"{self.config.vocab_size} ids: the data was not made with the model's tokenizer; "
-                              "prepare it again with that tokenizer (or point data.path at data that was)")
-
     def training_step(self, batch, batch_idx):
-        self.check_token_ids(batch, "training")
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
         loss = self.backbone.loss(inputs, targets)
         self._last_loss = loss.detach()
@@ -195,8 +181,6 @@ class LanguageModel(L.LightningModule):
         key = self.spec_key(length, stride)
         if length in self.unsupported_lengths:
             return None
-        if batch_idx == 0:
-            self.check_token_ids(batch["tokens"], "validation")
         inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx)
         targets = scored_targets(targets, batch["first_scored"])
         start = time.perf_counter()
@@ -291,7 +275,8 @@ class LanguageModel(L.LightningModule):
                               f"set --data.block_size {saved_data['block_size']} (data.eval_lengths "
                               "sets the evaluation lengths)")
         self.check_same_model(checkpoint, "the checkpoint's model differs from the configured one in settings that "
-                              "define the weights: ", "; drop them from the command line to use the checkpoint's")
+                              "define the weights: ", "; remove them from the command line and the config files to "
+                              "use the checkpoint's")
         checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.

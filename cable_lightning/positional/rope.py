@@ -79,9 +79,10 @@ class rope(Encoding):
             raise ConfigError(f"rope.scaling_factor must be >= 1, got {self.scaling_factor}")
 
     def label(self, runtime: bool = True) -> str:
-        return f"rope+{self.scaling}{self.scaling_factor:g}" if runtime and self.scaling != "none" else "rope"
+        scaled = runtime and self.scaling != "none"
+        return f"{self.name}+{self.scaling}{self.scaling_factor:g}" if scaled else self.name
 
     def check(self, config):
         if config.head_dim % 2:
-            raise ConfigError(f"rope rotates pairs of dimensions: head size {config.head_dim} "
+            raise ConfigError(f"{self.name} rotates pairs of dimensions: head size {config.head_dim} "
                               f"(n_embd {config.n_embd} / n_head {config.n_head}) must be even")

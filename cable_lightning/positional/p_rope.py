@@ -1,0 +1,33 @@
+"""p-RoPE (Barbero et al., ICLR 2025, "Round and Round We Go! What makes Rotary Positional Encodings useful?"):
+RoPE on the highest ``fraction`` of its frequencies only. The lowest frequencies barely turn over a training length,
+so models use those channels for content rather than position; p-RoPE leaves them unrotated (frequency 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .rope import Rope, rope
+
+
+class PartialRope(Rope):
+    def __init__(self, settings: "p_rope", config):
+        super().__init__(settings, config)
+        kept = round(settings.fraction * len(self.inv_freq))  # inv_freq falls with its index: the highest come first
+        self.inv_freq[kept:] = 0.0
+
+
+@dataclass
+class p_rope(rope):
+    """RoPE's settings and scalings, rotating only the highest ``fraction`` of the frequencies (1: RoPE, 0: NoPE)."""
+
+    fraction: float = 0.75
+
+    module = PartialRope
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ConfigError(f"p_rope.fraction must be in [0, 1] (the share of frequencies rotated), "
+                              f"got {self.fraction}")
