@@ -5,7 +5,8 @@ What it adds to the stock CLI:
   accumulation from micro-batch x block x the built Trainer's world size; an error when it does not divide.
 - runs laid out as ``<runs_dir>/<experiment>/<pe>/version_N`` (TensorBoard) with checkpoints in
   ``<runs_dir>/<experiment>/<pe>/checkpoints`` (``last.ckpt`` plus every N steps), so
-  ``--ckpt_path last`` finds the previous run's last checkpoint.
+  ``--ckpt_path last`` finds the previous run's last checkpoint; with ``--folder_per_seed true``, one more level,
+  ``seed<N>`` (the run's seed_everything), so that seeds of one encoding are separate runs.
 - the data's description (vocabulary, ids, tokenizer identity, training and evaluation lengths) flows from
   the data to the model, set once in the data section; the data is prepared first when it asks for that.
 - validation every checkpoint interval at every evaluation length (and window mode), recorded by
@@ -83,9 +84,17 @@ def configured_backbone(config) -> BackboneConfig:
 
 
 def run_folder(config) -> str:
-    """``<runs_dir>/<experiment>/<encoding>``: TensorBoard versions and the checkpoints folder live under it. Named
-    by the encoding's weight-defining label, so a run evaluated with RoPE scaling is still found (``rope``)."""
-    return f"{config.runs_dir}/{config.experiment}/{configured_backbone(config).pos_encoding.label(runtime=False)}"
+    """``<runs_dir>/<experiment>/<encoding>``, and ``.../<encoding>/seed<N>`` with ``--folder_per_seed true`` (what
+    ``tools/sweep.py --seeds`` passes): TensorBoard versions and the checkpoints folder live under it. Named by the
+    encoding's weight-defining label, so a run evaluated with RoPE scaling is still found (``rope``)."""
+    folder = f"{config.runs_dir}/{config.experiment}/{configured_backbone(config).pos_encoding.label(runtime=False)}"
+    if not config.get("folder_per_seed"):
+        return folder
+    seed = config.get("seed_everything")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"--folder_per_seed true names the run folder by the seed, but seed_everything is {seed}; "
+                          "give the run its seed (--seed_everything N)")
+    return f"{folder}/seed{seed}"
 
 
 def checkpoint_folder(config) -> str:
@@ -192,6 +201,8 @@ class CableCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.add_argument("--experiment", type=str, default="default", help="runs/<experiment>/<pe>/...")
         parser.add_argument("--runs_dir", type=str, default="runs")
+        parser.add_argument("--folder_per_seed", type=bool, default=False,
+                            help="runs/<experiment>/<pe>/seed<seed_everything>/...: one folder per seed")
         parser.add_argument("--global_batch_tokens", type=Optional[int], default=None,
                             help="global batch in tokens; sets trainer.accumulate_grad_batches")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -227,6 +238,10 @@ class CableCLI(LightningCLI):
         if self._validate_every_checkpoint:  # in batches, across epochs; scaled by accumulation in before_fit
             config.trainer.val_check_interval = config.checkpoint.every_n_train_steps
             config.trainer.check_val_every_n_epoch = None
+
+    def after_instantiate_classes(self):
+        seed = self._get(self.config, "seed_everything")  # an int once _set_seed ran, unless seeding is off
+        self.model.run_seed = None if isinstance(seed, bool) else seed
 
     def instantiate_trainer(self, **kwargs):
         try:

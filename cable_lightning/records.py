@@ -5,7 +5,9 @@ JSON-lines file the package and its tools read (records, BEIR-style ``corpus.jso
 mid-row) is skipped with a word.
 
 Every record carries its run's context (the encoding's label, the training length, the stage that wrote it) and
-the step and checkpoint it measured, so a file can be read on its own.
+the step and checkpoint it measured, so a file can be read on its own. ``run_seed`` is the run's ``seed_everything``
+(None in rows an earlier version wrote): runs of one encoding with different seeds are different runs, which
+``tools/report.py`` aggregates into a mean and an interval.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Record:
     step: int
     stage: str = "fit"  # or validate, test
     checkpoint: Optional[str] = None  # the checkpoint a validate/test measured (None: the weights of the running fit)
+    run_seed: Optional[int] = None  # the run's seed_everything (PasskeyRecord.seed is the prompts' own seed)
 
 
 @dataclass(kw_only=True)
@@ -47,6 +50,10 @@ class LengthRecord(Record):
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_sec: Optional[float] = None
+    # Per evaluated window: its mean NLL (4 decimals) and scored tokens, in stream order (each window scores the
+    # targets after the previous one's, also under DDP); the report's one-seed bootstrap interval resamples them.
+    window_nll: Optional[list[float]] = None
+    window_tokens: Optional[list[int]] = None
 
 
 @dataclass(kw_only=True)

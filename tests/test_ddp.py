@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.lit import CausalLM
 from cable_lightning.lit.optim import build_optimizer
@@ -51,6 +52,14 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
         assert sum(r["tokens"] for r in buckets) == row["tokens"] == 256
         assert sum(r["loss"] * r["tokens"] for r in buckets) / 256 == pytest.approx(row["loss"], rel=1e-5)
     assert [(r["length"], r["depth"], r["trials"]) for r in read("passkey.jsonl")] == [(80, 0.5, 2)]
+    # Each rank evaluated every other window; the record lists them all in stream order, as one process does.
+    final = {r["length"]: r for r in read("length_eval.jsonl") if r["step"] == 3}
+    alone = main(["validate", *cmd[4:cmd.index("--trainer.devices")], "--trainer.devices", "1",
+                  "--runs_dir", str(tmp_path / "runs"), "--ckpt_path", "last"])
+    for row in alone.model.length_results:
+        assert sum(final[row.length]["window_tokens"]) == 256
+        assert final[row.length]["window_tokens"] == row.window_tokens
+        assert final[row.length]["window_nll"] == pytest.approx(row.window_nll, abs=2e-4)
 
     load = lambda name, rank: torch.load(out / f"{name}_rank{rank}.pt")  # noqa: E731
     batches = [load("batch0", r) for r in (0, 1)]

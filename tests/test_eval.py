@@ -103,10 +103,15 @@ def test_report_table_marks_best_and_dashes_unsupported(two_runs, tmp_path):
     row32, row64 = lines[2], lines[3]
     assert row64.startswith("| 64 |") and row64.endswith("| - |")  # learnable cannot serve 64 tokens
     assert row64.count("**") == 2  # alibi, the only value, is the best
-    assert row32.count("**") == 2
+    # two 2-step models (ppl near the vocabulary size): one seed each, so a bootstrap interval over the 4
+    # (32) or 2 (64) windows, and a paired test over the same windows that cannot tell them apart: both bold
+    assert row32.count("**") == 4 and row32.count("[") == 2
+    assert "one seed [95% percentile bootstrap over its n=2/4 evaluated windows]" in table
     assert (tmp_path / "pair_nonoverlap.png").stat().st_size > 1000
     csv_lines = (tmp_path / "pair_nonoverlap.csv").read_text().splitlines()
-    assert csv_lines[0] == "length,alibi,learnable" and csv_lines[2].endswith(",")
+    assert csv_lines[0] == "length,encoding,seed,ppl,mean,low,high,n,interval"
+    last = dict(zip(csv_lines[0].split(","), csv_lines[-1].split(",")))
+    assert (last["length"], last["encoding"], last["ppl"]) == ("64", "learnable", "")  # no value where unsupported
 
 
 def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):

@@ -1,10 +1,23 @@
-"""Collect runs into the CABLE paper's Table-1 layout and Figure-1 plot.
+"""Collect runs into the CABLE paper's Table-1 layout and Figure-1 plot, with intervals over seeds.
 
-Reads ``length_eval.jsonl`` files (written by LengthEvalRecorder), keeps each run's latest
-evaluation, and writes per window mode: a markdown table (rows: evaluation length, columns: PE,
-best per row in bold, unsupported as a dash), the same as CSV, and a perplexity-vs-length PNG.
-Where runs also have ``passkey.jsonl`` (PasskeyRetrieval), a passkey table beside it: the same layout,
-each cell the accuracy averaged over depths, best (highest) in bold.
+Reads the records runs wrote (``length_eval.jsonl``, and where present ``position_loss.jsonl`` and ``passkey.jsonl``),
+keeps each run's latest evaluation (a run is one encoding, training length and seed), and writes per window mode:
+
+- ``<out>_<mode>.md``: perplexity by evaluation length (rows) and encoding (columns), each cell the mean over the
+  runs' seeds and its 95% interval, then the extrapolation ratio ppl(L) / ppl(training length), each run's ratio
+  aggregated the same way (a run's own ratio removes its overall offset);
+- ``<out>_<mode>.csv``: one line per run and length, every seed's perplexity and ratio, with the cell's mean and
+  interval;
+- ``<out>_<mode>.png``: perplexity against length, a band for each interval;
+- ``<out>_<mode>_training.png``: for each encoding, perplexity and the ratio at every evaluated length against the
+  training step, from the evaluations at every checkpoint.
+
+Intervals (cable_lightning.eval.intervals): with several seeds, a Student-t interval over them; with one seed, a
+percentile bootstrap over the evaluated windows. Bold: the best mean and every encoding a paired t-test does not
+separate from it at p < 0.05 (across shared seeds, or with one seed over the same evaluated windows); a dash: the
+encoding cannot serve the length. Loss by position (``<out>_position.md/.csv``) and passkey accuracy averaged over
+depths (``<out>_passkey.md/.csv``) are aggregated over seeds the same way (no one-seed interval: they keep no
+per-window values).
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -14,11 +27,15 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import math
 import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from cable_lightning.callbacks.length_eval import ppl_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
-from cable_lightning.records import LengthRecord, PasskeyRecord, Record, read_records
+from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
+from cable_lightning.records import LengthRecord, PasskeyRecord, PositionRecord, Record, read_records
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -33,97 +50,299 @@ def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
-def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
-                cell=lambda row: (row.length, row.mode)) -> list[Record]:
-    """Each run's rows from its latest evaluation step; at equal steps the later line wins, so a
-    re-validation replaces the end-of-fit numbers. A run is one (pe, training length); ``cell`` names a row
-    within an evaluation. Rows are read by :func:`read_records` (a bad row names its file and line)."""
-    runs: dict[tuple, dict] = {}
+def run_key(row: Record) -> tuple:
+    """What makes a run: its encoding, training length and seed."""
+    return row.pe, row.train_length, row.run_seed
+
+
+def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
+                 cell=lambda row: (row.length, row.mode)) -> dict[tuple, dict[int, list[Record]]]:
+    """{run: {step: rows}}: every evaluation of every run; within one (run, step) the later line of a ``cell`` wins,
+    so a re-validation replaces the end-of-fit numbers. Rows are read by :func:`read_records` (a bad row names its
+    file and line)."""
+    runs: dict[tuple, dict[int, dict]] = {}
     for file in files:
         for row in read_records(file, kind):
-            run = runs.setdefault((row.pe, row.train_length), {"step": -1, "rows": {}})
-            if row.step > run["step"]:
-                run["step"], run["rows"] = row.step, {}
-            if row.step == run["step"]:
-                run["rows"][cell(row)] = row
-    return [row for run in runs.values() for row in run["rows"].values()]
+            runs.setdefault(run_key(row), {}).setdefault(row.step, {})[cell(row)] = row
+    return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
+
+
+def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
+                cell=lambda row: (row.length, row.mode)) -> list[Record]:
+    """Each run's rows from its latest evaluation step (see :func:`rows_by_step`)."""
+    return [row for steps in rows_by_step(files, kind, cell).values() for row in steps[max(steps)]]
 
 
 def column_name(pe: str, train_length: int, several_lengths: bool) -> str:
     return f"{pe}@{train_length}" if several_lengths else pe
 
 
-def build_table(rows: list[LengthRecord], mode: str) -> tuple[list[str], list[list]]:
-    rows = [r for r in rows if r.mode == mode]
-    several = len({r.train_length for r in rows}) > 1
-    columns = sorted({column_name(r.pe, r.train_length, several) for r in rows})
-    lengths = sorted({r.length for r in rows})
-    cell = {(r.length, column_name(r.pe, r.train_length, several)): r.ppl for r in rows}
-    return columns, [[length] + [cell.get((length, c)) for c in columns] for length in lengths]
+@dataclass
+class Cell:
+    """One table cell: a value per run seed, and for a ratio or perplexity the windows behind each run's value
+    (``windows[seed]``: (windows, reference windows or None)), for a one-seed interval and paired test."""
+
+    values: dict
+    windows: Optional[dict] = None
+    _estimate: list = field(default_factory=list, repr=False, compare=False)  # computed once (a bootstrap is slow)
+
+    def estimate(self) -> Optional[Estimate]:
+        """None: the encoding cannot serve the length (some run recorded no value)."""
+        if not self._estimate:
+            values = list(self.values.values())
+            if None in values:
+                self._estimate.append(None)
+            elif len(values) == 1 and self.windows and all(self.windows.values()):
+                [(windows, reference)] = self.windows.values()
+                self._estimate.append(window_interval(windows, reference))
+            else:
+                self._estimate.append(seed_interval(values))
+        return self._estimate[0]
 
 
-def passkey_table(rows: list[PasskeyRecord]) -> tuple[list[str], list[list]]:
-    """Rows: prompt length, columns: PE; each cell the accuracy averaged over depths (None where unsupported)."""
+Table = tuple[list[str], list[list]]  # columns, rows of [row label, Cell or None per column]
+
+
+def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Optional[Callable] = None) -> Table:
+    """Cells of ``value(row)`` by (``label(row)``, encoding column), one value per run seed."""
     several = len({r.train_length for r in rows}) > 1
-    cells: dict[tuple, list] = {}
+    cells: dict[tuple, Cell] = {}
     for r in rows:
-        cells.setdefault((r.length, column_name(r.pe, r.train_length, several)), []).append(r.accuracy)
+        cell = cells.setdefault((label(r), column_name(r.pe, r.train_length, several)), Cell({}, {}))
+        cell.values[r.run_seed] = value(r)
+        if windows is not None:
+            cell.windows[r.run_seed] = windows(r)
     columns = sorted({c for _, c in cells})
-    mean = {k: None if None in v else sum(v) / len(v) for k, v in cells.items()}
-    return columns, [[length] + [mean.get((length, c)) for c in columns] for length in sorted({n for n, _ in cells})]
+    labels = sorted({k for k, _ in cells})
+    return columns, [[k] + [cells.get((k, c)) for c in columns] for k in labels]
 
 
-def markdown(columns, table, best=min) -> str:
-    lines = ["| length | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for length, *values in table:
-        present = [v for v in values if v is not None]
-        best_value = best(present) if present else None
-        cells = ["-" if v is None else (f"**{v:.2f}**" if v == best_value else f"{v:.2f}") for v in values]
-        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+def build_table(rows: list[LengthRecord], mode: str) -> Table:
+    """Perplexity by evaluation length and encoding."""
+    def windows(r):
+        return ((r.window_nll, r.window_tokens), None) if r.window_nll else None
+
+    return aggregate([r for r in rows if r.mode == mode], lambda r: r.length, lambda r: r.ppl, windows)
+
+
+def ratio_table(rows: list[LengthRecord], mode: str) -> Table:
+    """ppl(L) / ppl(training length) by evaluation length (other than the training length) and encoding, each run's
+    ratio from its own rows (runs that did not evaluate their training length are left out). A one-seed interval
+    resamples each window with the training-length windows that score the same tokens."""
+    rows = [r for r in rows if r.mode == mode]
+    at_train = {(run_key(r), r.step): r for r in rows if r.length == r.train_length and r.ppl}
+    rows = [r for r in rows if (run_key(r), r.step) in at_train and r.length != r.train_length]
+
+    def ratio(r):
+        return None if r.ppl is None else r.ppl / at_train[run_key(r), r.step].ppl
+
+    def windows(r):
+        ref = at_train[run_key(r), r.step]
+        return ((r.window_nll, r.window_tokens), (ref.window_nll, ref.window_tokens)) if r.window_nll and \
+            ref.window_nll else None
+
+    return aggregate(rows, lambda r: r.length, ratio, windows)
+
+
+def position_table(rows: list[PositionRecord]) -> Table:
+    """Mean NLL by (evaluation length, position bucket) and encoding."""
+    return aggregate(rows, lambda r: (r.length, r.first_position, r.last_position), lambda r: r.loss)
+
+
+def passkey_table(rows: list[PasskeyRecord]) -> Table:
+    """Passkey accuracy by prompt length and encoding: each run's accuracy averaged over depths (None where it
+    cannot serve the length), then aggregated over seeds."""
+    by_run: dict[tuple, list] = {}
+    for r in rows:
+        by_run.setdefault((run_key(r), r.length), []).append(r)
+    runs = [cell[0] for cell in by_run.values()]
+    accuracy = {key: None if any(r.accuracy is None for r in cell) else sum(r.accuracy for r in cell) / len(cell)
+                for key, cell in by_run.items()}
+    return aggregate(runs, lambda r: r.length, lambda r: accuracy[run_key(r), r.length])
+
+
+def paired(a: Cell, b: Cell) -> Optional[tuple[list, list]]:
+    """The paired values two cells can be compared on: their shared seeds' values (two or more), else, with one
+    run each, the mean NLLs of the same windows (same count); None when there is nothing to pair."""
+    shared = [s for s in a.values if s in b.values]
+    if len(shared) >= 2:
+        return [a.values[s] for s in shared], [b.values[s] for s in shared]
+    if len(a.values) == len(b.values) == 1 and a.windows and b.windows:
+        [wa], [wb] = a.windows.values(), b.windows.values()
+        if wa and wb and wa[1] is None and wb[1] is None and len(wa[0][0]) == len(wb[0][0]) >= 2:
+            return list(wa[0][0]), list(wb[0][0])
+    return None
+
+
+def best_columns(cells: list[Optional[Cell]], higher: bool = False) -> set[int]:
+    """The best mean's column and every column a paired t-test does not separate from it."""
+    estimates = {i: c.estimate() for i, c in enumerate(cells) if c is not None}
+    finite = {i: e.mean for i, e in estimates.items() if e is not None and math.isfinite(e.mean)}
+    if not finite:
+        return set()
+    best = (max if higher else min)(finite, key=finite.get)
+    marked = {best}
+    for i in finite:
+        pairs = paired(cells[best], cells[i]) if i != best else None
+        if pairs is not None and not separable(*pairs):
+            marked.add(i)
+    return marked
+
+
+def format_cell(estimate: Optional[Estimate], digits: int) -> str:
+    if estimate is None:
+        return "-"
+    if estimate.low is None:
+        return f"{estimate.mean:.{digits}f}"
+    return f"{estimate.mean:.{digits}f} [{estimate.low:.{digits}f}, {estimate.high:.{digits}f}]"
+
+
+def markdown(columns, table, best=min, digits: int = 2, header: str = "length") -> str:
+    lines = [f"| {header} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label, *cells in table:
+        marked = best_columns(cells, higher=best is max)
+        text = [format_cell(c.estimate() if c is not None else None, digits) for c in cells]
+        text = [f"**{t}**" if i in marked else t for i, t in enumerate(text)]
+        label = f"{label[0]}: {label[1]}-{label[2]}" if isinstance(label, tuple) else label
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
     return "\n".join(lines)
+
+
+def describe(table: Table, best: str) -> str:
+    """One line under a table: what its intervals and bold mean, with n."""
+    estimates = [c.estimate() for _, *cells in table[1] for c in cells if c is not None]
+    seeds = sorted({e.n for e in estimates if e is not None and e.how == "t"})
+    windows = sorted({e.n for e in estimates if e is not None and e.how == "bootstrap"})
+    parts = []
+    if seeds:
+        parts.append(f"mean over n={'/'.join(map(str, seeds))} seeds [95% Student-t interval]")
+    if windows:
+        parts.append(f"one seed [95% percentile bootstrap over its n={'/'.join(map(str, windows))} evaluated "
+                     "windows]")
+    if not parts:
+        parts.append("one run per cell, no interval")
+    return (f"_{'; '.join(parts)}. Bold: the {best} mean and every encoding a paired t-test (p >= 0.05; across shared "
+            "seeds, or one seed's same windows) does not separate from it._")
+
+
+def write_csv(path: str, table: Table, name: str, header: str = "length") -> None:
+    """One line per (row, encoding, seed): every seed's value, with the cell's mean and interval."""
+    columns, rows = table
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([header, "encoding", "seed", name, "mean", "low", "high", "n", "interval"])
+        for label, *cells in rows:
+            for column, cell in zip(columns, cells):
+                if cell is None:
+                    continue
+                e = cell.estimate()
+                summary = ["", "", "", len(cell.values), ""] if e is None else \
+                    [e.mean, "" if e.low is None else e.low, "" if e.high is None else e.high, e.n, e.how]
+                label = "-".join(map(str, label)) if isinstance(label, tuple) else label
+                for seed, value in cell.values.items():
+                    writer.writerow([label, column, "" if seed is None else seed, "" if value is None else value,
+                                     *summary])
 
 
 def plot(columns, table, title: str, path: str):
     import matplotlib.pyplot as plt
 
-    series = {name: [(row[0], row[i + 1]) for row in table if row[i + 1] is not None] for i, name in enumerate(columns)}
-    fig = ppl_figure(series, title)
+    series, bands = {}, {}
+    for i, name in enumerate(columns):
+        estimates = [(row[0], row[i + 1].estimate()) for row in table if row[i + 1] is not None]
+        series[name] = [(length, e.mean) for length, e in estimates if e is not None]
+        bands[name] = [(length, e.low, e.high) for length, e in estimates if e is not None and e.low is not None]
+    fig = ppl_figure(series, title, bands=bands)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path: str) -> bool:
+    """Per encoding (a column of panels): perplexity (top) and ratio to the training length (bottom) at each
+    evaluated length against the training step, the mean over seeds with a t-interval band; False when no run was
+    evaluated at two steps or more."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.mode == mode]
+    if len({r.step for r in rows}) < 2:
+        return False
+    by_step = {step: ([r for r in rows if r.step == step]) for step in sorted({r.step for r in rows})}
+    tables = {step: (build_table(step_rows, mode), ratio_table(step_rows, mode)) for step, step_rows in by_step.items()}
+    encodings = sorted({c for (ppl, _) in tables.values() for c in ppl[0]})
+    fig, axes = plt.subplots(2, len(encodings), figsize=(4 * len(encodings), 6.5), sharex=True, squeeze=False)
+    for col, encoding in enumerate(encodings):
+        for row, (which, ylabel) in enumerate([(0, "perplexity"), (1, "ppl(L) / ppl(train length)")]):
+            ax = axes[row][col]
+            curves: dict[int, list] = {}
+            for step, pair in tables.items():
+                columns, table = pair[which]
+                if encoding not in columns:
+                    continue
+                for length, *cells in table:
+                    cell = cells[columns.index(encoding)]
+                    e = seed_interval(list(cell.values.values())) if cell and None not in cell.values.values() \
+                        else None
+                    if e is not None and math.isfinite(e.mean):
+                        curves.setdefault(length, []).append((step, e.mean, e.low, e.high))
+            for length, points in sorted(curves.items()):
+                steps, means, lows, highs = zip(*points)
+                line, = ax.plot(steps, means, marker="o", label=f"L={length}")
+                if all(low is not None for low in lows):
+                    ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
+            if which == 0:
+                ax.set_yscale("log")
+                ax.set_title(encoding)
+            ax.set_xlabel("training step")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize="x-small")
+    fig.suptitle(f"extrapolation over training ({mode})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def report(paths: list[str], out: str) -> dict[str, str]:
-    """Writes <out>_<mode>.md/.csv/.png for each window mode present, and <out>_passkey.md/.csv where runs have
-    passkey rows; returns {mode or "passkey": markdown}."""
+    """Writes <out>_<mode>.md/.csv/.png and <out>_<mode>_training.png for each window mode present, and
+    <out>_position.md/.csv and <out>_passkey.md/.csv where runs have such rows; returns {mode, "position" or
+    "passkey": markdown}."""
     files = find_records(paths)
-    rows = latest_rows(files)
+    runs = rows_by_step(files)
+    rows = [row for steps in runs.values() for row in steps[max(steps)]]
     if not rows:
         raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
     for mode in sorted({r.mode for r in rows}):
-        columns, table = build_table(rows, mode)
-        tables[mode] = markdown(columns, table)
+        ppl, ratio = build_table(rows, mode), ratio_table(rows, mode)
+        tables[mode] = markdown(*ppl) + "\n\n" + describe(ppl, "lowest")
+        if ratio[1]:
+            tables[mode] += ("\n\nExtrapolation: ppl(L) / ppl(training length), per run\n\n"
+                             + markdown(*ratio, digits=3) + "\n\n" + describe(ratio, "lowest"))
         with open(f"{out}_{mode}.md", "w") as f:
             f.write(tables[mode] + "\n")
-        with open(f"{out}_{mode}.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["length"] + columns)
-            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values]
-                              for length, *values in table])
-        plot(columns, table, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
-    passkey_files = find_records(paths, PasskeyRecord.FILE, required=False)
-    if passkey_files:
-        latest = latest_rows(passkey_files, PasskeyRecord, cell=lambda row: (row.length, row.depth))
-        columns, table = passkey_table(latest)
-        tables["passkey"] = markdown(columns, table, best=max)
-        with open(f"{out}_passkey.md", "w") as f:
-            f.write(tables["passkey"] + "\n")
-        with open(f"{out}_passkey.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["length"] + columns)
-            writer.writerows([[length] + ["" if v is None else f"{v:.4f}" for v in values]
-                              for length, *values in table])
+        write_csv(f"{out}_{mode}.csv", ppl, "ppl")
+        if ratio[1]:
+            write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
+        plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
+        training_figure(runs, mode, f"{out}_{mode}_training.png")
+    for name, kind, cell, make, best, digits in [
+        ("position", PositionRecord, lambda r: (r.length, r.first_position), position_table, "lowest", 3),
+        ("passkey", PasskeyRecord, lambda r: (r.length, r.depth), passkey_table, "highest", 2),
+    ]:
+        found = find_records(paths, kind.FILE, required=False)
+        if not found:
+            continue
+        table = make(latest_rows(found, kind, cell))
+        header = "length: positions" if name == "position" else "length"
+        tables[name] = (markdown(*table, best=max if best == "highest" else min, digits=digits, header=header)
+                        + "\n\n" + describe(table, best))
+        with open(f"{out}_{name}.md", "w") as f:
+            f.write(tables[name] + "\n")
+        write_csv(f"{out}_{name}.csv", table, "loss" if name == "position" else "accuracy", header)
     return tables
 
 
@@ -132,9 +351,10 @@ def main(argv=None):
     parser.add_argument("runs", nargs="+", help="run directories or length_eval.jsonl files/globs")
     parser.add_argument("--out", default="runs/report", help="output prefix")
     args = parser.parse_args(argv)
+    titles = {"passkey": "passkey accuracy (mean over depths)", "position": "mean NLL by token position"}
     for mode, table in report(args.runs, args.out).items():
-        print(f"## {'passkey accuracy (mean over depths)' if mode == 'passkey' else mode}\n{table}\n")
-    print(f"written: {args.out}_<mode>.md/.csv/.png")
+        print(f"## {titles.get(mode, mode)}\n{table}\n")
+    print(f"written: {args.out}_<mode>.md/.csv/.png, {args.out}_<mode>_training.png")
 
 
 if __name__ == "__main__":

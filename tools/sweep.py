@@ -4,7 +4,11 @@
     python tools/sweep.py --config configs/paper/gpt2_tiny_fineweb.yaml --config configs/trainer/ddp8_bf16.yaml \
         --pes cable alibi kerple_log --print-only      # commands for a cluster, one per line
 
-Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>), and the
+    python tools/sweep.py --config configs/quickstart.yaml --pes cable alibi --seeds 0 1 2 --experiment seeds
+
+Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>; with ``--seeds``, one
+run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
+initialisation, not the data order, so the report can pair them across encodings), and the
 report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the
 same sweep again continues the runs that were interrupted, and finished ones only re-validate.
 """
@@ -35,15 +39,18 @@ def commands(args) -> list[tuple[str, list[str]]]:
     for length in args.train_lengths or [None]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
         for pe in args.pes:
-            cmd = [sys.executable, "-m", "cable_lightning", "fit"]
-            for config in args.config:
-                cmd += ["--config", config]
-            # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
-            cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
-                    "--model.init_args.backbone.pos_encoding", encodings[pe], "--ckpt_path", "auto"]
-            if length is not None:
-                cmd += ["--data.block_size", str(length)]
-            runs.append((experiment, cmd + args.extra))
+            for seed in args.seeds or [None]:
+                cmd = [sys.executable, "-m", "cable_lightning", "fit"]
+                for config in args.config:
+                    cmd += ["--config", config]
+                # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
+                cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
+                        "--model.init_args.backbone.pos_encoding", encodings[pe], "--ckpt_path", "auto"]
+                if seed is not None:
+                    cmd += ["--seed_everything", str(seed), "--folder_per_seed", "true"]
+                if length is not None:
+                    cmd += ["--data.block_size", str(length)]
+                runs.append((experiment, cmd + args.extra))
     return runs
 
 
@@ -52,6 +59,8 @@ def main(argv=None):
     parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
     parser.add_argument("--pes", nargs="+", required=True, help="encoding labels; dape_v2+<pe> is DAPEv2 over <pe>")
     parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
+    parser.add_argument("--seeds", type=int, nargs="*", help="one run per seed (seed_everything), each in its own "
+                        "folder; the report gives means and 95%% intervals over them")
     parser.add_argument("--experiment", default="sweep")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")

@@ -18,9 +18,10 @@ from ..records import LengthRecord, PositionRecord, append_records
 
 
 def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_length: int | None, xlabel: str,
-                ylabel: str, log_y: bool):
+                ylabel: str, log_y: bool, bands: dict[str, list[tuple[float, float, float]]] | None = None):
     """One line per series of (x, y) points on a log2 x axis, the training length marked; points that are None
-    or not finite are skipped (inf/NaN cannot be drawn on log axes)."""
+    or not finite are skipped (inf/NaN cannot be drawn on log axes). ``bands``: per series, (x, low, high) points
+    of an interval, shaded in the line's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,7 +31,10 @@ def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_
     for name, points in series.items():
         points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
         if points:
-            ax.plot(*zip(*sorted(points)), marker="o", label=name)
+            line, = ax.plot(*zip(*sorted(points)), marker="o", label=name)
+            band = sorted(b for b in (bands or {}).get(name, []) if all(map(math.isfinite, b)))
+            if band:
+                ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
     if train_length:
         ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
     ax.set_xscale("log", base=2)
@@ -44,10 +48,12 @@ def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_
     return fig
 
 
-def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_length: int | None = None):
-    """Perplexity against evaluation length (log axes), one line per series of (length, ppl) points;
-    shared by the per-run TensorBoard figure (a line per window mode) and tools/report (a line per PE)."""
-    return line_figure(series, title, train_length, "evaluation length (tokens)", "perplexity", log_y=True)
+def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_length: int | None = None,
+               bands: dict[str, list[tuple[int, float, float]]] | None = None):
+    """Perplexity against evaluation length (log axes), one line per series of (length, ppl) points, with interval
+    ``bands``; shared by the per-run TensorBoard figure (a line per window mode) and tools/report (a line per PE)."""
+    return line_figure(series, title, train_length, "evaluation length (tokens)", "perplexity", log_y=True,
+                       bands=bands)
 
 
 def position_figure(rows: list[PositionRecord], title: str, train_length: int | None = None):

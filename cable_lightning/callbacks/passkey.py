@@ -124,7 +124,8 @@ class PasskeyRetrieval(L.Callback):
         checkpoint = measured.checkpoint if measured else None
         config = pl_module.config
         self.results = [PasskeyRecord(pe=config.pos_encoding.label(), train_length=config.block_size, step=step,
-                                      stage=trainer.state.fn.value, checkpoint=checkpoint, seed=self.seed, **row)
+                                      stage=trainer.state.fn.value, checkpoint=checkpoint,
+                                      run_seed=getattr(pl_module, "run_seed", None), seed=self.seed, **row)
                         for row in grid]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:

@@ -59,6 +59,8 @@ class LanguageModel(L.LightningModule):
         self.position_results: list[PositionRecord] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
+        # The run's seed_everything (set by the CLI, kept in checkpoints and taken from a loaded one); in every record
+        self.run_seed: Optional[int] = None
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
 
@@ -146,6 +148,7 @@ class LanguageModel(L.LightningModule):
             raise RunFailedError(f"weights at step {self.global_step} are not finite "
                                  f"({bad[0]} and {len(bad) - 1} more); "
                                  "not saving them; the checkpoints already written are finite")
+        checkpoint["run_seed"] = self.run_seed  # a validation of these weights is recorded as the same run
 
     def configure_optimizers(self):
         h = self.hparams
@@ -163,6 +166,7 @@ class LanguageModel(L.LightningModule):
 
     def on_validation_epoch_start(self):
         self._eval_time: dict[str, float] = {}
+        self._window_nll: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (NLL sums, scored tokens)
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             if key not in self.val_nll:
@@ -170,6 +174,7 @@ class LanguageModel(L.LightningModule):
             if stride == length and key not in self.val_nll_by_position:
                 self.val_nll_by_position[key] = PositionNLL(length).to(self.device)
             self._eval_time[key] = 0.0
+            self._window_nll[key] = []
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
         length, stride = self.eval_specs()[dataloader_idx]
@@ -187,6 +192,7 @@ class LanguageModel(L.LightningModule):
             return None
         count = (targets != -100).sum()
         self.val_nll[key].update(nll.sum() / count.clamp(min=1), weight=count)
+        self._window_nll[key].append((nll.sum(dim=1).detach().cpu(), (targets != -100).sum(dim=1).cpu()))
         if key in self.val_nll_by_position:
             self.val_nll_by_position[key].update(nll, targets != -100)
         self._eval_time[key] += time.perf_counter() - start
@@ -207,8 +213,8 @@ class LanguageModel(L.LightningModule):
             metric = self.val_nll[key]
             mode = "nonoverlap" if stride == length else "sliding"
             row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.block_size, step=step,
-                       stage=self.trainer.state.fn.value, checkpoint=checkpoint, length=length, mode=mode,
-                       stride=stride)
+                       stage=self.trainer.state.fn.value, checkpoint=checkpoint, run_seed=self.run_seed, length=length,
+                       mode=mode, stride=stride)
             if length in self.unsupported_lengths:
                 self.length_results.append(LengthRecord(**row, ppl=None))
                 continue
@@ -225,11 +231,30 @@ class LanguageModel(L.LightningModule):
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
             seconds = self._eval_time[key]
             ppl = math.exp(loss.item()) if loss.item() < MAX_LOG_PPL else math.inf
+            window_nll, window_tokens = self._windows(key)
             self.length_results.append(LengthRecord(**row, ppl=ppl, loss=loss.item(), tokens=tokens, seconds=seconds,
-                                                    tokens_per_sec=tokens / seconds if seconds else None))
+                                                    tokens_per_sec=tokens / seconds if seconds else None,
+                                                    window_nll=window_nll, window_tokens=window_tokens))
             metric.reset()
             if key in self.val_nll_by_position:
                 self.position_results += self._position_rows(self.val_nll_by_position[key], row)
+
+    def _windows(self, key: str) -> tuple[list[float], list[int]]:
+        """Each evaluated window's mean NLL and scored tokens in stream order (each window scores the targets after
+        the previous one's), every rank's; windows that score nothing are left out."""
+        pairs = self._window_nll.get(key) or []
+        sums = torch.cat([s for s, _ in pairs]) if pairs else torch.zeros(0)
+        counts = torch.cat([c for _, c in pairs]) if pairs else torch.zeros(0, dtype=torch.long)
+        scored = counts > 0
+        means = [round(x, 4) for x in (sums[scored].double() / counts[scored]).tolist()]
+        windows = (means, counts[scored].tolist())
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, windows)
+            # rank r evaluated windows r, r + world, r + 2 world, ... (EvalWindows): back into stream order
+            order = [(i, r) for r, g in enumerate(gathered) for i in range(len(g[0]))]
+            windows = tuple([gathered[r][part][i] for i, r in sorted(order)] for part in (0, 1))
+        return windows
 
     @staticmethod
     def _position_rows(metric: PositionNLL, row: dict) -> list[PositionRecord]:
@@ -254,6 +279,8 @@ class LanguageModel(L.LightningModule):
                               "use the checkpoint's")
         checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
+        # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
+        self.run_seed = checkpoint.get("run_seed")
 
     def check_same_model(self, checkpoint: dict, problem: str, advice: str) -> None:
         """The checkpoint's tokenizer and weight-defining backbone settings must be this model's; a difference is
