@@ -72,9 +72,6 @@ class DapeV2(PositionalEncoding):
         self.layers = nn.ModuleList(DapeConvolutions(config.n_head, settings.width, settings.kernel)
                                     for _ in range(config.n_layer))
 
-    def check_length(self, total_length):
-        self.base.check_length(total_length)
-
     def embed(self, x, offset):
         return self.base.embed(x, offset)
 
