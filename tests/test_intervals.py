@@ -121,6 +121,8 @@ def test_sweep_prints_one_command_per_encoding_and_seed(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6
     assert sum("--seed_everything 2 --folder_per_seed true" in line for line in lines) == 2
+    # seed-major: a sweep stopped after its first two runs has both encodings at seed 0
+    assert all("--seed_everything 0 " in line for line in lines[:2]) and "alibi" in lines[1]
 
 
 def test_two_seeds_are_two_run_folders_and_both_reach_the_report(two_seeds, tmp_path):

@@ -38,8 +38,8 @@ def commands(args) -> list[tuple[str, list[str]]]:
     runs = []
     for length in args.train_lengths or [None]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
-        for pe in args.pes:
-            for seed in args.seeds or [None]:
+        for seed in args.seeds or [None]:  # seed-major: a sweep stopped early has every encoding at its first seeds
+            for pe in args.pes:
                 cmd = [sys.executable, "-m", "cable_lightning", "fit"]
                 for config in args.config:
                     cmd += ["--config", config]
