@@ -3,6 +3,7 @@ source, a bpe:512 tokenizer) that model, CLI and data tests can train and evalua
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -59,3 +60,75 @@ def tiny_corpus_dir(tiny_corpus_docs, tmp_path_factory) -> str:
     assert manifest["splits"]["train"]["tokens"] >= 60_000, manifest["splits"]
     assert manifest["splits"]["val"]["tokens"] >= 20_000, manifest["splits"]
     return out
+
+
+class S3Server:
+    """A real S3-compatible server (moto's server mode) on the loopback address. ``env`` is what a client needs
+    (endpoint, credentials, region); in :meth:`checking_signatures` only ``key``/``secret`` are accepted."""
+
+    BUCKET = "cable-tests"
+
+    def __init__(self):
+        import logging
+
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        # Moto accepts any request until told to check them: a user with a key that may do anything, for then.
+        iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
+                           aws_access_key_id="setup", aws_secret_access_key="setup")
+        iam.create_user(UserName="tests")
+        iam.put_user_policy(UserName="tests", PolicyName="all", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        made = iam.create_access_key(UserName="tests")["AccessKey"]
+        self.key, self.secret = made["AccessKeyId"], made["SecretAccessKey"]
+        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.key,
+                    "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_DEFAULT_REGION": "us-east-1"}
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id=self.key,
+                     aws_secret_access_key=self.secret).create_bucket(Bucket=self.BUCKET)
+
+    @contextlib.contextmanager
+    def checking_signatures(self):
+        """Requests are checked (signed with ``key``/``secret``) only inside this block: moto 5.2's check refuses
+        correctly signed listings whose prefix holds a '/', which every prepared-data listing does."""
+        import requests
+
+        requests.post(f"{self.endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
+        try:
+            yield
+        finally:
+            requests.post(f"{self.endpoint}/moto-api/reset-auth", data=b"inf", timeout=10).raise_for_status()
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id=self.key,
+                            aws_secret_access_key=self.secret)
+
+    def stop(self):
+        self.server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One server for the session, stopped at its end."""
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The server's endpoint and credentials in this test's environment (where boto3 and LitData read them), a fresh
+    ``s3://cable-tests/<test name>`` prefix and this test's LitData cache folder."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    s3_server.url = f"s3://{S3Server.BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"
+    return s3_server

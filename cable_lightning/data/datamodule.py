@@ -19,6 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
+from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
 
 from ..errors import ConfigError
@@ -39,6 +40,22 @@ def check_token_ids(tokens: torch.Tensor | np.ndarray, vocab_size: int, where: s
                           "(or point data.path at data that was)")
 
 
+def _stream_loader_class() -> type:
+    from litdata import StreamingDataLoader
+
+    class StreamLoader(StreamingDataLoader):
+        """LitData's loader, resumable on another node: the folder a streamed dataset caches its chunks in is where
+        this node keeps them, not part of the position, so a checkpoint's is replaced by this run's (same URL)."""
+
+        def load_state_dict(self, obj: dict[str, Any]) -> None:
+            state, url = obj.get("dataset"), getattr(self.dataset.input_dir, "url", None)
+            if url and isinstance(state, dict) and state.get("input_dir_url") == url:
+                obj = {**obj, "dataset": {**state, "input_dir_path": self.dataset.input_dir.path}}
+            super().load_state_dict(obj)
+
+    return StreamLoader
+
+
 class TokenDataModule(L.LightningDataModule):
     """Token windows from a folder written by ``python -m cable_lightning.data.prepare``.
 
@@ -57,12 +74,20 @@ class TokenDataModule(L.LightningDataModule):
         passkey_fraction: the share of each training batch's rows replaced by passkey prompts with their answer
             (block_size + 1 tokens, random key and depth): the fine-tuning recipe that teaches small models to
             retrieve at all (configs/passkey_finetune.yaml). 0 trains on the corpus only.
+        cache_dir: for an ``s3://bucket/prefix`` path, the local folder for streamed chunks and the fetched
+            manifest, index and held-out arrays (default: LitData's, ``$LITDATA_CACHE_DIR`` or
+            ``~/.lightning/chunks``).
+        max_cache_size: the most disk the streamed chunks may take there, e.g. ``"200GB"`` (default: LitData's, 75%
+            of the free disk, leaving 50 GB free where it can); least-recently-used chunks are evicted.
+        endpoint_url: an S3-compatible store's endpoint (default: boto3's, from ``AWS_ENDPOINT_URL`` or the
+            profile); credentials and region always come from boto3's usual places.
     """
 
     def __init__(self, path: str = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
                  num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
-                 passkey_fraction: float = 0.0):
+                 passkey_fraction: float = 0.0, cache_dir: str | None = None, max_cache_size: str | None = None,
+                 endpoint_url: str | None = None):
         super().__init__()
         if not 0.0 <= passkey_fraction <= 1.0:
             raise ConfigError(f"passkey_fraction must be in [0, 1] (the share of training rows), "
@@ -83,6 +108,9 @@ class TokenDataModule(L.LightningDataModule):
         self.eval_stride = None if eval_stride is None else int(eval_stride)
         self.source, self.tokenizer_spec = source, tokenizer
         self.passkey_fraction = float(passkey_fraction)
+        self.cache_dir, self.max_cache_size, self.endpoint_url = cache_dir, max_cache_size, endpoint_url
+        self.store = Store(self.path, endpoint_url) if is_remote(self.path) else None  # a bad URL fails here
+        self.folder = None if self.store else self.path  # local: the path; remote: its fetched small files
         self._passkey_prompts = None
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}
@@ -96,12 +124,14 @@ class TokenDataModule(L.LightningDataModule):
         if self.source is not None and self._manifest is None:  # once described, it is prepared and checked
             from cable_lightning.data.prepare import prepare
 
-            prepare(source=self.source, tokenizer=self.tokenizer_spec, out=self.path)
+            prepare(source=self.source, tokenizer=self.tokenizer_spec, out=self.path, endpoint_url=self.endpoint_url)
 
     def describe(self) -> DataInfo:
         """What the model needs from the data; the manifest is read and every file checked once."""
         if self._manifest is None:
-            manifest = read_manifest(self.path)
+            if self.store is not None:  # manifest, index, held-out arrays fetched once per node; chunk sizes checked
+                self.folder = self.store.mirror(self.cache_dir)
+            manifest = read_manifest(self.folder, check_train=self.store is None)
             if self.source is not None:
                 self._check_request(manifest["request"])
             self._manifest = manifest
@@ -143,7 +173,7 @@ class TokenDataModule(L.LightningDataModule):
         """The tokenizer that made the data (for decoding samples); its identity must match the manifest's."""
         self.describe()
         info = self._manifest["tokenizer"]
-        ref = os.path.join(self.path, info["file"]) if info.get("file") else info["spec"]
+        ref = os.path.join(self.folder, info["file"]) if info.get("file") else info["spec"]
         tok = get_tokenizer(ref, name=info["identity"]["name"])
         if tok.identity != info["identity"]:
             raise ConfigError(f"tokenizer {ref} (hash {tok.identity['hash'][:12]}) is not the one that prepared "
@@ -177,17 +207,19 @@ class TokenDataModule(L.LightningDataModule):
         return training_sequence(self._passkey_prompts, self.block_size + 1, rng)
 
     def train_dataloader(self) -> Any:
-        from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+        from litdata import StreamingDataset, TokensLoader
 
         self.describe()
-        dataset = StreamingDataset(os.path.join(self.path, "train"),
+        remote = dict(cache_dir=self.cache_dir, max_cache_size=self.max_cache_size,
+                      storage_options=self.store.storage_options()) if self.store else {}
+        dataset = StreamingDataset(f"{self.store.url}/train" if self.store else os.path.join(self.path, "train"),
                                    item_loader=TokensLoader(block_size=self.block_size + 1),
-                                   shuffle=True, seed=self.seed, drop_last=True)
+                                   shuffle=True, seed=self.seed, drop_last=True, **remote)
         if len(dataset) == 0:
             tokens = self._manifest["splits"]["train"]["tokens"]
             raise ConfigError(f"train split of {self.path} has {tokens} tokens: no window of block_size + 1 = "
                               f"{self.block_size + 1} fits; lower block_size")
-        return StreamingDataLoader(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,
+        return _stream_loader_class()(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,
                                    collate_fn=collate_tokens, drop_last=True, pin_memory=torch.cuda.is_available(),
                                    persistent_workers=self.num_workers > 0)
 
@@ -203,7 +235,7 @@ class TokenDataModule(L.LightningDataModule):
         """The first ``max(eval_tokens, longest eval length) + 1`` tokens of ``split`` (int64), read once."""
         if split not in self._eval_streams:
             self.describe()
-            held_out = load_split(self.path, split, self._manifest)
+            held_out = load_split(self.folder, split, self._manifest)
             check_token_ids(held_out, self.describe().vocab_size, f"the {split} split of {self.path}")
             longest = max(length for length, _ in self.eval_specs())
             if len(held_out) < longest + 1:

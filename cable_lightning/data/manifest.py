@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -25,40 +26,64 @@ def fix_command(path: str, request: dict[str, Any] | None = None) -> str:
             f"--tokenizer {request.get('tokenizer', '<tokenizer>')} --out {path} --overwrite")
 
 
-def read_manifest(path: str, check_files: bool = True) -> dict[str, Any]:
-    """Load ``<path>/manifest.json``; with ``check_files`` also prove every split's files are there and whole."""
+def read_manifest(path: str, check_files: bool = True, check_train: bool = True) -> dict[str, Any]:
+    """Load ``<path>/manifest.json``; with ``check_files`` also prove every split's files are there and whole (the
+    training chunks only with ``check_train``: a remote prefix's are checked against the bucket's listing)."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         what = "no prepared data at" if not os.path.isdir(path) else f"no {MANIFEST} (not prepared, or unfinished) in"
         raise MissingFileError(f"{what} {path}; run {fix_command(path)}")
     try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        dict(manifest["splits"]["train"]), manifest["tokenizer"]["identity"]["hash"], int(manifest["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); "
-                          f"run {fix_command(path)}") from None
-    fix = fix_command(path, manifest.get("request"))
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; "
-                          f"run {fix}")
+        with open(manifest_path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{manifest_path} cannot be read ({exc}); run {fix_command(path)}") from None
+    manifest = parse_manifest(raw, path)
     for split in manifest["splits"] if check_files else ():
         if split != "train":
             load_split(path, split, manifest)
-            continue
-        try:
-            with open(os.path.join(path, "train", "index.json"), encoding="utf-8") as f:
-                chunks = json.load(f)["chunks"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"{os.path.join(path, 'train', 'index.json')} is missing or corrupt "
-                              f"({type(exc).__name__}); run {fix}") from None
-        for chunk in chunks:
-            chunk_path = os.path.join(path, "train", chunk["filename"])
-            size = os.path.getsize(chunk_path) if os.path.isfile(chunk_path) else None
-            if size != chunk["chunk_bytes"]:
-                state = "missing" if size is None else f"{size} bytes, its index says {chunk['chunk_bytes']}"
-                raise ConfigError(f"chunk {chunk_path} is {state} (truncated or deleted); run {fix}")
+        elif check_train:
+            index, sizes = None, {}
+            with contextlib.suppress(OSError):
+                with open(os.path.join(path, "train", "index.json"), "rb") as f:
+                    index = f.read()
+            with contextlib.suppress(OSError):
+                sizes = {f"train/{name}": os.path.getsize(os.path.join(path, "train", name))
+                         for name in os.listdir(os.path.join(path, "train"))}
+            check_chunks(path, manifest, index, sizes)
     return manifest
+
+
+def parse_manifest(raw: bytes, path: str) -> dict[str, Any]:
+    """A manifest's text, checked: the fields every reader needs and this code's format."""
+    manifest_path = f"{path}/{MANIFEST}"
+    try:
+        manifest = json.loads(raw)
+        dict(manifest["splits"]["train"]), manifest["tokenizer"]["identity"]["hash"], int(manifest["vocab_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{manifest_path} is corrupt ({type(exc).__name__}: {exc}); "
+                          f"run {fix_command(path)}") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"{manifest_path} has format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}; "
+                          f"run {fix_command(path, manifest.get('request'))}")
+    return manifest
+
+
+def check_chunks(path: str, manifest: dict[str, Any], index: bytes | None, sizes: dict[str, int]) -> None:
+    """The chunk index (raw ``train/index.json``, None when missing) names only chunks found at its sizes; ``sizes``
+    maps ``train/<file>`` to the size found (a local folder's files or a bucket's objects)."""
+    fix = fix_command(path, manifest.get("request"))
+    try:
+        chunks = json.loads(index)["chunks"] if index is not None else None
+        if chunks is None:
+            raise FileNotFoundError("missing")
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
+        raise ConfigError(f"{path}/train/index.json is missing or corrupt ({type(exc).__name__}); run {fix}") from None
+    for chunk in chunks:
+        size = sizes.get(f"train/{chunk['filename']}")
+        if size != chunk["chunk_bytes"]:
+            state = "missing" if size is None else f"{size} bytes, its index says {chunk['chunk_bytes']}"
+            raise ConfigError(f"chunk {path}/train/{chunk['filename']} is {state} (truncated or deleted); run {fix}")
 
 
 def load_split(path: str, split: str, manifest: dict[str, Any]) -> np.ndarray:

@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.sources import VALID_SOURCES, DatasetSource, get_source
 from cable_lightning.data.tokenizers import (
     TOKENIZER_FILE,
@@ -44,7 +46,7 @@ from cable_lightning.data.tokenizers import (
     train_bpe,
 )
 from cable_lightning.errors import ConfigError, RunFailedError, TargetExistsError, error_boundary
-from cable_lightning.owned import check_replaceable, swap_in
+from cable_lightning.owned import MARKER, check_replaceable, swap_in
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
@@ -135,13 +137,16 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
 def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str = "data/pydocs-bpe4096",
             val_fraction: float | None = None, val_tokens: int | None = None, num_workers: int | None = None,
             overwrite: bool = False, bpe_train_chars: int = 200_000_000, start_method: str | None = None,
-            verbose: bool = True) -> dict[str, Any]:
+            verbose: bool = True, endpoint_url: str | None = None) -> dict[str, Any]:
     """Prepare ``source`` with ``tokenizer`` into ``out`` and return the manifest (see the module docstring).
 
     A finished ``out`` with the same request is left alone (a no-op that says so); a different request needs
-    ``overwrite=True``. ``start_method`` is passed to litdata (None: spawn; "fork" starts workers faster).
+    ``overwrite=True``. ``start_method`` is passed to litdata (None: spawn; "fork" starts workers faster). An
+    ``s3://bucket/prefix`` ``out`` is prepared locally and published there (``endpoint_url``: an S3-compatible
+    store's, else boto3's usual configuration).
     """
-    out, src, bpe_size = os.path.normpath(str(out)), get_source(source), parse_bpe_spec(tokenizer)
+    out = str(out) if is_remote(out) else os.path.normpath(str(out))
+    src, bpe_size = get_source(source), parse_bpe_spec(tokenizer)
     if val_fraction is not None and val_tokens is not None:
         raise ValueError("give --val-fraction or --val-tokens, not both")
     if src.splits is not None and (val_fraction is not None or val_tokens is not None):
@@ -158,6 +163,8 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
                **({"bpe_train_chars": bpe_train_chars} if bpe_size else {})}
     log = functools.partial(print, "[prepare]", flush=True) if verbose else None
+    if is_remote(out):
+        return _prepare_remote(src, request, str(out), overwrite, num_workers, start_method, log, endpoint_url)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".lock", "a") as lock:
         # A second prepare of this out waits here, then finds it done. A POSIX lock belongs to this process alone:
@@ -168,17 +175,77 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
         src.check()
-        stop = functools.partial(_stop, main_pid=os.getpid())
-        previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
-                    if threading.current_thread() is threading.main_thread() else {})
+        return _stoppable(src, request, out, num_workers, start_method, log)
+
+
+def _stoppable(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None,
+               log: Any) -> dict[str, Any]:
+    """:func:`_prepare` with SIGTERM and Ctrl-C turned into :class:`PrepareStopped` (main thread only)."""
+    stop = functools.partial(_stop, main_pid=os.getpid())
+    previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+                if threading.current_thread() is threading.main_thread() else {})
+    try:
+        return _prepare(src, request, out, num_workers, start_method, log)
+    except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
+        shutil.rmtree(out + ".partial", ignore_errors=True)
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _prepare_remote(src: DatasetSource, request: dict, out: str, overwrite: bool, num_workers: int | None,
+                    start_method: str | None, log: Any, endpoint_url: str | None) -> dict[str, Any]:
+    """Prepare into ``s3://bucket/prefix``: the same work into a local temporary folder, then uploaded with the
+    manifest last, under the store's lock (see :mod:`cable_lightning.data.remote`)."""
+    store = Store(out, endpoint_url)
+    store.check()  # unreachable store, missing bucket, refused credentials: before any work
+    say = log or _silent
+    with store.lock(say):
+        if (done := _existing_remote(store, request, overwrite, say)) is not None:
+            say(f"{store.url} is already prepared for this request "
+                f"({done['splits']['train']['tokens']} train tokens); nothing to do")
+            return done
+        src.check()
+        staging = tempfile.mkdtemp(prefix="cable_lightning-prepare-")
         try:
-            return _prepare(src, request, out, num_workers, start_method, log)
-        except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
-            shutil.rmtree(out + ".partial", ignore_errors=True)
-            raise
+            local = os.path.join(staging, "prepared")
+            manifest = _stoppable(src, request, local, num_workers, start_method, log)
+            store.publish(local, MARKER, say)
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            shutil.rmtree(staging, ignore_errors=True)
+    say(f"published {store.url}")
+    return manifest
+
+
+def _existing_remote(store: Store, request: dict[str, Any], overwrite: bool, log: Any) -> dict[str, Any] | None:
+    """The remote twin of :func:`_existing`: the finished manifest for this exact request, None when the prefix is
+    to be (re)written (emptied first), and an error for a prefix prepare did not write or a different request."""
+    objects = store.sizes()
+    if not objects:
+        return None
+    marker = store.read(MARKER)
+    try:
+        owner = json.loads(marker).get("written_by") if marker else None
+    except (ValueError, AttributeError):
+        owner = None
+    if owner != "prepare":
+        raise TargetExistsError(f"{store.url} already holds {len(objects)} objects not written by prepare (no "
+                                f"{MARKER} marker); choose another --out")
+    if MANIFEST in objects:
+        _, manifest = store.manifest()
+        old = manifest.get("request", {})
+        if old == request and not overwrite:
+            store.check_train(manifest, store.read("train/index.json"))
+            return manifest
+        if old != request and not overwrite:
+            raise TargetExistsError(f"{store.url} already holds data prepared from {old.get('source')!r} "
+                                    f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}); "
+                                    "pass --overwrite to replace it or choose another --out")
+    else:
+        log(f"{store.url} holds an unfinished earlier prepare ({len(objects)} objects, no {MANIFEST}); replacing it")
+    store.delete_all()
+    return None
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's stop and Ctrl-C
@@ -433,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cable_lightning.data.prepare", description=__doc__.splitlines()[0])
     p.add_argument("--source", default="python-docs", help=VALID_SOURCES)
     p.add_argument("--tokenizer", default="bpe:4096", help=VALID_SPECS)
-    p.add_argument("--out", default="data/pydocs-bpe4096", help="output folder")
+    p.add_argument("--out", default="data/pydocs-bpe4096", help="output folder, or s3://bucket/prefix")
+    p.add_argument("--endpoint-url", help="an S3-compatible store's endpoint for an s3:// --out (default: boto3's "
+                   "AWS_ENDPOINT_URL or profile)")
     p.add_argument("--val-fraction", type=float, help=f"share of characters held out (default {DEFAULT_VAL_FRACTION})")
     p.add_argument("--val-tokens", type=int, help="tokens held out for validation (the paper: 100000000)")
     p.add_argument("--num-workers", type=int, help="tokenizing processes (default: all cores)")

@@ -21,6 +21,7 @@ import tempfile
 
 from ..checkpoints import package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
+from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
 from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary
 from ..lit.modules import saved_weights
@@ -92,7 +93,10 @@ def run_data_path(ckpt_path: str) -> str | None:
 
 
 def data_tokenizer(data_path: str, trained_with: dict):
-    """The prepared data's tokenizer, checked to be the one the checkpoint was trained with."""
+    """The prepared data's tokenizer, checked to be the one the checkpoint was trained with (an s3:// path: its small
+    files are fetched into LitData's cache, the endpoint from boto3's configuration)."""
+    if is_remote(data_path):
+        data_path = Store(data_path).mirror()
     manifest = read_manifest(data_path, check_files=False)
     info = manifest["tokenizer"]
     tok = get_tokenizer(os.path.join(data_path, info["file"]) if info.get("file") else info["spec"],
