@@ -116,19 +116,30 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """One server for the session, stopped at its end."""
-    server = S3Server()
+    """One server for the session, its endpoint and credentials in the environment (where boto3 and LitData read
+    them, also in the processes tests start), stopped at the session's end."""
+    server, env = S3Server(), pytest.MonkeyPatch()
+    for name, value in server.env.items():
+        env.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        env.delenv(name, raising=False)
     yield server
+    env.undo()
     server.stop()
 
 
 @pytest.fixture
-def s3(s3_server, monkeypatch, request):
-    """The server's endpoint and credentials in this test's environment (where boto3 and LitData read them), a fresh
-    ``s3://cable-tests/<test name>`` prefix and this test's LitData cache folder."""
-    for name, value in s3_server.env.items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    s3_server.url = f"s3://{S3Server.BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"
-    return s3_server
+def s3_url(s3_server, request) -> str:
+    """A fresh ``s3://cable-tests/<test name>`` prefix."""
+    return f"s3://{S3Server.BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus_s3(s3_server, tiny_corpus_docs) -> str:
+    """The tiny corpus prepared into the server (the same request as ``tiny_corpus_dir``)."""
+    from cable_lightning.data.prepare import prepare
+
+    url = f"s3://{S3Server.BUCKET}/tiny-bpe512"
+    prepare(source=tiny_corpus_docs[0], tokenizer="bpe:512", out=url, val_fraction=TINY_VAL_FRACTION, num_workers=1,
+            start_method="fork", verbose=False)
+    return url

@@ -185,10 +185,10 @@ class Store:
     # --- the prepare lock ----------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lock(self, log: Callable[..., None], stale_seconds: float = LOCK_STALE_SECONDS) -> Iterator[None]:
+    def lock(self, log: Callable[..., None]) -> Iterator[None]:
         """``<prefix>.lock``, created only where absent (S3 conditional writes); its holder rewrites it every
-        :data:`LOCK_REFRESH_SECONDS`, and a lock the store has not seen rewritten for ``stale_seconds`` (its holder
-        was killed) is taken over. A store that ignores conditional writes lets two prepares run at once: each
+        :data:`LOCK_REFRESH_SECONDS`, and a lock the store has not seen rewritten for :data:`LOCK_STALE_SECONDS`
+        (its holder was killed) is taken over. A store that ignores conditional writes lets two prepares run at once: each
         still writes a whole, identical preparation."""
         key, me = f"{self.prefix}{LOCK_SUFFIX}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
         told = False
@@ -202,7 +202,7 @@ class Store:
                                                                          "ConditionalRequestConflict"):
                         raise
                 holder = self._lock_age(key)
-                if holder is not None and holder[1] > stale_seconds:
+                if holder is not None and holder[1] > LOCK_STALE_SECONDS:
                     log(f"taking over the lock {SCHEME}{self.bucket}/{key} of a prepare not seen for "
                         f"{holder[1]:.0f} s ({holder[0]})")
                     self.client.delete_object(Bucket=self.bucket, Key=key)
