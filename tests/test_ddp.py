@@ -11,6 +11,7 @@ import torch
 
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
+from cable_lightning.data.remote import Store
 from cable_lightning.lit import CausalLM
 from cable_lightning.lit.optim import build_optimizer
 from cable_lightning.models import BackboneConfig
@@ -19,16 +20,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = dict(pos_encoding="cable", n_layer=2, n_head=2, n_embd=32)
 
 
-def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_corpus_docs, tmp_path):
-    """The data is not prepared when the run starts: the run prepares it (data.source + data.tokenizer) before any
-    rank needs it."""
-    out, data = tmp_path / "probe", tmp_path / "fresh-data"
+def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_corpus_docs, s3_url, tmp_path):
+    """The data is not prepared when the run starts, and it lives in an S3-compatible store (a real server on
+    127.0.0.1): both ranks ask to prepare it (data.source + data.tokenizer), one does while the other waits on the
+    store's lock, then both stream their shares from the store, each node caching them in data.cache_dir."""
+    out, data, cache = tmp_path / "probe", s3_url, tmp_path / "cache"
     cmd = [
         sys.executable, "-m", "cable_lightning", "fit",
         "--model", "cable_lightning.lit.CausalLM",
         *[arg for k, v in SHAPE.items() for arg in (f"--model.init_args.backbone.{k}", str(v))],
         "--model.init_args.warmup_steps", "2",
-        "--data.path", str(data), "--data.source", tiny_corpus_docs[0], "--data.tokenizer", "bpe:512",
+        "--data.path", data, "--data.cache_dir", str(cache),
+        "--data.source", tiny_corpus_docs[0], "--data.tokenizer", "bpe:512",
         "--data.block_size", "32", "--data.micro_batch_size", "4",
         "--data.eval_lengths", "[32, 64]", "--data.eval_tokens", "256",
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
@@ -42,7 +45,10 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
            "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (data / "manifest.json").is_file() and not (tmp_path / "fresh-data.partial").exists()
+    store = Store(data)
+    assert "manifest.json" in store.sizes() and not store.client.list_objects_v2(
+        Bucket=store.bucket, Prefix=f"{store.prefix}.lock").get("Contents"), "published, lock released"
+    assert done.stdout.count("nothing to do") == 1 and done.stdout.count("published") == 1, "one preparation"
     # The loss by position is reduced across ranks like the perplexity (each rank scored half the windows), and
     # the passkey grid is written once (rank 0).
     run = tmp_path / "runs" / "default" / "cable" / "version_0"
@@ -71,7 +77,8 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
 
     # One process, the union of the two ranks' batches, the same recipe (AdamW, schedule, clip 1.0).
     init = load("init", 0)
-    model = CausalLM(BackboneConfig(**SHAPE), data=TokenDataModule(str(data), block_size=32).describe(), warmup_steps=2)
+    described = TokenDataModule(data, block_size=32, cache_dir=str(cache)).describe()
+    model = CausalLM(BackboneConfig(**SHAPE), data=described, warmup_steps=2)
     model.backbone.load_state_dict(init)
     union = torch.cat(batches)
     loss = model.backbone.loss(union[:, :-1], union[:, 1:])
