@@ -8,6 +8,7 @@ evaluation length scores the same first ``eval_tokens`` targets of the held-out 
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from typing import Any
@@ -40,6 +41,7 @@ def check_token_ids(tokens: torch.Tensor | np.ndarray, vocab_size: int, where: s
                           "(or point data.path at data that was)")
 
 
+@functools.cache
 def _stream_loader_class() -> type:
     from litdata import StreamingDataLoader
 

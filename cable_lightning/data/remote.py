@@ -188,8 +188,8 @@ class Store:
     def lock(self, log: Callable[..., None]) -> Iterator[None]:
         """``<prefix>.lock``, created only where absent (S3 conditional writes); its holder rewrites it every
         :data:`LOCK_REFRESH_SECONDS`, and a lock the store has not seen rewritten for :data:`LOCK_STALE_SECONDS`
-        (its holder was killed) is taken over. A store that ignores conditional writes lets two prepares run at once: each
-        still writes a whole, identical preparation."""
+        (its holder was killed) is taken over. A store that ignores conditional writes lets two prepares run at
+        once, and they may delete each other's uploads: readers then find a chunk missing (checked, one line)."""
         key, me = f"{self.prefix}{LOCK_SUFFIX}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
         told = False
         with self.answers("locking"):
