@@ -9,7 +9,9 @@ of the stream: whole documents until ``--val-fraction`` of the characters or ``-
 once, in this process (the tokenizers' batch encoders use every core), into one flat array; training is the rest,
 tokenized by litdata workers from where the head stopped. Sources with their own splits (wikitext-103) keep them.
 Work happens in ``<out>.partial`` under a lock on ``<out>.lock`` and is renamed to ``<out>`` at the end, so an
-``<out>`` folder is always complete and concurrent prepares of one ``<out>`` run one after the other.
+``<out>`` folder is always complete and concurrent prepares of one ``<out>`` run one after the other. An
+``s3://bucket/prefix`` ``<out>`` is prepared the same way in a local temporary folder, then published there with its
+manifest last, under a lock object in the store (:mod:`cable_lightning.data.remote`).
 """
 
 from __future__ import annotations
