@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import recorders
 import torch
+import yaml
 from test_reliability import one_error_line
 
 from cable_lightning.cli import main, run
@@ -321,3 +322,14 @@ def test_the_command_line_refuses_them_before_training(tmp_path, capsys, monkeyp
     line = one_error_line(capsys, lambda: run(["fit", *task_args(str(tmp_path), *extra)]))
     assert message in line, line
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
+
+
+@pytest.mark.parametrize("task", ["associative_recall", "needle", "variable_tracking", "copy", "recall_needle"])
+def test_each_task_config_composes_with_the_base_and_builds_its_data(task, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", "configs/tasks/base.yaml", "--config", f"configs/tasks/{task}.yaml", "--print_config"])
+    assert done.value.code in (None, 0)
+    data = yaml.safe_load(capsys.readouterr().out)["data"]
+    dm = TokenDataModule(**data)  # the tasks, their settings and the training length fit together
+    assert [t.name for t in dm.tasks.tasks] == list(data["tasks"]) and dm.describe().vocab_size == OWN_VOCABULARY
