@@ -68,7 +68,10 @@ def expected_answer(name: str, ids: list) -> list:
 def test_every_task_has_the_exact_length_and_its_answer_where_it_belongs(length):
     tasks = mix()
     for task in tasks.tasks:
-        n = length or task.fixed_tokens() + 1  # 0: the shortest possible example
+        n = length or task.fixed_tokens() + 1  # 0: the shortest possible example; one token fewer is refused
+        if not length:
+            with pytest.raises(ConfigError, match=f"needs a length of at least {n - 1} tokens, got {n - 2}"):
+                tasks.example(n - 1, 3, TRAIN, 0, task=task)
         for index in range(20):
             e = tasks.example(n, 3, TRAIN, index, task=task)
             ids = e.ids.tolist()
@@ -297,7 +300,8 @@ def test_fit_and_validate_write_task_accuracy_at_every_checkpoint(tmp_path, monk
 
 @pytest.mark.parametrize("settings, message", [
     (dict(tasks={"associative_recall": {"pairs": 20, "queries": 4}}),
-     "task associative_recall (pairs=20, queries=4) needs at least 53 tokens, got length 49"),
+     "data.block_size 48 is too short for a task: task associative_recall (pairs=20, queries=4) needs a length of "
+     "at least 52 tokens, got 48"),
     (dict(tasks={"needle": {}, "recall": {}}),
      "unknown task 'recall'; valid tasks: associative_recall, copy, needle, variable_tracking"),
     (dict(tasks={"needle": {"depth": 0.5}}), "task needle has no setting 'depth' (its settings: keys, value_tokens)"),

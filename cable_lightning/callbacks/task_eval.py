@@ -93,7 +93,7 @@ class TaskAccuracy(L.Callback):
                               "masked LM")
         shortest = min(self.grid_lengths(pl_module))
         try:
-            self.mix(trainer).check_length(shortest + 1)
+            self.mix(trainer).check_length(shortest)
         except ConfigError as exc:
             raise ConfigError(f"evaluation length {shortest} is too short for a task: {exc}") from None
 

@@ -113,7 +113,10 @@ class TokenDataModule(L.LightningDataModule):
         self.task_settings, self.task_fraction, self.lm_loss_weight = tasks, float(task_fraction), float(lm_loss_weight)
         self.tasks = TaskMix(tasks) if tasks else None  # an unknown task or setting: one line, now
         if self.tasks is not None:
-            self.tasks.check_length(self.block_size + 1)
+            try:
+                self.tasks.check_length(self.block_size)
+            except ConfigError as exc:
+                raise ConfigError(f"data.block_size {self.block_size} is too short for a task: {exc}") from None
             if passkey_fraction:
                 raise ConfigError("data.passkey_fraction and data.tasks both replace training rows; use one")
         self._manifest: dict[str, Any] | None = None

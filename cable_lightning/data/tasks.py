@@ -92,16 +92,17 @@ class Task:
         raise NotImplementedError
 
     def check_length(self, length: int) -> None:
-        if length < self.fixed_tokens() + 1:
+        """``length``: the tokens a model reads (an example has one more, the last answer token's target)."""
+        if length < self.fixed_tokens():
             settings = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-            raise ConfigError(f"task {self.name} ({settings}) needs at least {self.fixed_tokens() + 1} tokens, got "
-                              f"length {length}; use a longer length or fewer facts")
+            raise ConfigError(f"task {self.name} ({settings}) needs a length of at least {self.fixed_tokens()} "
+                              f"tokens, got {length}; use a longer length or fewer facts")
 
     def example(self, length: int, rng: np.random.Generator, vocab: TaskVocabulary,
                 depth: Optional[float] = None) -> Example:
         """Exactly ``length`` tokens: a leading filler token (the first position is never predicted), then the
         task's pieces with ``length - 1 - fixed_tokens()`` filler tokens placed among them."""
-        self.check_length(length)
+        self.check_length(length - 1)
         if depth is None and self.has_depth:
             depth = float(rng.random())
         pieces = self.layout(rng, vocab, length - 1 - self.fixed_tokens(), depth)
