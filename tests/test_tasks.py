@@ -319,7 +319,8 @@ def test_impossible_task_settings_are_refused_in_one_line(settings, message):
 
 @pytest.mark.parametrize("extra, message", [
     (["--data.tasks", '{"needle": {}, "recall": {}}'], "unknown task 'recall'; valid tasks: associative_recall, "),
-    (["--data.eval_lengths", "[24, 48]"], "evaluation length 24 is too short for a task: task associative_recall"),
+    (["--data.eval_lengths", "[16, 48]"], "evaluation length 16 is too short for a task: task associative_recall "
+     "(pairs=4, queries=4) needs a length of at least 20 tokens, got 16"),
 ])
 def test_the_command_line_refuses_them_before_training(tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(ROOT)
