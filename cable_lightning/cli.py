@@ -11,7 +11,8 @@ What it adds to the stock CLI:
   the data to the model, set once in the data section; the data is prepared first when it asks for that.
 - validation every checkpoint interval at every evaluation length (and window mode), recorded by
   :class:`LengthEvalRecorder` (perplexity and loss by position); a last one at the end of fit; with
-  ``--passkey.enabled true``, a passkey-retrieval grid after each (:class:`PasskeyRetrieval`).
+  ``--passkey.enabled true``, a passkey-retrieval grid after each (:class:`PasskeyRetrieval`); with ``--data.tasks``,
+  exact-match accuracy on the tasks after each (:class:`TaskAccuracy`).
 - checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM,
   ``--ckpt_path last`` (the newest readable checkpoint, or an error) and ``auto`` (resume if there is one).
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
@@ -39,7 +40,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from .callbacks import BiasPictures, LengthEvalRecorder, PasskeyRetrieval, TokenThroughput
+from .callbacks import BiasPictures, LengthEvalRecorder, PasskeyRetrieval, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
 from .checkpoints import (
     AtomicCheckpointIO,
@@ -208,6 +209,7 @@ class CableCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(LengthEvalRecorder, "length_eval")
         parser.add_lightning_class_args(PasskeyRetrieval, "passkey")
+        parser.add_lightning_class_args(TaskAccuracy, "task_eval")
         parser.add_lightning_class_args(BiasPictures, "bias_pictures")
         parser.add_lightning_class_args(TokenThroughput, "throughput")
         parser.set_defaults({

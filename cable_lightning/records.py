@@ -85,6 +85,22 @@ class PasskeyRecord(Record):
     seed: int = 0
 
 
+@dataclass(kw_only=True)
+class TaskRecord(Record):
+    """Exact-match accuracy on one synthetic task (``cable_lightning.data.tasks``) at one length, and one depth of
+    the queried fact for tasks that place it (None for the others)."""
+
+    FILE: ClassVar[str] = "task_accuracy.jsonl"
+
+    task: str
+    length: int  # tokens the model reads (the example has one more: the last answer token is only a target)
+    depth: Optional[float]
+    accuracy: Optional[float]  # None: the encoding cannot serve this length
+    trials: int = 0
+    correct: Optional[int] = None
+    seed: int = 0  # the evaluation examples' seed
+
+
 def append_records(folder: str, records: list[Record]) -> None:
     """Append records, each kind to its own file in ``folder``."""
     os.makedirs(folder, exist_ok=True)

@@ -9,10 +9,12 @@ LOSSES: list[float] = []
 
 
 class RecordBatches(L.Callback):
-    """Appends a digest of every training batch to ``BATCHES`` and its loss to ``LOSSES``."""
+    """Appends a digest of every training batch (with task rows: its tokens and loss weights) to ``BATCHES`` and its
+    loss to ``LOSSES``."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        BATCHES.append(hashlib.sha1(batch.cpu().numpy().tobytes()).hexdigest())
+        parts = [batch["tokens"], batch["loss_weight"]] if isinstance(batch, dict) else [batch]
+        BATCHES.append(hashlib.sha1(b"".join(p.cpu().numpy().tobytes() for p in parts)).hexdigest())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         LOSSES.append(float(outputs["loss"]))

@@ -17,7 +17,11 @@ percentile bootstrap over the evaluated windows. Bold: the best mean and every e
 separate from it at p < 0.05 (across shared seeds, or with one seed over the same evaluated windows); a dash: the
 encoding cannot serve the length. Loss by position (``<out>_position.md/.csv``) and passkey accuracy averaged over
 depths (``<out>_passkey.md/.csv``) are aggregated over seeds the same way (no one-seed interval: they keep no
-per-window values).
+per-window values), and so is each synthetic task's exact-match accuracy, averaged over depths
+(``<out>_task_<name>.md/.csv``), followed by the effective length per task and encoding (``<out>_effective.md``):
+the longest evaluated length, from the training length on, whose accuracy (the mean over seeds) stays at or above
+``--threshold`` (default 0.85, RULER's), with each seed's own in brackets; "-" where the training length falls
+short.
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -35,7 +39,8 @@ from typing import Callable, Optional
 from cable_lightning.callbacks.length_eval import ppl_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
-from cable_lightning.records import LengthRecord, PasskeyRecord, PositionRecord, Record, read_records
+from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
+from cable_lightning.records import LengthRecord, PasskeyRecord, PositionRecord, Record, TaskRecord, read_records
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -159,6 +164,56 @@ def passkey_table(rows: list[PasskeyRecord]) -> Table:
     accuracy = {key: None if any(r.accuracy is None for r in cell) else sum(r.accuracy for r in cell) / len(cell)
                 for key, cell in by_run.items()}
     return aggregate(runs, lambda r: r.length, lambda r: accuracy[run_key(r), r.length])
+
+
+def depth_means(rows: list) -> dict[tuple, Optional[float]]:
+    """{(run, length): accuracy averaged over the rows' depths}, None where any cell could not be run."""
+    cells: dict[tuple, list] = {}
+    for r in rows:
+        cells.setdefault((run_key(r), r.length), []).append(r.accuracy)
+    return {key: None if None in values else sum(values) / len(values) for key, values in cells.items()}
+
+
+def task_table(rows: list[TaskRecord]) -> Table:
+    """One task's exact-match accuracy by length and encoding: each run's mean over depths, aggregated over seeds."""
+    accuracy = depth_means(rows)
+    runs = list({(run_key(r), r.length): r for r in rows}.values())
+    return aggregate(runs, lambda r: r.length, lambda r: accuracy[run_key(r), r.length])
+
+
+def effective_table(rows: list[TaskRecord], threshold: float) -> str:
+    """The effective length per task (rows) and encoding (columns): from the mean accuracy over seeds, then each
+    seed's own in brackets when there are several."""
+    tasks = sorted({r.task for r in rows})
+    several = len({r.train_length for r in rows}) > 1
+    columns = sorted({column_name(r.pe, r.train_length, several) for r in rows})
+    lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for task in tasks:
+        cells = []
+        for column in columns:
+            runs: dict = {}  # seed -> {length: accuracy}
+            train_length = None
+            for (run, length), value in depth_means([r for r in rows if r.task == task]).items():
+                if column_name(run[0], run[1], several) == column:
+                    runs.setdefault(run[2], {})[length] = value
+                    train_length = run[1]
+            if not runs:
+                cells.append("")
+                continue
+            lengths = sorted({n for accuracy in runs.values() for n in accuracy})
+            mean = {n: None if any(a.get(n) is None for a in runs.values())
+                    else sum(a[n] for a in runs.values()) / len(runs) for n in lengths}
+            text = format_length(effective_length(mean, train_length, threshold))
+            if len(runs) > 1:
+                text += " (" + ", ".join(format_length(effective_length(runs[s], train_length, threshold))
+                                         for s in sorted(runs, key=str)) + ")"
+            cells.append(text)
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_length(length: Optional[int]) -> str:
+    return "-" if length is None else str(length)
 
 
 def paired(a: Cell, b: Cell) -> Optional[tuple[list, list]]:
@@ -305,10 +360,10 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
     return True
 
 
-def report(paths: list[str], out: str) -> dict[str, str]:
+def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png and <out>_<mode>_training.png for each window mode present, and
-    <out>_position.md/.csv and <out>_passkey.md/.csv where runs have such rows; returns {mode, "position" or
-    "passkey": markdown}."""
+    <out>_position.md/.csv, <out>_passkey.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have
+    such rows; returns {mode, "position", "passkey", "task <name>" or "effective length": markdown}."""
     files = find_records(paths)
     runs = rows_by_step(files)
     rows = [row for steps in runs.values() for row in steps[max(steps)]]
@@ -343,6 +398,21 @@ def report(paths: list[str], out: str) -> dict[str, str]:
         with open(f"{out}_{name}.md", "w") as f:
             f.write(tables[name] + "\n")
         write_csv(f"{out}_{name}.csv", table, "loss" if name == "position" else "accuracy", header)
+    found = find_records(paths, TaskRecord.FILE, required=False)
+    task_rows = latest_rows(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else []
+    for task in sorted({r.task for r in task_rows}):
+        table = task_table([r for r in task_rows if r.task == task])
+        tables[f"task {task}"] = markdown(*table, best=max) + "\n\n" + describe(table, "highest")
+        with open(f"{out}_task_{task}.md", "w") as f:
+            f.write(tables[f"task {task}"] + "\n")
+        write_csv(f"{out}_task_{task}.csv", table, "accuracy")
+    if task_rows:
+        tables["effective length"] = (effective_table(task_rows, threshold) + "\n\n"
+                                      + f"_the longest length, from the training length on, whose exact-match accuracy "
+                                      f"(mean over seeds and depths) stays at or above {threshold}; each seed's in "
+                                      "brackets; -: even the training length falls short._")
+        with open(f"{out}_effective.md", "w") as f:
+            f.write(tables["effective length"] + "\n")
     return tables
 
 
@@ -350,9 +420,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories or length_eval.jsonl files/globs")
     parser.add_argument("--out", default="runs/report", help="output prefix")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help="the accuracy a length must keep to count toward a task's effective length")
     args = parser.parse_args(argv)
+    if not 0.0 < args.threshold <= 1.0:
+        raise ConfigError(f"--threshold must be in (0, 1], got {args.threshold}")
     titles = {"passkey": "passkey accuracy (mean over depths)", "position": "mean NLL by token position"}
-    for mode, table in report(args.runs, args.out).items():
+    for mode, table in report(args.runs, args.out, args.threshold).items():
         print(f"## {titles.get(mode, mode)}\n{table}\n")
     print(f"written: {args.out}_<mode>.md/.csv/.png, {args.out}_<mode>_training.png")
 

@@ -17,10 +17,11 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.remote import Store, is_remote
+from cable_lightning.data.tasks import EVAL, OWN_VOCABULARY, TaskMix, TaskVocabulary
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
 
 from ..errors import ConfigError
@@ -58,6 +59,18 @@ def _stream_loader_class() -> type:
     return StreamLoader
 
 
+class BlankRows(IterableDataset):
+    """Endless blank (rows, length) batches for a run of tasks alone: the rows are made from the batch number in
+    ``on_before_batch_transfer``, where a resumed run knows it, so the loader itself carries no position."""
+
+    def __init__(self, rows: int, length: int):
+        self.rows, self.length = rows, length
+
+    def __iter__(self):
+        while True:
+            yield torch.zeros(self.rows, self.length, dtype=torch.long)
+
+
 class TokenDataModule(L.LightningDataModule):
     """Token windows from a folder written by ``python -m cable_lightning.data.prepare``.
 
@@ -83,17 +96,30 @@ class TokenDataModule(L.LightningDataModule):
             of the free disk, leaving 50 GB free where it can); least-recently-used chunks are evicted.
         endpoint_url: an S3-compatible store's endpoint (default: boto3's, from ``AWS_ENDPOINT_URL`` or the
             profile); credentials and region always come from boto3's usual places.
+        tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (``cable_lightning.data.tasks``), taken in
+            turn; training batches become ``{"tokens", "loss_weight"}``. With ``path`` null the tasks use a
+            vocabulary of their own and validation perplexity is measured on task examples; with a prepared
+            ``path``, its tokenizer's ids.
+        task_fraction: the share of each training batch's rows that are task examples (the rest: the corpus).
+        lm_loss_weight: the loss weight of a task row's tokens other than its answer (0: answer tokens only; 1:
+            the ordinary language-model loss on the whole row). Corpus rows weigh 1 everywhere.
     """
 
-    def __init__(self, path: str = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
+    def __init__(self, path: str | None = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
                  num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
-                 passkey_fraction: float = 0.0, cache_dir: str | None = None, max_cache_size: str | None = None,
-                 endpoint_url: str | None = None):
+                 passkey_fraction: float = 0.0, tasks: dict[str, dict | None] | None = None,
+                 task_fraction: float = 1.0, lm_loss_weight: float = 0.0, cache_dir: str | None = None,
+                 max_cache_size: str | None = None, endpoint_url: str | None = None):
         super().__init__()
-        if not 0.0 <= passkey_fraction <= 1.0:
-            raise ConfigError(f"passkey_fraction must be in [0, 1] (the share of training rows), "
-                              f"got {passkey_fraction}")
+        for name, value in (("passkey_fraction", passkey_fraction), ("task_fraction", task_fraction),
+                            ("lm_loss_weight", lm_loss_weight)):
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {value}")
+        if path is None and (not tasks or task_fraction < 1 or source is not None):
+            raise ConfigError("data.path is null, which only a run of tasks alone can be (data.tasks set, "
+                              f"task_fraction 1, no source); got tasks={tasks}, task_fraction={task_fraction}; "
+                              "point data.path at a prepared corpus")
         for name, value, minimum in (("block_size", block_size, 1), ("micro_batch_size", micro_batch_size, 1),
                                      ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
             if value < minimum:
@@ -104,7 +130,7 @@ class TokenDataModule(L.LightningDataModule):
                               f"None, got {eval_lengths} and {eval_stride}")
         if (source is None) != (tokenizer is None):
             raise ConfigError("give both data.source and data.tokenizer (to prepare a missing corpus) or neither")
-        self.path, self.block_size, self.micro_batch_size = str(path), int(block_size), int(micro_batch_size)
+        self.path, self.block_size, self.micro_batch_size = path, int(block_size), int(micro_batch_size)
         self.num_workers, self.seed, self.eval_tokens = int(num_workers), int(seed), int(eval_tokens)
         self.eval_lengths = [int(n) for n in eval_lengths or [block_size]]
         self.eval_stride = None if eval_stride is None else int(eval_stride)
@@ -114,6 +140,15 @@ class TokenDataModule(L.LightningDataModule):
         self.store = Store(self.path, endpoint_url) if is_remote(self.path) else None  # a bad URL fails here
         self.folder = None if self.store else self.path  # local: the path; remote: its fetched small files
         self._passkey_prompts = None
+        self.task_settings, self.task_fraction, self.lm_loss_weight = tasks, float(task_fraction), float(lm_loss_weight)
+        self.tasks = TaskMix(tasks) if tasks else None  # an unknown task or setting: one line, now
+        if self.tasks is not None:
+            try:
+                self.tasks.check_length(self.block_size)
+            except ConfigError as exc:
+                raise ConfigError(f"data.block_size {self.block_size} is too short for a task: {exc}") from None
+            if passkey_fraction:
+                raise ConfigError("data.passkey_fraction and data.tasks both replace training rows; use one")
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}
 
@@ -130,6 +165,13 @@ class TokenDataModule(L.LightningDataModule):
 
     def describe(self) -> DataInfo:
         """What the model needs from the data; the manifest is read and every file checked once."""
+        if self.path is None:  # tasks alone, in their own vocabulary
+            if self.tasks.vocab is None:
+                self.tasks.vocab = TaskVocabulary.own()
+            return DataInfo(vocab_size=OWN_VOCABULARY, eot_id=0, mask_id=None, special_ids=(0,),
+                            tokenizer={"kind": "task", "name": f"task-vocabulary-{OWN_VOCABULARY}",
+                                       "hash": f"task-vocabulary-v1-{OWN_VOCABULARY}"},
+                            block_size=self.block_size, eval_specs=tuple(self.eval_specs()))
         if self._manifest is None:
             if self.store is not None:  # manifest, index, held-out arrays fetched once per node; chunk sizes checked
                 self.folder = self.store.mirror(self.cache_dir)
@@ -138,6 +180,8 @@ class TokenDataModule(L.LightningDataModule):
                 self._check_request(manifest["request"])
             self._manifest = manifest
         m = self._manifest
+        if self.tasks is not None and self.tasks.vocab is None:
+            self.tasks.vocab = TaskVocabulary.from_ids(int(m["vocab_size"]), m["special_ids"])
         return DataInfo(vocab_size=int(m["vocab_size"]), eot_id=int(m["eot_id"]), mask_id=m["mask_id"],
                         special_ids=tuple(m["special_ids"]), tokenizer=dict(m["tokenizer"]["identity"]),
                         block_size=self.block_size, eval_specs=tuple(self.eval_specs()))
@@ -173,6 +217,9 @@ class TokenDataModule(L.LightningDataModule):
 
     def load_tokenizer(self) -> Tokenizer:
         """The tokenizer that made the data (for decoding samples); its identity must match the manifest's."""
+        if self.path is None:
+            raise ConfigError("data.path is null: the tasks' own vocabulary has no tokenizer (text probes such as "
+                              "the passkey need a prepared corpus)")
         self.describe()
         info = self._manifest["tokenizer"]
         ref = os.path.join(self.folder, info["file"]) if info.get("file") else info["spec"]
@@ -198,7 +245,23 @@ class TokenDataModule(L.LightningDataModule):
             rng = random.Random(hash((self.seed, trainer.global_rank, batch_number)))
             for row in range(rows):
                 batch[row] = torch.tensor(self.passkey_sequence(rng), dtype=batch.dtype)
+        if self.tasks is not None:
+            return self.task_batch(batch, batch_number, trainer.global_rank, trainer.world_size)
         return batch
+
+    def task_batch(self, batch: torch.Tensor, batch_number: int, rank: int, world_size: int) -> dict:
+        """The batch with its first ``task_fraction`` rows replaced by task examples (TaskMix.training_rows: unique
+        per (batch number, rank), the same after a resume) and the loss weight of every target: 1 for corpus rows and
+        for answers, ``lm_loss_weight`` for a task row's other tokens."""
+        rows = round(self.task_fraction * batch.shape[0])
+        weight = torch.ones(batch.shape[0], batch.shape[1] - 1)
+        if rows:
+            ids, answer = self.tasks.training_rows(batch.shape[1], self.seed, batch_number, rank, world_size, rows)
+            batch = batch.clone()
+            batch[:rows] = torch.from_numpy(ids)
+            answer = torch.from_numpy(answer[:, 1:])
+            weight[:rows] = torch.where(answer, 1.0, self.lm_loss_weight)
+        return {"tokens": batch, "loss_weight": weight}
 
     def passkey_sequence(self, rng: random.Random) -> list[int]:
         """A passkey prompt and its answer, ``block_size + 1`` tokens (one training window)."""
@@ -212,6 +275,8 @@ class TokenDataModule(L.LightningDataModule):
         from litdata import StreamingDataset, TokensLoader
 
         self.describe()
+        if self.tasks is not None and self.task_fraction == 1.0:  # rows made in on_before_batch_transfer
+            return DataLoader(BlankRows(self.micro_batch_size, self.block_size + 1), batch_size=None)
         remote = dict(cache_dir=self.cache_dir, max_cache_size=self.max_cache_size,
                       storage_options=self.store.storage_options()) if self.store else {}
         dataset = StreamingDataset(f"{self.store.url}/train" if self.store else os.path.join(self.path, "train"),
@@ -231,10 +296,18 @@ class TokenDataModule(L.LightningDataModule):
     def test_dataloader(self) -> Any:
         """The source's own test split when it has one (wikitext-103), else val; same protocol as validation."""
         self.describe()
-        return self._eval_loaders("test" if "test" in self._manifest["splits"] else "val")
+        return self._eval_loaders("test" if self._manifest and "test" in self._manifest["splits"] else "val")
 
     def eval_stream(self, split: str = "val") -> torch.Tensor:
-        """The first ``max(eval_tokens, longest eval length) + 1`` tokens of ``split`` (int64), read once."""
+        """The first ``max(eval_tokens, longest eval length) + 1`` tokens of ``split`` (int64), read once; without a
+        corpus, task examples of the training length one after another (evaluation examples, never trained on)."""
+        if split not in self._eval_streams and self.path is None:
+            longest = max(length for length, _ in self.eval_specs())
+            count, pieces, index = max(self.eval_tokens, longest) + 1, [], 0
+            while sum(map(len, pieces)) < count:
+                pieces.append(self.tasks.example(self.block_size + 1, self.seed, EVAL, index).ids)
+                index += 1
+            self._eval_streams[split] = torch.from_numpy(np.concatenate(pieces)[:count])
         if split not in self._eval_streams:
             self.describe()
             held_out = load_split(self.folder, split, self._manifest)

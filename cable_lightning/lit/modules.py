@@ -101,9 +101,17 @@ class LanguageModel(L.LightningModule):
                 block.compile()
 
     # --- training ------------------------------------------------------------------------------
-    def training_step(self, batch, batch_idx):
+    def batch_loss(self, batch, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training loss, inputs) of a training batch: the mean NLL of its targets, or for a batch with task rows
+        (``TokenDataModule.task_batch``) the mean weighted by each target's ``loss_weight``."""
+        if isinstance(batch, dict):
+            inputs, targets = self.split_batch(batch["tokens"], train=True, batch_idx=batch_idx)
+            return weighted_loss(self.backbone.token_nll(inputs, targets), batch["loss_weight"]), inputs
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
-        loss = self.backbone.loss(inputs, targets)
+        return self.backbone.loss(inputs, targets), inputs
+
+    def training_step(self, batch, batch_idx):
+        loss, inputs = self.batch_loss(batch, batch_idx)
         self._last_loss = loss.detach()
         self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by ThroughputMonitor for MFU
         tokens = inputs.numel() * self.trainer.world_size
@@ -294,6 +302,12 @@ class LanguageModel(L.LightningModule):
             if differ:
                 raise ConfigError(problem + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
                                                       for name, old, new in differ) + advice)
+
+
+def weighted_loss(nll: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weighted mean of per-target NLLs: targets of weight 0 (a task's non-answer tokens) add nothing."""
+    weight = weight.to(nll.dtype)
+    return (nll * weight).sum() / weight.sum().clamp(min=torch.finfo(nll.dtype).tiny)
 
 
 def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:

@@ -1,0 +1,141 @@
+"""Task accuracy after every validation of a run that trains on synthetic tasks (``--data.tasks``): exact match per
+task, evaluation length and depth, in ``<log_dir>/task_accuracy.jsonl`` beside ``length_eval.jsonl``, a TensorBoard
+heatmap (``tasks/accuracy``) and the mean per length (``tasks/<task>/len_<L>``).
+
+A callback, like the passkey grid, so that it runs at every checkpoint's validation inside ``fit`` and on
+``validate --ckpt_path FILE``. Every rank scores the whole grid (identical results, no collectives) and rank 0
+writes it down.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning as L
+import torch
+
+from ..errors import ConfigError
+from ..eval.tasks import DEFAULT_DEPTHS, argmax_predictions, task_grid
+from ..records import TaskRecord, append_records
+
+
+def accuracy_heatmap(labels: list[str], lengths: list[int], cells: dict, title: str, ylabel: str):
+    """Accuracy per (row label, length) cell, ``cells[(label, length)]``; a missing or None cell is blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.full((len(labels), len(lengths)), np.nan)
+    for (label, length), value in cells.items():
+        if value is not None:
+            grid[labels.index(label), lengths.index(length)] = value
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3, 0.5 * len(labels) + 2))
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        ax.text(j, i, "-" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return fig
+
+
+def row_label(record: TaskRecord) -> str:
+    return record.task if record.depth is None else f"{record.task} @ {record.depth:.0%}"
+
+
+def mean_accuracy(rows: list[TaskRecord], task: str, length: int) -> Optional[float]:
+    """A task's accuracy at a length, averaged over depths; None where any cell could not be run."""
+    cells = [r.accuracy for r in rows if r.task == task and r.length == length]
+    return None if not cells or None in cells else sum(cells) / len(cells)
+
+
+class TaskAccuracy(L.Callback):
+    """Exact-match accuracy on the data's tasks at each length in ``lengths`` (default: the data's evaluation
+    lengths) and, for tasks that place their fact (the needle), each depth in ``depths``; ``trials`` examples per
+    cell, evaluation examples of ``seed`` (never training rows), scored ``batch_size`` at a time. ``enabled``: None
+    runs it when the data has tasks."""
+
+    def __init__(self, enabled: Optional[bool] = None, lengths: Optional[list[int]] = None,
+                 depths: list[float] = list(DEFAULT_DEPTHS), trials: int = 32, seed: int = 0, batch_size: int = 16):
+        if trials < 1 or batch_size < 1:
+            raise ConfigError(f"task_eval.trials and task_eval.batch_size must be >= 1, got {trials} and {batch_size}")
+        if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+            raise ConfigError(f"task_eval.depths must be fractions in [0, 1] (0 = start, 1 = end), got {depths}")
+        if lengths is not None and (not lengths or min(lengths) < 1):
+            raise ConfigError(f"task_eval.lengths must be positive, or null for data.eval_lengths; got {lengths}")
+        self.enabled, self.lengths, self.depths = enabled, lengths, list(depths)
+        self.trials, self.seed, self.batch_size = trials, seed, batch_size
+        self.results: list[TaskRecord] = []
+
+    def mix(self, trainer):
+        return getattr(trainer.datamodule, "tasks", None)
+
+    def active(self, trainer) -> bool:
+        return self.enabled is not False and self.mix(trainer) is not None
+
+    def grid_lengths(self, pl_module) -> list[int]:
+        return sorted(self.lengths or {length for length, _ in pl_module.eval_specs()})
+
+    def setup(self, trainer, pl_module, stage):
+        """Refuse what cannot be scored before any training or evaluation runs."""
+        if self.enabled and self.mix(trainer) is None:
+            raise ConfigError("task_eval.enabled is true but the data has no tasks; set data.tasks")
+        if not self.active(trainer):
+            return
+        if not pl_module.backbone.causal:
+            raise ConfigError("tasks need a causal LM (the answer is predicted after the question); this model is a "
+                              "masked LM")
+        shortest = min(self.grid_lengths(pl_module))
+        try:
+            self.mix(trainer).check_length(shortest)
+        except ConfigError as exc:
+            raise ConfigError(f"evaluation length {shortest} is too short for a task: {exc}") from None
+
+    def on_validation_end(self, trainer, pl_module):
+        if not self.active(trainer) or trainer.sanity_checking:
+            return
+        lengths = self.grid_lengths(pl_module)
+        backbone, was_training = pl_module.backbone, pl_module.backbone.training
+        backbone.eval()
+        try:
+            with torch.no_grad():
+                grid = task_grid(argmax_predictions(backbone), self.mix(trainer), lengths, self.depths, self.trials,
+                                 self.seed, self.batch_size, pl_module.device)
+        finally:
+            backbone.train(was_training)
+        measured = pl_module.length_results[0] if pl_module.length_results else None  # this validation's step
+        step = measured.step if measured else trainer.global_step
+        config = pl_module.config
+        self.results = [TaskRecord(pe=config.pos_encoding.label(), train_length=config.block_size, step=step,
+                                   stage=trainer.state.fn.value, checkpoint=measured.checkpoint if measured else None,
+                                   run_seed=getattr(pl_module, "run_seed", None), seed=self.seed, **row)
+                        for row in grid]
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
+        if not trainer.is_global_zero:
+            return
+        append_records(log_dir, self.results)
+        pe, tasks = self.results[0].pe, list(dict.fromkeys(r.task for r in self.results))
+        experiment = getattr(trainer.logger, "experiment", None)
+        if hasattr(experiment, "add_figure"):
+            labels = list(dict.fromkeys(row_label(r) for r in self.results))
+            cells = {(row_label(r), r.length): r.accuracy for r in self.results}
+            title = f"task accuracy: {pe}, trained at {config.block_size}, step {step}"
+            experiment.add_figure("tasks/accuracy", accuracy_heatmap(labels, lengths, cells, title, "task"), step)
+            for task in tasks:
+                for length in lengths:
+                    if (value := mean_accuracy(self.results, task, length)) is not None:
+                        experiment.add_scalar(f"tasks/{task}/len_{length}", value, step)
+        for task in tasks:
+            summary = "  ".join(f"{length}: {format_accuracy(mean_accuracy(self.results, task, length))}"
+                                for length in lengths)
+            print(f"{task} accuracy by length ({pe}, {self.trials} trials, step {step}): {summary}", flush=True)
+
+
+def format_accuracy(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,83 @@
+"""Scoring synthetic tasks (``cable_lightning.data.tasks``): exact match of every answer token, and the effective
+length.
+
+An example is right when the model's most likely next token is the answer at every answer position, with the
+example's own tokens before it (teacher forcing). That is what greedy decoding would produce: while every answer
+token so far is right, the decoder's input is the example itself, so one forward pass scores an answer of any
+length without a KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..data.tasks import EVAL, Example, TaskMix
+from ..positional import UnsupportedLengthError
+
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_THRESHOLD = 0.85  # RULER's: the accuracy a length must keep to count as effective
+
+Predict = Callable[[torch.Tensor], torch.Tensor]  # inputs (B, T) -> the predicted next token at each position (B, T)
+
+
+def argmax_predictions(backbone, chunk: int = 512) -> Predict:
+    """The backbone's most likely next token at every position; the head runs ``chunk`` positions at a time."""
+
+    def predict(inputs: torch.Tensor) -> torch.Tensor:
+        hidden = backbone.hidden_states(inputs)
+        return torch.cat([backbone.logits(hidden[:, s:s + chunk]).argmax(-1)
+                          for s in range(0, hidden.shape[1], chunk)], dim=1)
+
+    return predict
+
+
+def exact_match(predicted: torch.Tensor, targets: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """(B,) True where every answer target is predicted; other positions do not count."""
+    return ((predicted == targets) | ~answer).all(dim=1)
+
+
+def score_examples(predict: Predict, examples: Sequence[Example], batch_size: int = 16, device="cpu") -> list[bool]:
+    """Whether each example is answered exactly, ``batch_size`` examples at a time."""
+    ids = torch.from_numpy(np.stack([e.ids for e in examples])).to(device)
+    answer = torch.from_numpy(np.stack([e.answer for e in examples]))[:, 1:].to(device)
+    right = []
+    for start in range(0, len(examples), batch_size):
+        rows = slice(start, start + batch_size)
+        right += exact_match(predict(ids[rows, :-1]), ids[rows, 1:], answer[rows]).tolist()
+    return right
+
+
+def task_grid(predict: Predict, mix: TaskMix, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
+              trials: int = 32, seed: int = 0, batch_size: int = 16, device="cpu") -> list[dict]:
+    """One row per (task, length, depth; depth None for tasks that do not place their fact): trials, correct and
+    accuracy (None where the model cannot take the length). ``length`` is what the model reads; trial t is evaluation
+    example t of ``seed`` in every cell, so cells differ only in length and depth."""
+    rows = []
+    for task in mix.tasks:
+        for length in lengths:
+            for depth in depths if task.has_depth else [None]:
+                examples = [mix.example(length + 1, seed, EVAL, t, task=task, depth=depth) for t in range(trials)]
+                try:
+                    correct = sum(score_examples(predict, examples, batch_size, device))
+                except UnsupportedLengthError:
+                    correct = None
+                rows.append({"task": task.name, "length": length, "depth": depth, "trials": trials, "correct": correct,
+                             "accuracy": None if correct is None else correct / trials})
+    return rows
+
+
+def effective_length(accuracy: dict[int, Optional[float]], train_length: int,
+                     threshold: float = DEFAULT_THRESHOLD) -> Optional[int]:
+    """The longest evaluated length up to which accuracy stays at or above ``threshold``, counting from the training
+    length (lengths below it do not count); None when the training length itself falls short or was not evaluated."""
+    effective = None
+    for length in sorted(n for n in accuracy if n >= train_length):
+        if (length == train_length or effective is not None) and (accuracy[length] or 0.0) >= threshold:
+            effective = length
+        else:
+            break
+    return effective
