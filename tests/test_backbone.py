@@ -79,7 +79,8 @@ def padded_against_alone(pe, causal, monkeypatch, gradients):
     for row, (start, stop) in enumerate(spans):
         mask[row, start:stop] = 1
     calls = []
-    monkeypatch.setattr(backbone_mod, "attention", lambda q, *a, **kw: calls.append(q.shape[0]) or attention(q, *a, **kw))
+    monkeypatch.setattr(backbone_mod, "attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or attention(q, *a, **kw))
     weight = torch.randn(4, 11, 32)
     with torch.set_grad_enabled(gradients):
         padded = model.hidden_states(x, padding_mask=mask)
