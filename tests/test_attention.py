@@ -262,9 +262,10 @@ def test_fold_matches_fp64_reference_values_and_gradients(pe_name, t, offset):
     assert max(errors) < 1e-3, errors
 
 
-@pytest.mark.parametrize("dtype, blocks", [(torch.float32, 7), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("dtype, blocks", [(torch.float32, 7), (torch.bfloat16, 1)])
 def test_fold_centring_blocks_fill_the_padding_the_kernel_needs_anyway(dtype, blocks):
-    """Head 64: q' is 72 wide with or without the blocks; each block centres its own rows (its own key column)."""
+    """Head 64: q' is 72 wide with or without the blocks; each block centres its own rows (its own key column).
+    bf16 keeps one block: its pieces carry the precision."""
     pe, h, *_ = realistic_inputs("fox", 700, dtype=torch.float32)
     bias = pe.score_bias(h, 1, 0, None)
     q, k, v = (torch.randn(2, 4, 700, 64, dtype=dtype) for _ in range(3))
@@ -389,7 +390,7 @@ def bf16_fox_gate_gradient_errors():
 def test_bf16_fold_gradient_of_fox_gates_is_bounded():
     """A known limit, measured: the kernel hands back the key column's gradients in bf16, and the gates' gradient is
     a reverse cumulative sum of them with heavy cancellation, so the bf16 fold's is about 18x the error of bf16
-    attention with an fp32 bias (4e-2 relative here; with the query's own row-constant gradient detached, 1.1e-1)."""
+    attention with an fp32 bias (4.5e-2 relative here; with the query's own row-constant gradient detached, 1.1e-1)."""
     folded, with_fp32_bias = bf16_fox_gate_gradient_errors()
     assert folded < 25 * with_fp32_bias and folded < 0.06, (folded, with_fp32_bias)
 

@@ -143,7 +143,8 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
       the folded logit a_i . (c_j - r), so r should be near c_i. Each block of query rows gets its own
       key column c_j - r_block (its middle row's c), and its queries carry a only in that column (zero
       elsewhere, which adds nothing exactly): one fused call, every row centred near itself. The blocks
-      fill the columns that padding the width to a multiple of 8 leaves, so they cost nothing;
+      fill the columns that padding the width to a multiple of 8 leaves, so they cost nothing (fp32;
+      bf16/fp16 use one block);
     - low precision: c grows with position (CABLE's S, ALiBi's j), beyond bf16's 8 bits, so in
       bf16/fp16 c is split into pieces of that dtype that sum to it to about fp32 precision, each
       against its own copy of a (tensor cores multiply exactly and accumulate in fp32);
@@ -165,9 +166,10 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     c = c.float().expand(batch, heads, tk, -1)
     pieces = FOLD_PIECES_LOW_PRECISION if q.dtype in (torch.bfloat16, torch.float16) else 1
     factor_width = pieces * a.shape[-1]
-    # As many blocks as fit in the zero padding the kernel needs anyway (head 64, fp32: 7): they cost nothing.
+    # As many blocks as fit in the zero padding the kernel needs anyway (head 64, fp32: 7): they cost nothing. In
+    # bf16/fp16 one: the pieces carry the precision, and more blocks measured worse for CABLE's weight gradient.
     padded_width = -(-(head_dim + factor_width + 1) // FOLD_HEAD_MULTIPLE) * FOLD_HEAD_MULTIPLE
-    blocks = max(1, min(tq, (padded_width - head_dim - 1) // factor_width))
+    blocks = 1 if pieces > 1 else max(1, min(tq, (padded_width - head_dim - 1) // factor_width))
     rows = -(-tq // blocks)
     block_of = torch.arange(tq, device=q.device) // rows
     starts = torch.arange(0, tq, rows, device=q.device)
