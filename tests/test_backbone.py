@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
+from cable_lightning.models import backbone as backbone_mod
+from cable_lightning.models.attention import attention
 from cable_lightning.positional import UnsupportedLengthError, available, from_label, score_bias_encodings
 from cable_lightning.positional.absolute import learnable
 from cable_lightning.positional.rope import rope
@@ -65,6 +67,63 @@ def test_incremental_decoding_equals_full_forward(pe):
         steps += [model(x[:, i : i + 1], cache) for i in range(8, 14)]  # one token at a time
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
     assert cache.length == 14
+
+
+def padded_against_alone(pe, causal, monkeypatch, gradients):
+    """Left, right, no and all padding in one batch: real tokens get the hidden states (and the gradients) of
+    their row's real tokens run alone, padding gets zeros, and each layer's attention runs once for all rows."""
+    model = tiny(pe, causal=causal)
+    x = torch.randint(0, 97, (4, 11))
+    spans = [(0, 11), (3, 11), (0, 6), (0, 0)]  # full, left-padded, right-padded, all padding
+    mask = torch.zeros(4, 11, dtype=torch.long)
+    for row, (start, stop) in enumerate(spans):
+        mask[row, start:stop] = 1
+    calls = []
+    monkeypatch.setattr(backbone_mod, "attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or attention(q, *a, **kw))
+    weight = torch.randn(4, 11, 32)
+    with torch.set_grad_enabled(gradients):
+        padded = model.hidden_states(x, padding_mask=mask)
+        assert calls == [4, 4]
+        grad = torch.autograd.grad((padded * weight).sum(), model.wte.weight)[0] if gradients else None
+        alone_grad = 0
+        for row, (start, stop) in enumerate(spans):
+            if start == stop:
+                assert not padded[row].any()
+                continue
+            alone = model.hidden_states(x[row : row + 1, start:stop])[0]
+            torch.testing.assert_close(padded[row, start:stop], alone, atol=1e-5, rtol=1e-4)
+            assert not padded[row, :start].any() and not padded[row, stop:].any()
+            if gradients:
+                alone_grad += torch.autograd.grad((alone * weight[row, start:stop]).sum(), model.wte.weight)[0]
+    if gradients:  # relative to the largest: DAPEv2's LeakyReLU turns fp32 rounding into a few larger elements
+        assert (grad - alone_grad).abs().max() <= 1e-4 * alone_grad.abs().max()
+
+
+# Causal rows are moved to the front of the batch and never see their padding (no mask): a few encodings show the
+# positions are right (absolute, FIRE's, CoPE's, DAPEv2's); bidirectional attention masks the padding: all of them.
+PADDED_CASES = ([(pe, False) for pe in VARIANTS]
+                + [(pe, True) for pe in ["cable", "fox", "learnable", "sinusoidal", "fire", "cope", "dape_v2+cable"]])
+
+
+@pytest.mark.parametrize("pe, causal", PADDED_CASES)
+def test_a_padded_batch_in_one_call_equals_each_row_run_alone(pe, causal, monkeypatch):
+    padded_against_alone(pe, causal, monkeypatch, gradients=False)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("pe", ["cable", "fox", "sinusoidal", "dape_v2+cable"])
+def test_a_padded_batch_has_each_row_s_gradients(pe, causal, monkeypatch):
+    padded_against_alone(pe, causal, monkeypatch, gradients=True)
+
+
+def test_padding_mask_errors_are_one_line():
+    model = tiny("cable")
+    x = torch.randint(0, 97, (2, 6))
+    with pytest.raises(ValueError, match=r"^padding_mask rows must be one run of ones \(left or right padding\)$"):
+        model.hidden_states(x, padding_mask=torch.tensor([[1, 0, 1, 1, 1, 1], [1] * 6]))
+    with pytest.raises(ValueError, match=r"cannot use the KV cache.*one prompt at a time"):
+        model.hidden_states(x, KVCache(2), padding_mask=torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6]))
 
 
 def test_cable_cache_keeps_cumulative_sums_so_a_step_is_linear():

@@ -160,7 +160,8 @@ def test_a_loaded_model_saved_again_loads_with_the_same_logits(round_trip, pe):
 
 @pytest.mark.parametrize("pe", ["cable", "rope", "t5"])
 def test_padded_encoder_batch_gives_each_row_its_unpadded_hidden_states(round_trip, pe):
-    """sentence-transformers pads batches; the backbone has no padding mask, so rows must not see the pads."""
+    """sentence-transformers pads batches: the wrapper hands the attention mask to the backbone as its padding mask,
+    and rows must not see the pads."""
     backbones, _, ids, _, results = round_trip
     backbone, got = backbones[f"{pe}-bidirectional"], results[f"{pe}-bidirectional"]["hidden_padded"]
     with torch.no_grad():

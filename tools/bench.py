@@ -23,13 +23,15 @@ from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available, from_label
 
 
-def make_config(args, variant: str, block_size: int) -> BackboneConfig:
+def make_config(args, variant: str, block_size: int, causal: bool | None = None) -> BackboneConfig:
     """``variant`` is an encoding's label (``dape_v2+kerple_log``), optionally with an attention backend:
     ``cable:materialized`` is the naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax,
     times v)."""
     name, _, backend = variant.partition(":")
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
                  if getattr(args, k) is not None}
+    if causal is not None:
+        overrides["causal"] = causal
     return BackboneConfig(preset=args.preset, pos_encoding=name, block_size=block_size,
                           attention_backend=backend or "auto", **overrides)
 
@@ -98,6 +100,31 @@ def eval_seconds(model, t, device, dtype, repeats):
     return timed(eval_forward(model, t, device, dtype), device, repeats)
 
 
+def padded_step_seconds(model, rows, longest, device, repeats, one_call):
+    """One fine-tuning step of a padded batch as sentence-transformers runs it (mean pooling of the real tokens, a
+    loss on the pooled vectors, backward): ``rows`` rows of lengths drawn from 1..``longest``, right-padded. With
+    ``one_call`` the backbone takes the padding mask; without, each distinct span runs as its own sub-batch (how
+    the transformers wrapper ran a padded batch before the backbone took a padding mask)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, longest + 1, (rows,), generator=generator).to(device)
+    x = torch.randint(0, model.config.vocab_size, (rows, longest), generator=generator).to(device)
+    mask = torch.arange(longest, device=device) < lengths[:, None]
+
+    def step():
+        if one_call:
+            hidden = model.hidden_states(x, padding_mask=mask)
+        else:
+            hidden = torch.zeros(rows, longest, model.config.n_embd, device=device)
+            for n in lengths.unique().tolist():
+                same = (lengths == n).nonzero().flatten()
+                hidden[same, :n] = model.hidden_states(x[same, :n])
+        pooled = (hidden * mask[..., None]).sum(1) / lengths[:, None]
+        pooled.square().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    return timed(step, device, repeats)
+
+
 def _cpu_eval_peak(config_dict, t, threads, out):
     """Runs in a fresh process: peak RSS of one evaluation forward, in MiB."""
     torch.set_num_threads(threads)
@@ -143,8 +170,13 @@ def run(args) -> dict:
     rows = []
     for pe in pes:
         torch.manual_seed(0)
-        model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
         row = {"pe": row_name(pe), "train_tok_s": {}, "eval_s": {}, "eval_peak_mib": {}}
+        if args.padded_batch:
+            encoder = build_backbone(make_config(args, pe, args.padded_longest, causal=False)).to(device)
+            row["padded_step_s"] = {how: padded_step_seconds(encoder, args.padded_batch, args.padded_longest, device,
+                                                              args.repeats, one_call=how == "one_call")
+                                    for how in ("per_span", "one_call")}
+        model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
         for t in args.train_lengths:
             row["train_tok_s"][t] = train_tokens_per_second(model, t, args.tokens_per_step, device, dtype, args.repeats)
         model.eval()
@@ -198,12 +230,18 @@ def table(result) -> str:
     eval_ts = list(rows[0]["eval_s"])
     head = (["pe"] + [f"train tok/s @{t} (x nope)" for t in train_ts] + [f"eval s @{t} (x nope)" for t in eval_ts]
             + [f"eval peak MiB @{t}" for t in eval_ts])
+    padded = "padded_step_s" in rows[0]
+    if padded:
+        head += ["padded step s, per span", "padded step s, one call (x per span)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["pe"]]
         cells += [f"{r['train_tok_s'][t]:.0f} ({r['train_ratio_to_nope'][t]:.2f})" for t in train_ts]
         cells += [fmt(r["eval_s"].get(t), ".3f", r["eval_ratio_to_nope"].get(t)) for t in eval_ts]
         cells += [fmt(r["eval_peak_mib"].get(t), ".0f") for t in eval_ts]
+        if padded:
+            step = r["padded_step_s"]
+            cells += [f"{step['per_span']:.2f}", f"{step['one_call']:.2f} ({step['one_call'] / step['per_span']:.2f})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -227,6 +265,10 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--padded-batch", type=int, default=0,
+                        help="also time a fine-tuning step of a bidirectional encoder on this many right-padded rows "
+                        "of mixed lengths, in one call (padding mask) and one call per span (0: skip)")
+    parser.add_argument("--padded-longest", type=int, default=512, help="the padded rows' longest length")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     result = run(args)

@@ -12,6 +12,8 @@ Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run 
 (``auto``) or ``materialized`` (one block of all rows).
 
 Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix).
+``key_padding`` (B, Tk), True at real keys, hides padded keys from every query (a padded query still sees
+itself, so no row is empty); every backend but ``flex`` takes it (``auto`` then picks ``chunked`` over ``flex``).
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ def check_backend(backend: str, encoding, causal: bool) -> None:
                           f"({'causal' if causal else 'bidirectional'}); valid: {', '.join(valid)}")
 
 
-def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: torch.device, q_offset: int = 0) -> str:
+def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: torch.device, q_offset: int = 0,
+                    padded: bool = False) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if padded and backend == "flex":
+        raise ConfigError("attention backend 'flex' cannot take a key padding mask; use auto, chunked or materialized")
     if isinstance(bias, LogitScores):
         if backend not in ("auto", "chunked", "materialized"):
             raise ConfigError(f"attention backend {backend!r} cannot run {type(bias).__name__}: its scores need the "
@@ -74,35 +79,51 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
     if bias.foldable:
         return "fold"
     # Decoding onto a cache goes chunked: O(t) per token, and no FlexAttention recompile per offset.
-    return "flex" if device.type == "cuda" and q_offset == 0 else "chunked"
+    return "flex" if device.type == "cuda" and q_offset == 0 and not padded else "chunked"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
-              backend: str = "auto") -> Tensor:
+              backend: str = "auto", key_padding: Tensor | None = None) -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
-    :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v."""
-    backend = resolve_backend(backend, bias, q.device, q_offset)
+    :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v. ``key_padding``: (B, Tk), True at real keys."""
+    backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None)
     if backend == "fold" and bias is not None:
         if not bias.foldable:
             raise ConfigError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
                              f"(causal={bias.causal}) does not: use auto, flex or chunked")
         head_dim = q.shape[-1]
         folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
-        return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5)[..., :head_dim]
+        return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5,
+                         key_padding=key_padding)[..., :head_dim]
     if backend in ("sdpa", "fold"):
         if bias is not None:
             raise ConfigError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
-        return _unbiased(q, k, v, causal, q_offset)
+        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding)
     if backend == "flex":
         return _flex(q, k, v, bias, causal, q_offset)
     if backend == "chunked":
-        return _chunked(q, k, v, bias, causal, q_offset)
-    return _materialized(q, k, v, bias, causal, q_offset)
+        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding)
+    return _materialized(q, k, v, bias, causal, q_offset, key_padding)
 
 
-def _unbiased(q, k, v, causal, q_offset, scale=None):
+def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key_padding: Tensor | None,
+            device) -> Tensor | None:
+    """(B|1, 1, rows, n_keys) True where query rows [start, stop) may attend a key: not in its future (causal)
+    and not padding (a padded query sees itself, so no row is empty); None where every key is visible."""
+    allowed = causal_allowed(start, stop, n_keys, q_offset, device) if causal else None
+    if key_padding is None:
+        return allowed
+    own = torch.arange(n_keys, device=device) == (torch.arange(start, stop, device=device)[:, None] + q_offset)
+    seen = key_padding[:, None, None, :n_keys] | own
+    return seen if allowed is None else seen & allowed
+
+
+def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None):
     """Plain attention with no mask tensor wherever the shapes allow, so SDPA may pick a fused kernel."""
     tq, tk = q.shape[-2], k.shape[-2]
+    if key_padding is not None:
+        mask = visible(0, tq, tk, causal, q_offset, key_padding, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if not causal or tq == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     if tq == tk:
@@ -116,15 +137,24 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
 
     The bias is ``a_i . (c_j - c_i)`` (:meth:`ScoreBias.factors`). Its ``-a_i . c_i`` part is
     constant along a query row, so softmax ignores it; ``a_i . c_j`` is one more dot product:
-    q' = [q, a sqrt(d)], k' = [k, c]. Two refinements keep this exact in practice:
+    q' = [q, a sqrt(d)], k' = [k, c]. Three refinements keep this exact in practice:
 
+    - centring per block of query rows: any constant r may replace c_i in a row, and the kernel rounds
+      the folded logit a_i . (c_j - r), so r should be near c_i. Each block of query rows gets its own
+      key column c_j - r_block (its middle row's c), and its queries carry a only in that column (zero
+      elsewhere, which adds nothing exactly): one fused call, every row centred near itself. The blocks
+      fill the columns that padding the width to a multiple of 8 leaves, so they cost nothing (fp32;
+      bf16/fp16 use one block);
     - low precision: c grows with position (CABLE's S, ALiBi's j), beyond bf16's 8 bits, so in
       bf16/fp16 c is split into pieces of that dtype that sum to it to about fp32 precision, each
       against its own copy of a (tensor cores multiply exactly and accumulate in fp32);
-    - the gradient of a: the kernel's score gradients d_ij are rounded, so their row sums are not
-      exactly zero, and sum_j d_ij c_j would carry that noise times c_i, which grows with position.
-      One more column pair, value 0 in q' (gradient -c_i with respect to a) against 1 in k',
-      makes the gradient sum_j d_ij (c_j - c_i), as the row-constant form would.
+    - the row constant's gradients: the kernel's score gradients d_ij are rounded, so their row sums
+      are not exactly zero. One more column pair, value 0 in q' against 1 in k', carries the gradients
+      of the row constant -a_i . c_i: for a, sum_j d_ij (c_j - c_i) instead of sum_j d_ij c_j (whose
+      rounding noise grows with c_i, i.e. with position); for c_i, -a_i sum_j d_ij, zero in exact
+      arithmetic, whose rounding balances that of the key terms sum_i d_ij a_i, so the gradient of a
+      shift of every c stays zero. Without it, FoX's gate offset (whose gradient is such a sum over
+      every position) was 5e-3 off at 1000 tokens; with it, 2e-4 (docs/speed.md).
 
     Widths are zero-padded to a multiple of :data:`FOLD_HEAD_MULTIPLE`, v to the same width (the
     CPU flash kernel takes only equal widths); the caller drops the padded output columns.
@@ -134,19 +164,31 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     a, c = bias.factors(tk)
     a = a.float().expand(batch, heads, tq, -1)
     c = c.float().expand(batch, heads, tk, -1)
-    # Shifting c by a constant changes only row constants; measured from its middle key, |c| halves,
-    # and so does the rounding of the folded logits a_i c_j (fp32 keeps 24 bits of them).
-    c = c - c[:, :, tk // 2 : tk // 2 + 1].detach()
     pieces = FOLD_PIECES_LOW_PRECISION if q.dtype in (torch.bfloat16, torch.float16) else 1
-    c_pieces = [c.to(q.dtype)]  # the first piece carries c's gradient, the rest are its rounding errors
-    rest = c.detach()
+    factor_width = pieces * a.shape[-1]
+    # As many blocks as fit in the zero padding the kernel needs anyway (head 64, fp32: 7): they cost nothing. In
+    # bf16/fp16 one: the pieces carry the precision, and more blocks measured worse for CABLE's weight gradient.
+    padded_width = -(-(head_dim + factor_width + 1) // FOLD_HEAD_MULTIPLE) * FOLD_HEAD_MULTIPLE
+    blocks = 1 if pieces > 1 else max(1, min(tq, (padded_width - head_dim - 1) // factor_width))
+    rows = -(-tq // blocks)
+    block_of = torch.arange(tq, device=q.device) // rows
+    starts = torch.arange(0, tq, rows, device=q.device)
+    middles = (starts + torch.clamp(starts + rows, max=tq) - 1) // 2 + bias.q_offset
+    refs = c[:, :, middles].detach()  # (B, H, blocks, E): each block's reference, its middle row's c
+    c_blocks = (c.unsqueeze(-2) - refs.unsqueeze(-3)).flatten(-2)  # (B, H, Tk, blocks * E)
+    one_hot = F.one_hot(block_of, len(starts)).to(a.dtype)  # (Tq, blocks)
+    a_blocks = (one_hot[..., None] * a.unsqueeze(-2)).flatten(-2)  # a in its own block's columns only
+    c_pieces = [c_blocks.to(q.dtype)]  # the first piece carries c's gradient, the rest are its rounding errors
+    rest = c_blocks.detach()
     for _ in range(pieces - 1):
         rest = rest - c_pieces[-1].detach().float()
         c_pieces.append(rest.to(q.dtype))
-    c_own = c[:, :, bias.q_offset : bias.q_offset + tq].detach()  # c_i: key column at the query's position
-    centre = ((a - a.detach()) * -c_own).sum(-1, keepdim=True)  # zero, with gradient -c_i
+    # c_i - r: the key column at the query's own position, in its block's centring
+    c_own = c[:, :, bias.q_offset : bias.q_offset + tq] - refs[:, :, block_of]
+    row_constant = (a * c_own).sum(-1, keepdim=True)
+    centre = row_constant.detach() - row_constant  # zero, with gradients -(c_i - r) for a and -a_i for c_i
     root_d = math.sqrt(head_dim)
-    q_cols = [q] + [(a * root_d).to(q.dtype)] * pieces + [(centre * root_d).to(q.dtype)]
+    q_cols = [q] + [(a_blocks * root_d).to(q.dtype)] * pieces + [(centre * root_d).to(q.dtype)]
     k_cols = [k] + c_pieces + [k.new_ones(batch, heads, tk, 1)]
     width = sum(x.shape[-1] for x in q_cols)
     pad = -width % FOLD_HEAD_MULTIPLE
@@ -156,32 +198,35 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v
 
 
-def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int):
+def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, key_padding=None):
     """Attention of query rows [start, start + rows) whose scores are a function of their logits."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
     logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores.key_padding = key_padding
     out = scores.scores(logits, q, start, stop)
-    if causal:
-        out = out.masked_fill(~causal_allowed(start, stop, k.shape[-2], q_offset, q.device), float("-inf"))
+    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device)
+    if allowed is not None:
+        out = out.masked_fill(~allowed, float("-inf"))
     return (out.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
 
 
-def _materialized(q, k, v, bias, causal, q_offset):
+def _materialized(q, k, v, bias, causal, q_offset, key_padding=None):
     if isinstance(bias, LogitScores):
-        return _from_logits(q, k, v, bias, 0, causal, q_offset)
+        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding)
     b, h, tq, d = q.shape
     tk = k.shape[-2]
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
     scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) / math.sqrt(d)
     if bias is not None:
         scores = scores + bias.rows(0, tq, tk, b, h, q.device)
-    if causal:
-        scores = scores.masked_fill(~causal_allowed(0, tq, tk, q_offset, q.device), float("-inf"))
+    allowed = visible(0, tq, tk, causal, q_offset, key_padding, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
 
 
-def _chunked(q, k, v, bias, causal, q_offset, scale=None):
+def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None):
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     maps = h * (bias.maps_per_head if isinstance(bias, LogitScores) else 1)
@@ -193,11 +238,11 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None):
         n_keys = min(tk, q_offset + stop) if causal else tk
         if isinstance(bias, LogitScores):
             outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
-                                        q_offset))
+                                        q_offset, key_padding))
             continue
         mask = bias.rows(start, stop, n_keys, b, h, q.device) if bias is not None else None
-        if causal:
-            allowed = causal_allowed(start, stop, n_keys, q_offset, q.device)
+        allowed = visible(start, stop, n_keys, causal, q_offset, key_padding, q.device)
+        if allowed is not None:
             if mask is None:
                 mask = allowed
             else:

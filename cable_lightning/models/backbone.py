@@ -37,7 +37,7 @@ class SelfAttention(nn.Module):
         q, k = pe.rotate(q, k, offset)
         return q, k, v
 
-    def forward(self, h: Tensor, pe, offset: int, state: dict | None) -> Tensor:
+    def forward(self, h: Tensor, pe, offset: int, state: dict | None, key_padding: Tensor | None = None) -> Tensor:
         b, t, c = h.shape
         q, k, v = self.queries_keys_values(h, pe, offset)
         if state is not None:
@@ -45,7 +45,7 @@ class SelfAttention(nn.Module):
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
         scores = pe.score_bias(h, self.layer, offset, state)
-        y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend)
+        y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding)
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -60,8 +60,8 @@ class Block(nn.Module):
                                  nn.Linear(hidden, config.n_embd))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pe, offset, state):
-        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state))
+    def forward(self, x, pe, offset, state, key_padding=None):
+        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state, key_padding))
         return x + self.dropout(self.mlp(self.ln_mlp(x)))
 
 
@@ -102,20 +102,53 @@ class Backbone(nn.Module):
     def causal(self) -> bool:
         return self.config.causal
 
-    def hidden_states(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
-        """Final-LayerNorm hidden states (B, T, C); with ``cache``, continue from its positions."""
+    def hidden_states(self, input_ids: Tensor, cache: KVCache | None = None, padding_mask: Tensor | None = None,
+                      ) -> Tensor:
+        """Final-LayerNorm hidden states (B, T, C); with ``cache``, continue from its positions.
+
+        ``padding_mask`` (B, T), 1 at real tokens, one run of them per row (left or right padding): the batch
+        runs in one call and each row's real tokens get what running them alone would give (padding: zeros).
+        """
+        if padding_mask is not None and not bool(padding_mask.all()):
+            if cache is not None:
+                raise ValueError("a padded batch cannot use the KV cache (each row would sit at another position); "
+                                 "decode one prompt at a time or prompts of equal length")
+            return self._padded_hidden_states(input_ids, padding_mask.bool())
         offset = cache.length if cache is not None else 0
         self.pe.check_length(offset + input_ids.shape[1])
-        x = self.drop(self.pe.embed(self.wte(input_ids), offset))
-        for i, block in enumerate(self.blocks):
-            state = cache.layers[i] if cache is not None else None
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, self.pe, offset, state, use_reentrant=False)
-            else:
-                x = block(x, self.pe, offset, state)
+        x = self._blocks(self.drop(self.pe.embed(self.wte(input_ids), offset)), offset, cache)
         if cache is not None:
             cache.length += input_ids.shape[1]
         return self.ln_f(x)
+
+    def _blocks(self, x: Tensor, offset: int, cache: KVCache | None, key_padding: Tensor | None = None) -> Tensor:
+        for i, block in enumerate(self.blocks):
+            state = cache.layers[i] if cache is not None else None
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.pe, offset, state, key_padding, use_reentrant=False)
+            else:
+                x = block(x, self.pe, offset, state, key_padding)
+        return x
+
+    def _padded_hidden_states(self, input_ids: Tensor, real: Tensor) -> Tensor:
+        """Each row's real tokens moved to its front, so positions count from its first real token (as in a run
+        of that row alone, for absolute and relative encodings alike). Causal attention then never sees the
+        padding, which lies in every real token's future; bidirectional attention gets a key padding mask."""
+        t = input_ids.shape[1]
+        lengths = real.sum(dim=1)
+        starts = real.int().argmax(dim=1)
+        ends = t - real.flip(1).int().argmax(dim=1)
+        if bool(((ends - starts != lengths) & (lengths > 0)).any()):
+            raise ValueError("padding_mask rows must be one run of ones (left or right padding)")
+        self.pe.check_length(int(lengths.max()))
+        positions = torch.arange(t, device=input_ids.device)
+        to_front = (positions + starts[:, None]) % t
+        key_padding = None if self.causal else positions < lengths[:, None]
+        x = self.drop(self.pe.embed(self.wte(input_ids.gather(1, to_front)), 0))
+        x = self.ln_f(self._blocks(x, 0, None, key_padding))
+        back = (positions - starts[:, None]) % t
+        x = x.gather(1, back[..., None].expand_as(x))
+        return x.masked_fill(~real[..., None], 0.0)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The tied LM head, cut back to the real vocab (padding rows never win or leak mass)."""

@@ -102,6 +102,8 @@ class LogitScores:
 
     # (row, key) maps of one head's size that scores() holds at once per head; sizes the row blocks.
     maps_per_head = 1
+    # (B, n_keys), True at real keys, set by attention for a padded batch (models.attention.visible).
+    key_padding: Tensor | None = None
 
     def __init__(self, q_offset: int, causal: bool):
         self.q_offset = q_offset
@@ -113,6 +115,15 @@ class LogitScores:
     def future(self, start: int, stop: int, n_keys: int, device) -> Tensor:
         """(rows, n_keys) True where a key lies after its query row (never attended to when causal)."""
         return ~causal_allowed(start, stop, n_keys, self.q_offset, device)
+
+    def unseen(self, start: int, stop: int, n_keys: int, device) -> Tensor | None:
+        """(B|1, 1, rows, n_keys) True where a query row never attends a key: its future (causal) or padding;
+        None where it attends every key."""
+        hidden = self.future(start, stop, n_keys, device) if self.causal else None
+        if self.key_padding is not None:
+            padded = ~self.key_padding[:, None, None, :n_keys]
+            hidden = padded if hidden is None else hidden | padded
+        return hidden
 
 
 class Encoding:

@@ -41,12 +41,12 @@ class DapeScores(LogitScores):
         batch, heads, _, n_keys = logits.shape
         bias = self.bias.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype).expand_as(logits)
         features = torch.cat([logits, bias], dim=1)
-        future = self.future(start, stop, n_keys, logits.device) if self.causal else None
-        if future is not None:
-            features = features.masked_fill(future, 0.0)
+        unseen = self.unseen(start, stop, n_keys, logits.device)  # the future, and padding in a padded batch
+        if unseen is not None:
+            features = features.masked_fill(unseen, 0.0)
         hidden = F.leaky_relu(self.convolutions.expand(features))
-        if future is not None:
-            hidden = hidden.masked_fill(future, 0.0)
+        if unseen is not None:
+            hidden = hidden.masked_fill(unseen, 0.0)
         return logits + bias + self.convolutions.reduce(hidden)
 
 

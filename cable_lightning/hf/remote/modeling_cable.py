@@ -12,9 +12,9 @@ copies only single-file relative imports into its module cache, not sub-packages
   cumulative sums), so decoding equals the package's ``Backbone.generate``.
 - ``CableForMaskedLM`` (``AutoModelForMaskedLM``): logits and a loss for ``labels`` (-100 = not scored).
 
-Padding: the backbone has no padding mask, so a batch with an ``attention_mask`` that has zeros is run as
-sub-batches of rows with the same span of real tokens (left or right padding), each at its true length; padded
-positions get zero hidden states. Such batches cannot use the KV cache.
+Padding: an ``attention_mask`` with zeros (left or right padding) goes to the backbone as its padding mask, so a
+padded batch runs in one call and each row's real tokens get what running them alone would give; padded positions
+get zero hidden states. Such batches cannot use the KV cache.
 """
 
 import hashlib
@@ -154,24 +154,8 @@ class CablePreTrainedModel(PreTrainedModel):
         return self.backbone.wte
 
     def hidden_states(self, input_ids, attention_mask=None, kv_cache=None):
-        """Final-LayerNorm hidden states (B, T, C), each row run at the length of its real tokens."""
-        if attention_mask is None or bool(attention_mask.all()):
-            return self.backbone.hidden_states(input_ids, kv_cache)
-        if kv_cache is not None:
-            raise ValueError("a padded batch cannot use the KV cache (each row would sit at another position); "
-                             "generate one prompt at a time or with prompts of equal length")
-        mask = attention_mask.bool()
-        lengths = mask.sum(dim=1)
-        starts = mask.int().argmax(dim=1)
-        ends = mask.shape[1] - mask.flip(1).int().argmax(dim=1)
-        if bool(((ends - starts != lengths) & (lengths > 0)).any()):
-            raise ValueError("attention_mask rows must be one run of ones (left or right padding)")
-        out = torch.zeros(*input_ids.shape, self.backbone.config.n_embd, device=input_ids.device,
-                          dtype=self.backbone.wte.weight.dtype)
-        for start, length in sorted({(int(s), int(n)) for s, n in zip(starts, lengths) if n > 0}):
-            rows = ((starts == start) & (lengths == length)).nonzero().flatten()
-            out[rows, start : start + length] = self.backbone.hidden_states(input_ids[rows, start : start + length])
-        return out
+        """Final-LayerNorm hidden states (B, T, C), each row as if run at the length of its real tokens."""
+        return self.backbone.hidden_states(input_ids, kv_cache, padding_mask=attention_mask)
 
 
 class CableModel(CablePreTrainedModel):
