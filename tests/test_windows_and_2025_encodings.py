@@ -307,3 +307,14 @@ def test_bad_patterns_are_one_line_errors(make, message):
     with pytest.raises(ValueError) as err:
         make()
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_pattern_and_ssmaxs_base_are_set_by_name_on_the_command_line(capsys):
+    from test_encodings import printed_backbone
+
+    backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "layers",
+                                "--model.init_args.backbone.pos_encoding.pattern", "rope@64x3-nope")
+    assert BackboneConfig.from_dict(backbone).pos_encoding.label() == "layers-rope@64x3-nope"
+    backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "ssmax",  # a wrapped one by label
+                                "--model.init_args.backbone.pos_encoding.base", "layers-cable@8-nope")
+    assert BackboneConfig.from_dict(backbone).pos_encoding.label() == "ssmax+layers-cable@8-nope"

@@ -7,7 +7,7 @@ An encoding is two classes in one file:
   --model.init_args.backbone.pos_encoding.scaling linear``), it checks them, and it says everything the rest of
   the package asks about the encoding (settings that may change at evaluation, its label, the longest length it
   can serve, which attention backends can run it);
-- its module, a :class:`PositionalEncoding` built from those settings and the backbone's shape, with three hooks
+- its module, a :class:`PositionalEncoding` built from those settings and the backbone's shape, with four hooks
   the backbone calls without knowing which encoding it holds:
 
 - ``embed``: once, on the token embeddings (absolute encodings).
