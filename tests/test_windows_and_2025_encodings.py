@@ -318,3 +318,14 @@ def test_a_pattern_and_ssmaxs_base_are_set_by_name_on_the_command_line(capsys):
     backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "ssmax",  # a wrapped one by label
                                 "--model.init_args.backbone.pos_encoding.base", "layers-cable@8-nope")
     assert BackboneConfig.from_dict(backbone).pos_encoding.label() == "ssmax+layers-cable@8-nope"
+
+
+def test_the_picture_of_stick_breaking_is_its_log_weights():
+    from cable_lightning.callbacks.bias_pictures import last_layer_maps
+
+    model = build_backbone(small_config("stick_breaking")).eval()
+    maps, what = last_layer_maps(model, torch.randint(0, 97, (1, 8)))
+    assert what == "log attention weights (no softmax)"
+    before = torch.ones(8, 8, dtype=torch.bool).tril(-1)
+    assert (maps[:, before] < 0).all() and maps[:, ~before].isnan().all()  # weights below 1; none on or past i
+    assert (maps.nan_to_num(float("-inf")).exp().sum(-1) <= 1 + 1e-6).all()  # each row's stick: at most 1
