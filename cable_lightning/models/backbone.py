@@ -34,7 +34,7 @@ class SelfAttention(nn.Module):
         """(B, H, T, D) each, after the PE's rotation."""
         b, t, c = h.shape
         q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
-        q, k = pe.rotate(q, k, offset)
+        q, k = pe.rotate(q, k, offset, self.layer)
         return q, k, v
 
     def forward(self, h: Tensor, pe, offset: int, state: dict | None, key_padding: Tensor | None = None) -> Tensor:
@@ -45,7 +45,8 @@ class SelfAttention(nn.Module):
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
         scores = pe.score_bias(h, self.layer, offset, state)
-        y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding)
+        y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding,
+                      window=pe.window(self.layer))
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
