@@ -241,8 +241,10 @@ class PositionalEncoding(nn.Module):
     def embed(self, x: Tensor, offset: int) -> Tensor:
         return x
 
-    def rotate(self, q: Tensor, k: Tensor, offset: int, layer: int = 0) -> tuple[Tensor, Tensor]:
-        """q, k (B, H, T, D) of layer ``layer`` at positions offset..offset+T-1."""
+    def rotate(self, q: Tensor, k: Tensor, offset: int, layer: int = 0,
+               key_padding: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """q, k (B, H, T, D) of layer ``layer`` at positions offset..offset+T-1; ``key_padding`` (B, T), True at
+        real keys, in a padded bidirectional batch (real tokens first)."""
         return q, k
 
     def window(self, layer: int) -> int | None:

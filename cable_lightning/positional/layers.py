@@ -50,8 +50,8 @@ class PerLayer(PositionalEncoding):
             x = part.embed(x, offset)
         return x
 
-    def rotate(self, q, k, offset, layer=0):
-        return self.parts[self.part_of[layer]].rotate(q, k, offset, self.local[layer])
+    def rotate(self, q, k, offset, layer=0, key_padding=None):
+        return self.parts[self.part_of[layer]].rotate(q, k, offset, self.local[layer], key_padding)
 
     def window(self, layer):
         return self.windows[layer]

@@ -24,9 +24,9 @@ from .registry import encoding_from
 from .rope import rope
 
 
-def keys_seen(offset: int, t: int, causal: bool, window: int | None, total: int, device) -> Tensor:
+def keys_seen(offset: int, t: int, causal: bool, window: int | None, total: int | Tensor, device) -> Tensor:
     """(t,) how many positions each of the query rows at offset..offset+t-1 sees, its own included, among ``total``
-    keys."""
+    keys (or (B, t) for per-row totals (B, 1): a padded batch's real lengths)."""
     position = torch.arange(offset, offset + t, device=device)
     if causal:
         behind, ahead = position, torch.zeros_like(position)
@@ -48,11 +48,13 @@ class LengthScaled(PositionalEncoding):
     def embed(self, x, offset):
         return self.base.embed(x, offset)
 
-    def rotate(self, q, k, offset, layer=0):
-        q, k = self.base.rotate(q, k, offset, layer)
+    def rotate(self, q, k, offset, layer=0, key_padding=None):
+        q, k = self.base.rotate(q, k, offset, layer, key_padding)
         t = q.shape[-2]
-        n = keys_seen(offset, t, self.causal, self.window(layer), offset + t, q.device)
-        factor = self.scale[layer].view(-1, 1, 1) * torch.log(n.to(self.scale.dtype)).view(1, -1, 1)  # (H, T, 1)
+        # a padded row's keys are its real ones (moved to the front), as when the row runs alone
+        total = offset + t if key_padding is None else key_padding.sum(dim=-1, keepdim=True)  # (B, 1)
+        n = keys_seen(offset, t, self.causal, self.window(layer), total, q.device).clamp(min=1)  # (T,) or (B, T)
+        factor = self.scale[layer].view(-1, 1, 1) * torch.log(n.to(self.scale.dtype)).unsqueeze(-1).unsqueeze(-3)
         return q * factor.to(q.dtype), k
 
     def window(self, layer):
