@@ -20,8 +20,9 @@ from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available, from_label, score_bias_encodings
 
 SEPARATED = "one document<|endoftext|>the next"
-# Every registered encoding, and DAPEv2 over every encoding it wraps.
-EXPORTED = sorted({from_label(pe).label() for pe in available() + [f"dape_v2+{pe}" for pe in score_bias_encodings()]})
+# Every registered encoding, DAPEv2 over every encoding it wraps, and a pattern of windowed layers.
+EXPORTED = sorted({from_label(pe).label() for pe in available() + [f"dape_v2+{pe}" for pe in score_bias_encodings()]}
+                  | {"ssmax+layers-cable@5-stick_breaking@3-rope"})  # windows shorter than the 4x length
 BEAM_PES = ("cable", "rope")
 TRAIN_LEN, PROMPT, NEW_TOKENS = 16, 6, 14  # generation runs to 20 tokens, past the training length
 SAMPLE = "The os module provides a portable way of using operating system dependent functionality, 42 times."

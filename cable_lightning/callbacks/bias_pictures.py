@@ -1,9 +1,9 @@
 """Pictures of each head's positional bias in the last layer, for one fixed validation text.
 
 Score-bias PEs (the CABLE family, FoX, ALiBi, KERPLE, FIRE, T5) show their additive bias matrix, CoPE
-and DAPEv2 what they add to the logits; the others (RoPE, absolute, NoPE) show the last layer's
-pre-softmax attention scores. One image grid
-per evaluation in TensorBoard, like the CABLE paper's figures 4 and 8-15.
+and DAPEv2 what they add to the logits, stick-breaking its log attention weights; the others (RoPE,
+absolute, NoPE) show the last layer's pre-softmax attention scores. One image grid per evaluation in
+TensorBoard, like the CABLE paper's figures 4 and 8-15.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
         logits = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
         if terms is None:
             maps, what = logits[0], "attention scores"
-        else:  # what CoPE or DAPEv2 adds to the logits (DAPEv2: the PE's bias plus its correction)
+        elif terms.softmax:  # what CoPE or DAPEv2 adds to the logits (DAPEv2: the PE's bias plus its correction)
             maps, what = (terms.scores(logits, q, 0, t) - logits)[0], "additive bias (from the logits)"
+        else:  # stick-breaking: its log attention weights themselves (a key that gets nothing is left blank)
+            maps = terms.scores(logits, q, 0, t)[0]
+            maps, what = maps.masked_fill(maps == float("-inf"), float("nan")), "log attention weights (no softmax)"
     maps = maps.expand(heads, t, t).clone()
     if backbone.causal:
         maps.masked_fill_(~torch.ones(t, t, dtype=torch.bool, device=maps.device).tril(), float("nan"))

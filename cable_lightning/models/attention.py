@@ -14,6 +14,9 @@ Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run 
 Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix).
 ``key_padding`` (B, Tk), True at real keys, hides padded keys from every query (a padded query still sees
 itself, so no row is empty); every backend but ``flex`` takes it (``auto`` then picks ``chunked`` over ``flex``).
+A sliding ``window`` (a layer's, from its encoding) limits each row to its last ``window`` positions on every backend:
+``sdpa`` and ``fold`` run their kernels on blocks of rows against only the keys those rows can see, ``flex`` skips the
+other key blocks, ``chunked`` builds biases only for the keys in view; none builds a (T x T) mask.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..positional.base import LogitScores, ScoreBias, causal_allowed
+from ..positional.base import LogitScores, ScoreBias, visible_keys
 
 Backend = Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"]
 BACKENDS = typing.get_args(Backend)
@@ -83,9 +86,11 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
-              backend: str = "auto", key_padding: Tensor | None = None) -> Tensor:
+              backend: str = "auto", key_padding: Tensor | None = None, window: int | None = None) -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
-    :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v. ``key_padding``: (B, Tk), True at real keys."""
+    :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v (or exp(scores + mask) v when the scores are
+    log weights). The mask hides the future when ``causal``, padded keys (``key_padding``: (B, Tk), True at real
+    keys) and, with a ``window``, keys ``window`` or more positions away."""
     backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None)
     if backend == "fold" and bias is not None:
         if not bias.foldable:
@@ -94,33 +99,39 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
         head_dim = q.shape[-1]
         folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
         return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5,
-                         key_padding=key_padding)[..., :head_dim]
+                         key_padding=key_padding, window=window)[..., :head_dim]
     if backend in ("sdpa", "fold"):
         if bias is not None:
             raise ConfigError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
-        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding)
+        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding, window=window)
     if backend == "flex":
-        return _flex(q, k, v, bias, causal, q_offset)
+        return _flex(q, k, v, bias, causal, q_offset, window)
     if backend == "chunked":
-        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding)
-    return _materialized(q, k, v, bias, causal, q_offset, key_padding)
+        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding, window=window)
+    return _materialized(q, k, v, bias, causal, q_offset, key_padding, window)
 
 
 def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key_padding: Tensor | None,
-            device) -> Tensor | None:
-    """(B|1, 1, rows, n_keys) True where query rows [start, stop) may attend a key: not in its future (causal)
-    and not padding (a padded query sees itself, so no row is empty); None where every key is visible."""
-    allowed = causal_allowed(start, stop, n_keys, q_offset, device) if causal else None
+            device, first_key: int = 0, window: int | None = None) -> Tensor | None:
+    """(B|1, 1, rows, keys) True where query rows [start, stop) may attend keys [first_key, n_keys): not in its
+    future (causal), inside its ``window``, and not padding (a padded query sees itself, so no row is empty); None
+    where every key is visible."""
+    allowed = None
+    if causal or window is not None:
+        allowed = visible_keys(start, stop, first_key, n_keys, q_offset, causal, window, device)
     if key_padding is None:
         return allowed
-    own = torch.arange(n_keys, device=device) == (torch.arange(start, stop, device=device)[:, None] + q_offset)
-    seen = key_padding[:, None, None, :n_keys] | own
+    q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
+    own = torch.arange(first_key, n_keys, device=device) == q_pos
+    seen = key_padding[:, None, None, first_key:n_keys] | own
     return seen if allowed is None else seen & allowed
 
 
-def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None):
+def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=None):
     """Plain attention with no mask tensor wherever the shapes allow, so SDPA may pick a fused kernel."""
     tq, tk = q.shape[-2], k.shape[-2]
+    if window is not None and window < tk:  # blocks of rows, each against the keys it sees
+        return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window)
     if key_padding is not None:
         mask = visible(0, tq, tk, causal, q_offset, key_padding, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -198,50 +209,61 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v
 
 
-def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, key_padding=None):
-    """Attention of query rows [start, start + rows) whose scores are a function of their logits."""
+def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, key_padding=None,
+                 window=None):
+    """Attention of query rows [start, start + rows) whose scores are a function of their logits (against keys
+    [0, Tk) whatever the window: the window masks keys after the scores are computed)."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
     logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5
     scores.key_padding = key_padding
     out = scores.scores(logits, q, start, stop)
-    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device)
+    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
     if allowed is not None:
         out = out.masked_fill(~allowed, float("-inf"))
-    return (out.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
+    weights = out.softmax(dim=-1) if scores.softmax else out.exp()
+    return (weights @ v.to(wide)).to(q.dtype)
 
 
-def _materialized(q, k, v, bias, causal, q_offset, key_padding=None):
+def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None):
     if isinstance(bias, LogitScores):
-        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding)
+        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window)
     b, h, tq, d = q.shape
     tk = k.shape[-2]
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
     scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) / math.sqrt(d)
     if bias is not None:
         scores = scores + bias.rows(0, tq, tk, b, h, q.device)
-    allowed = visible(0, tq, tk, causal, q_offset, key_padding, q.device)
+    allowed = visible(0, tq, tk, causal, q_offset, key_padding, q.device, window=window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
 
 
-def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None):
+def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None):
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
-    maps = h * (bias.maps_per_head if isinstance(bias, LogitScores) else 1)
-    rows_per_block = max(1, CHUNK_ELEMENTS // (b * maps * tk))
+    logit_scores = isinstance(bias, LogitScores)
+    maps = h * (bias.maps_per_head if logit_scores else 1)
+    windowed = window is not None and not logit_scores  # logit scores need every key up to the row (then masked)
+    rows_per_block = max(1, CHUNK_ELEMENTS // (b * maps * (min(tk, 2 * window) if windowed else tk)))
+    if windowed:
+        rows_per_block = min(rows_per_block, window)  # a block then sees at most 2 x window keys
     outputs = []
     for start in range(0, tq, rows_per_block):
         stop = min(tq, start + rows_per_block)
-        # Causal rows never see keys past their own position: drop those columns entirely.
+        # Causal rows never see keys past their own position, windowed ones none before their window: drop those
+        # columns entirely.
         n_keys = min(tk, q_offset + stop) if causal else tk
-        if isinstance(bias, LogitScores):
+        if windowed and not causal:
+            n_keys = min(tk, q_offset + stop + window - 1)
+        first_key = max(0, q_offset + start - window + 1) if windowed else 0
+        if logit_scores:
             outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
-                                        q_offset, key_padding))
+                                        q_offset, key_padding, window))
             continue
-        mask = bias.rows(start, stop, n_keys, b, h, q.device) if bias is not None else None
-        allowed = visible(start, stop, n_keys, causal, q_offset, key_padding, q.device)
+        mask = bias.rows(start, stop, n_keys, b, h, q.device, first_key) if bias is not None else None
+        allowed = visible(start, stop, n_keys, causal, q_offset, key_padding, q.device, first_key, window)
         if allowed is not None:
             if mask is None:
                 mask = allowed
@@ -249,8 +271,8 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None):
                 mask = mask.masked_fill(~allowed, float("-inf"))
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        outputs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys],
-                                                      attn_mask=mask, scale=scale))
+        outputs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, first_key:n_keys],
+                                                      v[:, :, first_key:n_keys], attn_mask=mask, scale=scale))
     return torch.cat(outputs, dim=2)
 
 
@@ -265,12 +287,27 @@ def _causal_block_mask(tq: int, tk: int, q_offset: int, device: str):
     return create_block_mask(causal_mask, None, None, tq, tk, device=device)
 
 
-def _flex(q, k, v, bias, causal, q_offset):
+@functools.lru_cache(maxsize=32)
+def _window_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int, device: str):
+    """A sliding window's block mask: FlexAttention skips every key block outside it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def window_mask(b, h, q_idx, kv_idx):
+        distance = q_idx + q_offset - kv_idx
+        inside = (distance < window) & (distance > -window)
+        return inside & (distance >= 0) if causal else inside
+
+    return create_block_mask(window_mask, None, None, tq, tk, device=device)
+
+
+def _flex(q, k, v, bias, causal, q_offset, window=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     tq, tk = q.shape[-2], k.shape[-2]
     block_mask = _causal_block_mask(tq, tk, q_offset, str(q.device)) if causal else None
+    if window is not None:
+        block_mask = _window_block_mask(tq, tk, q_offset, causal, window, str(q.device))
     score_mod = bias.score_mod() if bias is not None else None
     if q.is_cuda:
         if _compiled_flex is None:

@@ -30,22 +30,24 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.out = nn.Linear(config.n_embd, config.n_embd)
 
-    def queries_keys_values(self, h: Tensor, pe, offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    def queries_keys_values(self, h: Tensor, pe, offset: int, key_padding: Tensor | None = None,
+                            ) -> tuple[Tensor, Tensor, Tensor]:
         """(B, H, T, D) each, after the PE's rotation."""
         b, t, c = h.shape
         q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
-        q, k = pe.rotate(q, k, offset)
+        q, k = pe.rotate(q, k, offset, self.layer, key_padding)
         return q, k, v
 
     def forward(self, h: Tensor, pe, offset: int, state: dict | None, key_padding: Tensor | None = None) -> Tensor:
         b, t, c = h.shape
-        q, k, v = self.queries_keys_values(h, pe, offset)
+        q, k, v = self.queries_keys_values(h, pe, offset, key_padding)
         if state is not None:
             if "k" in state:
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
         scores = pe.score_bias(h, self.layer, offset, state)
-        y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding)
+        y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding,
+                      window=pe.window(self.layer))
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 

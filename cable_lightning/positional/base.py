@@ -7,11 +7,12 @@ An encoding is two classes in one file:
   --model.init_args.backbone.pos_encoding.scaling linear``), it checks them, and it says everything the rest of
   the package asks about the encoding (settings that may change at evaluation, its label, the longest length it
   can serve, which attention backends can run it);
-- its module, a :class:`PositionalEncoding` built from those settings and the backbone's shape, with three hooks
+- its module, a :class:`PositionalEncoding` built from those settings and the backbone's shape, with four hooks
   the backbone calls without knowing which encoding it holds:
 
 - ``embed``: once, on the token embeddings (absolute encodings).
-- ``rotate``: every layer, on q and k (RoPE).
+- ``rotate``: every layer, on q and k (RoPE; SSMax's length scale of q).
+- ``window``: every layer, its sliding window or None (per-layer patterns).
 - ``score_bias``: every layer, an additive bias on the q.k logits, returned as a :class:`ScoreBias`
   that *describes* the bias instead of materialising a (T x T) tensor.
 """
@@ -37,6 +38,19 @@ def causal_allowed(start: int, stop: int, n_keys: int, q_offset: int, device) ->
     """(rows, n_keys) True where query row i (at position q_offset + i) may attend key j: j <= q_offset + i."""
     q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
     return torch.arange(n_keys, device=device)[None, :] <= q_pos
+
+
+def visible_keys(start: int, stop: int, first_key: int, n_keys: int, q_offset: int, causal: bool,
+                 window: int | None, device) -> Tensor:
+    """(rows, keys) True where query row i (at position q_offset + i) sees key j in [first_key, n_keys): j <= i when
+    causal, and with a sliding ``window`` only the last ``window`` positions (i - j < window; |i - j| < window when
+    bidirectional)."""
+    q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
+    distance = q_pos - torch.arange(first_key, n_keys, device=device)[None, :]
+    allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & (distance.abs() < window)
+    return allowed
 
 
 class UnsupportedLengthError(ValueError):
@@ -68,12 +82,13 @@ class ScoreBias:
         """Token distance |i - j| (for causal attention only j <= i is ever unmasked)."""
         return (q_idx + self.q_offset - kv_idx).abs()
 
-    def rows(self, start: int, end: int, n_keys: int, batch: int, heads: int, device) -> Tensor:
-        """The bias for query rows [start, end) against keys [0, n_keys): shape (batch|1, heads, rows, keys)."""
+    def rows(self, start: int, end: int, n_keys: int, batch: int, heads: int, device, first_key: int = 0) -> Tensor:
+        """The bias for query rows [start, end) against keys [first_key, n_keys): shape (batch|1, heads, rows, keys)
+        (a sliding window needs only the keys it sees)."""
         b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=device).view(1, -1, 1, 1)
         q_idx = torch.arange(start, end, device=device).view(1, 1, -1, 1)
-        kv_idx = torch.arange(n_keys, device=device).view(1, 1, 1, -1)
+        kv_idx = torch.arange(first_key, n_keys, device=device).view(1, 1, 1, -1)
         return self(b, h, q_idx, kv_idx)
 
     def factors(self, n_keys: int) -> tuple[Tensor, Tensor]:
@@ -104,6 +119,9 @@ class LogitScores:
     maps_per_head = 1
     # (B, n_keys), True at real keys, set by attention for a padded batch (models.attention.visible).
     key_padding: Tensor | None = None
+    # True: scores are logits, normalised by softmax. False: scores are log attention weights, used as they are
+    # (stick-breaking's weights sum to at most 1 by construction).
+    softmax = True
 
     def __init__(self, q_offset: int, causal: bool):
         self.q_offset = q_offset
@@ -184,6 +202,13 @@ class Encoding:
                 out[f"{prefix}.{f.name}"] = value
         return out
 
+    @classmethod
+    def from_label_text(cls, text: str) -> "Encoding":
+        """The encoding from the text after ``<name>-`` in a label that carries settings (``layers-rope@512x3-nope``);
+        only encodings whose label carries settings accept one."""
+        raise ConfigError(f"label {cls.__name__ + '-' + text!r}: {cls.__name__}'s label carries no settings; give its "
+                          "name alone")
+
     def longest_length(self, block_size: int) -> Optional[int]:
         """The most positions the encoding can serve (None: any), given the training length."""
         return None
@@ -216,8 +241,15 @@ class PositionalEncoding(nn.Module):
     def embed(self, x: Tensor, offset: int) -> Tensor:
         return x
 
-    def rotate(self, q: Tensor, k: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+    def rotate(self, q: Tensor, k: Tensor, offset: int, layer: int = 0,
+               key_padding: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """q, k (B, H, T, D) of layer ``layer`` at positions offset..offset+T-1; ``key_padding`` (B, T), True at
+        real keys, in a padded bidirectional batch (real tokens first)."""
         return q, k
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``: how many of the latest positions a query sees (None: all)."""
+        return None
 
     def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None) -> ScoreBias | LogitScores | None:
         """``h``: the layer's normalised input (B, T, C) at positions offset..offset+T-1;

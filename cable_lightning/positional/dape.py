@@ -75,8 +75,11 @@ class DapeV2(PositionalEncoding):
     def embed(self, x, offset):
         return self.base.embed(x, offset)
 
-    def rotate(self, q, k, offset):
-        return self.base.rotate(q, k, offset)
+    def rotate(self, q, k, offset, layer=0, key_padding=None):
+        return self.base.rotate(q, k, offset, layer, key_padding)
+
+    def window(self, layer):
+        return self.base.window(layer)
 
     def score_bias(self, h, layer, offset, state):
         return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state))

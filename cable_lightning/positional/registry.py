@@ -5,6 +5,7 @@ anywhere else: configs, tests, tools and the README's table all read :func:`avai
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 from ..errors import ConfigError
@@ -39,12 +40,16 @@ def wrappers() -> list[str]:
 
 
 def from_label(label: str) -> Encoding:
-    """An encoding with default settings from its label: ``cable``, or ``dape_v2+cable`` for a wrapper around another
-    (the inverse of :meth:`Encoding.label` for default settings; sweeps and benchmarks name encodings this way)."""
-    head, plus, rest = label.partition("+")
-    cls = encoding_class(head)
-    if not plus:
+    """An encoding with default settings from its label: ``cable``, ``dape_v2+cable`` for a wrapper around another,
+    ``layers-rope@512x3-nope`` for one whose label carries its settings (the inverse of :meth:`Encoding.label` for
+    default settings; sweeps and benchmarks name encodings this way)."""
+    head = re.match(r"[a-z0-9_]*", label).group(0)
+    separator, rest = label[len(head) : len(head) + 1], label[len(head) + 1 :]
+    cls = encoding_class(head if separator in ("", "+", "-") else label)
+    if not separator:
         return cls()
+    if separator == "-":
+        return cls.from_label_text(rest)
     if head not in wrappers():
         raise ConfigError(f"{label!r}: {head!r} does not wrap another encoding; a label W+E needs W in: "
                           f"{', '.join(wrappers())}")

@@ -52,7 +52,7 @@ class Rope(PositionalEncoding):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def rotate(self, q, k, offset):
+    def rotate(self, q, k, offset, layer=0, key_padding=None):
         t = q.shape[-2]
         pos = torch.arange(offset, offset + t, device=q.device, dtype=torch.float32) / self.position_divisor
         angles = pos[:, None] * self.inv_freq[None, :]

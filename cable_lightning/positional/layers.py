@@ -1,0 +1,114 @@
+"""Per-layer encodings and sliding windows: each layer its own encoding and, optionally, a window of the latest
+positions it attends to, given as a repeating pattern (RNoPE-SWA, Yang et al., 2025; SWAN-GPT, Puvvada et al.,
+2025: RoPE layers over a sliding window interleaved with NoPE layers over everything).
+
+``pattern`` is entries joined by ``-``; an entry is an encoding's label (default settings; wrappers as
+``dape_v2+cable``), ``@W`` for a window of W positions, ``xN`` for N layers in a row: ``rope@512x3-nope`` is three
+RoPE layers over 512-token windows, then one NoPE layer over everything. Layer i takes entry i mod the pattern's
+length, so the pattern repeats over the model's layers (a last repeat may be partial). Layers of one encoding share
+one module built for that many layers; the others' modules never see them. Runs, records and reports name it
+``layers-<pattern>``, and ``positional.from_label("layers-rope@512x3-nope")`` builds it.
+
+The window is enforced by attention on every backend (``models.attention``: only the key blocks a row can see on the
+fused and chunked paths; decoding onto a KV cache attends the same positions as the full forward).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from ..errors import ConfigError
+from .base import Encoding, PositionalEncoding
+from .registry import from_label
+from .ssmax import ssmax
+
+# Score kinds from the fewest backends' demands to the most (each kind's backends are a subset of the previous').
+DEMANDS = ("none", "foldable_bias", "bias", "logits")
+ENTRY = re.compile(r"(?P<label>[a-z0-9_+]+?)(?:@(?P<window>\d+))?(?:x(?P<count>\d+))?")
+
+
+class PerLayer(PositionalEncoding):
+    """One module per distinct encoding of the pattern, each built for the layers that use it."""
+
+    def __init__(self, settings: "layers", config):
+        super().__init__(settings, config)
+        per_layer = settings.per_layer(config.n_layer)
+        labels = list(dict.fromkeys(encoding.label() for encoding, _ in per_layer))
+        self.windows = [window for _, window in per_layer]
+        self.part_of = [labels.index(encoding.label()) for encoding, _ in per_layer]
+        self.local = [self.part_of[:layer].count(self.part_of[layer]) for layer in range(config.n_layer)]
+        self.parts = nn.ModuleList()
+        for part, label in enumerate(labels):
+            encoding = next(encoding for encoding, _ in per_layer if encoding.label() == label)
+            self.parts.append(encoding.build(replace(config, pos_encoding=encoding, n_layer=self.part_of.count(part))))
+
+    def embed(self, x, offset):
+        for part in self.parts:  # an absolute encoding in the pattern acts on the input, once
+            x = part.embed(x, offset)
+        return x
+
+    def rotate(self, q, k, offset, layer=0, key_padding=None):
+        return self.parts[self.part_of[layer]].rotate(q, k, offset, self.local[layer], key_padding)
+
+    def window(self, layer):
+        return self.windows[layer]
+
+    def score_bias(self, h, layer, offset, state):
+        return self.parts[self.part_of[layer]].score_bias(h, self.local[layer], offset, state)
+
+
+@dataclass
+class layers(Encoding):
+    """A repeating pattern of per-layer encodings and sliding windows: ``rope@512x3-nope`` is three RoPE layers over
+    512-token windows, then one NoPE layer over everything."""
+
+    pattern: str = "rope@512x3-nope"
+
+    module = PerLayer
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.entries = []  # (encoding, window, count)
+        for text in str(self.pattern).split("-"):
+            found = ENTRY.fullmatch(text)
+            if not found:
+                raise ConfigError(f"layers.pattern={self.pattern!r}: entry {text!r} is not LABEL[@WINDOW][xCOUNT] "
+                                  "(e.g. rope@512x3-nope)")
+            encoding = from_label(found["label"])
+            window, count = (int(found[g]) if found[g] else None for g in ("window", "count"))
+            if window == 0 or count == 0:
+                raise ConfigError(f"layers.pattern={self.pattern!r}: entry {text!r} needs a window and a count >= 1")
+            if isinstance(encoding, ssmax) and window is not None:
+                raise ConfigError(f"layers.pattern={self.pattern!r}: ssmax counts the keys a query sees, which a "
+                                  f"window in the pattern hides from it; wrap the pattern instead: ssmax+layers-...")
+            self.entries.append((encoding, window, count or 1))
+        self.pattern = "-".join(encoding.label() + (f"@{window}" if window else "") + (f"x{count}" if count > 1 else "")
+                                for encoding, window, count in self.entries)
+
+    @classmethod
+    def from_label_text(cls, text: str) -> "layers":
+        return cls(pattern=text)
+
+    def per_layer(self, n_layer: int) -> list[tuple[Encoding, int | None]]:
+        """(encoding, window) of each of ``n_layer`` layers: the pattern repeated."""
+        one_round = [(encoding, window) for encoding, window, count in self.entries for _ in range(count)]
+        return [one_round[layer % len(one_round)] for layer in range(n_layer)]
+
+    @property
+    def scores(self) -> str:
+        """The most demanding of its encodings' (the backends that can run it run every layer)."""
+        return max((encoding.scores for encoding, _, _ in self.entries), key=DEMANDS.index)
+
+    def label(self, runtime: bool = True) -> str:
+        return f"layers-{self.pattern}"
+
+    def longest_length(self, block_size):
+        lengths = [n for encoding, _, _ in self.entries if (n := encoding.longest_length(block_size)) is not None]
+        return min(lengths, default=None)
+
+    def check(self, config):
+        for encoding, _, _ in self.entries:
+            encoding.check(config)
