@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_context_aware import HEADS, WIDTH, randomised  # the same small heads and weight randomiser
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
@@ -18,16 +19,6 @@ from cable_lightning.positional import build_positional, from_label
 from cable_lightning.positional.layers import layers
 from cable_lightning.positional.ssmax import keys_seen
 from cable_lightning.positional.stick_breaking import StickBreakingScores
-
-HEADS, WIDTH = 2, 16
-
-
-def randomised(module, scale=0.3, seed=0):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return module
 
 
 def small_config(pe, **overrides):
