@@ -33,7 +33,7 @@ class Record:
     step: int
     stage: str = "fit"  # or validate, test
     checkpoint: Optional[str] = None  # the checkpoint a validate/test measured (None: the weights of the running fit)
-    run_seed: Optional[int] = None  # the run's seed_everything (PasskeyRecord.seed is the prompts' own seed)
+    run_seed: Optional[int] = None  # the run's seed_everything (TaskRecord.seed is the evaluation examples' own seed)
 
 
 @dataclass(kw_only=True)
@@ -69,20 +69,6 @@ class PositionRecord(Record):
     mode: str = "nonoverlap"
     stride: int = 0
     tokens: int = 0
-
-
-@dataclass(kw_only=True)
-class PasskeyRecord(Record):
-    """Passkey-retrieval accuracy at one prompt length and depth."""
-
-    FILE: ClassVar[str] = "passkey.jsonl"
-
-    length: int
-    depth: float
-    accuracy: Optional[float]  # None: the encoding cannot serve this length
-    trials: int = 0
-    correct: Optional[int] = None
-    seed: int = 0
 
 
 @dataclass(kw_only=True)

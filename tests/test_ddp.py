@@ -39,7 +39,8 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
         "--checkpoint.every_n_train_steps", "3",
         "--trainer.callbacks+=ddp_probe.Probe", f"--trainer.callbacks.out_dir={out}",
         "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "3",
-        "--passkey.enabled", "true", "--passkey.lengths", "[80]", "--passkey.depths", "[0.5]", "--passkey.trials", "2",
+        "--data.tasks", '{"passkey": {}}', "--data.task_fraction", "0",
+        "--task_eval.lengths", "[80]", "--task_eval.depths", "[0.5]", "--task_eval.trials", "2",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
@@ -50,14 +51,15 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
         Bucket=store.bucket, Prefix=f"{store.prefix}.lock").get("Contents"), "published, lock released"
     assert done.stdout.count("nothing to do") == 1 and done.stdout.count("published") == 1, "one preparation"
     # The loss by position is reduced across ranks like the perplexity (each rank scored half the windows), and
-    # the passkey grid is written once (rank 0).
+    # the passkey's accuracy is written once (rank 0).
     run = tmp_path / "runs" / "default" / "cable" / "version_0"
     read = lambda name: [json.loads(line) for line in open(run / name)]  # noqa: E731
     for row in read("length_eval.jsonl"):
         buckets = [r for r in read("position_loss.jsonl") if r["length"] == row["length"]]
         assert sum(r["tokens"] for r in buckets) == row["tokens"] == 256
         assert sum(r["loss"] * r["tokens"] for r in buckets) / 256 == pytest.approx(row["loss"], rel=1e-5)
-    assert [(r["length"], r["depth"], r["trials"]) for r in read("passkey.jsonl")] == [(80, 0.5, 2)]
+    assert [(r["task"], r["length"], r["depth"], r["trials"]) for r in read("task_accuracy.jsonl")] == [
+        ("passkey", 80, 0.5, 2)]
     # Each rank evaluated every other window; the record lists them all in stream order, as one process does.
     final = {r["length"]: r for r in read("length_eval.jsonl") if r["step"] == 3}
     alone = main(["validate", *cmd[4:cmd.index("--trainer.devices")], "--trainer.devices", "1",

@@ -134,16 +134,16 @@ def test_report_without_records_names_the_paths(tmp_path):
 
 
 def test_records_round_trip_through_the_one_writer_and_reader(tmp_path):
-    from cable_lightning.records import LengthRecord, PasskeyRecord, append_records, read_records
+    from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
 
     length = LengthRecord(pe="dape_v2+cable", train_length=128, step=7, stage="validate", checkpoint="/c.ckpt",
                           length=512, mode="sliding", stride=64, ppl=12.5, loss=2.52, tokens=1000, seconds=1.5,
                           tokens_per_sec=666.7)
-    passkey = PasskeyRecord(pe="cable", train_length=128, step=7, length=256, depth=0.5, trials=4, correct=None,
-                            accuracy=None)
-    append_records(str(tmp_path), [length, passkey, length])
+    task = TaskRecord(pe="cable", train_length=128, step=7, task="passkey", length=256, depth=0.5, trials=4,
+                      correct=None, accuracy=None)
+    append_records(str(tmp_path), [length, task, length])
     assert read_records(str(tmp_path / "length_eval.jsonl"), LengthRecord) == [length, length]
-    assert read_records(str(tmp_path / "passkey.jsonl"), PasskeyRecord) == [passkey]
+    assert read_records(str(tmp_path / "task_accuracy.jsonl"), TaskRecord) == [task]
     # a row an earlier version wrote: fewer keys (defaults fill them) and one this version no longer knows
     (tmp_path / "old.jsonl").write_text(json.dumps({"pe": "rope", "train_length": 32, "step": 4, "length": 64,
                                                     "mode": "nonoverlap", "ppl": 40.0, "retired": 1}) + "\n")

@@ -68,7 +68,7 @@ def expected_answer(name: str, ids: list) -> list:
 def test_every_task_has_the_exact_length_and_its_answer_where_it_belongs(length):
     tasks = mix()
     for task in tasks.tasks:
-        n = length or task.fixed_tokens() + 1  # 0: the shortest possible example; one token fewer is refused
+        n = length or task.fixed_tokens(VOCAB) + 1  # 0: the shortest possible example; one token fewer is refused
         if not length:
             with pytest.raises(ConfigError, match=f"needs a length of at least {n - 1} tokens, got {n - 2}"):
                 tasks.example(n - 1, 3, TRAIN, 0, task=task)
@@ -89,7 +89,7 @@ def test_the_asked_needle_sits_at_its_depth_of_the_filler_and_the_distance_grows
     tasks = mix({"needle": {"keys": 1, "value_tokens": 2}})
     for length in (65, 257, 1025):
         e = tasks.example(length, 0, EVAL, 5, depth=depth)
-        filler = length - 1 - tasks.tasks[0].fixed_tokens()
+        filler = length - 1 - tasks.tasks[0].fixed_tokens(VOCAB)
         needle = e.ids.tolist().index(M["NEEDLE"])
         assert needle - 1 == round(depth * filler)  # after the leading token, round(depth x filler) filler tokens
         assert e.depth == depth
@@ -303,7 +303,7 @@ def test_fit_and_validate_write_task_accuracy_at_every_checkpoint(tmp_path, monk
      "data.block_size 48 is too short for a task: task associative_recall (pairs=20, queries=4) needs a length of "
      "at least 52 tokens, got 48"),
     (dict(tasks={"needle": {}, "recall": {}}),
-     "unknown task 'recall'; valid tasks: associative_recall, copy, needle, variable_tracking"),
+     "unknown task 'recall'; valid tasks: associative_recall, copy, needle, passkey, variable_tracking"),
     (dict(tasks={"needle": {"depth": 0.5}}), "task needle has no setting 'depth' (its settings: keys, value_tokens)"),
     (dict(tasks={"associative_recall": {"pairs": 4, "queries": 5}}),
      "associative_recall needs 1 <= queries <= pairs <= 64, got pairs=4, queries=5"),

@@ -265,8 +265,10 @@ def test_a_zero_or_negative_eval_stride_is_refused_before_training(tiny_corpus_d
 
 def test_a_passkey_length_too_short_for_its_prompt_is_refused_before_training(tiny_corpus_dir, tmp_path, capsys):
     line = one_error_line(capsys, lambda: run(["fit", *args(tiny_corpus_dir, str(tmp_path / "runs")),
-                                               "--passkey.enabled", "true", "--passkey.lengths", "[8, 64]"]))
-    assert "passkey prompt length 8 is too short: intro, key sentence and question take" in line, line
+                                               "--data.tasks", '{"passkey": {}}', "--data.task_fraction", "0",
+                                               "--task_eval.lengths", "[8, 64]"]))
+    assert "evaluation length 8 is too short for a task: task passkey (no settings) needs a length of at least" \
+        in line, line
     assert not glob.glob(str(tmp_path / "runs" / "**" / "*.ckpt"), recursive=True)  # no step was trained
 
 

@@ -1,7 +1,8 @@
 """Collect runs into the CABLE paper's Table-1 layout and Figure-1 plot, with intervals over seeds.
 
-Reads the records runs wrote (``length_eval.jsonl``, and where present ``position_loss.jsonl`` and ``passkey.jsonl``),
-keeps each run's latest evaluation (a run is one encoding, training length and seed), and writes per window mode:
+Reads the records runs wrote (``length_eval.jsonl``, and where present ``position_loss.jsonl`` and
+``task_accuracy.jsonl``), keeps each run's latest evaluation (a run is one encoding, training length and seed), and
+writes per window mode:
 
 - ``<out>_<mode>.md``: perplexity by evaluation length (rows) and encoding (columns), each cell the mean over the
   runs' seeds and its 95% interval, then the extrapolation ratio ppl(L) / ppl(training length), each run's ratio
@@ -15,13 +16,12 @@ keeps each run's latest evaluation (a run is one encoding, training length and s
 Intervals (cable_lightning.eval.intervals): with several seeds, a Student-t interval over them; with one seed, a
 percentile bootstrap over the evaluated windows. Bold: the best mean and every encoding a paired t-test does not
 separate from it at p < 0.05 (across shared seeds, or with one seed over the same evaluated windows); a dash: the
-encoding cannot serve the length. Loss by position (``<out>_position.md/.csv``) and passkey accuracy averaged over
-depths (``<out>_passkey.md/.csv``) are aggregated over seeds the same way (no one-seed interval: they keep no
-per-window values), and so is each synthetic task's exact-match accuracy, averaged over depths
-(``<out>_task_<name>.md/.csv``), followed by the effective length per task and encoding (``<out>_effective.md``):
-the longest evaluated length, from the training length on, whose accuracy (the mean over seeds) stays at or above
-``--threshold`` (default 0.85, RULER's), with each seed's own in brackets; "-" where the training length falls
-short.
+encoding cannot serve the length. Loss by position (``<out>_position.md/.csv``) is aggregated over seeds the same
+way (no one-seed interval: it keeps no per-window values), and so is each synthetic task's exact-match accuracy (the
+passkey is one of them), averaged over depths (``<out>_task_<name>.md/.csv``), followed by the effective length
+per task and encoding (``<out>_effective.md``): the longest evaluated length, from the training length on, whose
+accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
+brackets; "-" where the training length falls short.
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -40,7 +40,7 @@ from cable_lightning.callbacks.length_eval import ppl_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
 from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
-from cable_lightning.records import LengthRecord, PasskeyRecord, PositionRecord, Record, TaskRecord, read_records
+from cable_lightning.records import LengthRecord, PositionRecord, Record, TaskRecord, read_records
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -152,18 +152,6 @@ def ratio_table(rows: list[LengthRecord], mode: str) -> Table:
 def position_table(rows: list[PositionRecord]) -> Table:
     """Mean NLL by (evaluation length, position bucket) and encoding."""
     return aggregate(rows, lambda r: (r.length, r.first_position, r.last_position), lambda r: r.loss)
-
-
-def passkey_table(rows: list[PasskeyRecord]) -> Table:
-    """Passkey accuracy by prompt length and encoding: each run's accuracy averaged over depths (None where it
-    cannot serve the length), then aggregated over seeds."""
-    by_run: dict[tuple, list] = {}
-    for r in rows:
-        by_run.setdefault((run_key(r), r.length), []).append(r)
-    runs = [cell[0] for cell in by_run.values()]
-    accuracy = {key: None if any(r.accuracy is None for r in cell) else sum(r.accuracy for r in cell) / len(cell)
-                for key, cell in by_run.items()}
-    return aggregate(runs, lambda r: r.length, lambda r: accuracy[run_key(r), r.length])
 
 
 def depth_means(rows: list) -> dict[tuple, Optional[float]]:
@@ -362,8 +350,8 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
 
 def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png and <out>_<mode>_training.png for each window mode present, and
-    <out>_position.md/.csv, <out>_passkey.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have
-    such rows; returns {mode, "position", "passkey", "task <name>" or "effective length": markdown}."""
+    <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows; returns
+    {mode, "position", "task <name>" or "effective length": markdown}."""
     files = find_records(paths)
     runs = rows_by_step(files)
     rows = [row for steps in runs.values() for row in steps[max(steps)]]
@@ -384,20 +372,14 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
         plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
         training_figure(runs, mode, f"{out}_{mode}_training.png")
-    for name, kind, cell, make, best, digits in [
-        ("position", PositionRecord, lambda r: (r.length, r.first_position), position_table, "lowest", 3),
-        ("passkey", PasskeyRecord, lambda r: (r.length, r.depth), passkey_table, "highest", 2),
-    ]:
-        found = find_records(paths, kind.FILE, required=False)
-        if not found:
-            continue
-        table = make(latest_rows(found, kind, cell))
-        header = "length: positions" if name == "position" else "length"
-        tables[name] = (markdown(*table, best=max if best == "highest" else min, digits=digits, header=header)
-                        + "\n\n" + describe(table, best))
-        with open(f"{out}_{name}.md", "w") as f:
-            f.write(tables[name] + "\n")
-        write_csv(f"{out}_{name}.csv", table, "loss" if name == "position" else "accuracy", header)
+    found = find_records(paths, PositionRecord.FILE, required=False)
+    if found:
+        table = position_table(latest_rows(found, PositionRecord, lambda r: (r.length, r.first_position)))
+        header = "length: positions"
+        tables["position"] = markdown(*table, digits=3, header=header) + "\n\n" + describe(table, "lowest")
+        with open(f"{out}_position.md", "w") as f:
+            f.write(tables["position"] + "\n")
+        write_csv(f"{out}_position.csv", table, "loss", header)
     found = find_records(paths, TaskRecord.FILE, required=False)
     task_rows = latest_rows(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else []
     for task in sorted({r.task for r in task_rows}):
@@ -425,7 +407,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0.0 < args.threshold <= 1.0:
         raise ConfigError(f"--threshold must be in (0, 1], got {args.threshold}")
-    titles = {"passkey": "passkey accuracy (mean over depths)", "position": "mean NLL by token position"}
+    titles = {"position": "mean NLL by token position"}
     for mode, table in report(args.runs, args.out, args.threshold).items():
         print(f"## {titles.get(mode, mode)}\n{table}\n")
     print(f"written: {args.out}_<mode>.md/.csv/.png, {args.out}_<mode>_training.png")

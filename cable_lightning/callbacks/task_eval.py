@@ -2,7 +2,7 @@
 task, evaluation length and depth, in ``<log_dir>/task_accuracy.jsonl`` beside ``length_eval.jsonl``, a TensorBoard
 heatmap (``tasks/accuracy``) and the mean per length (``tasks/<task>/len_<L>``).
 
-A callback, like the passkey grid, so that it runs at every checkpoint's validation inside ``fit`` and on
+A callback, so that it runs at every checkpoint's validation inside ``fit`` and on
 ``validate --ckpt_path FILE``. Every rank scores the whole grid (identical results, no collectives) and rank 0
 writes it down.
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 from typing import Any
 
 import lightning as L
@@ -86,9 +85,6 @@ class TokenDataModule(L.LightningDataModule):
             tokens (ALiBi's appendix-B protocol); None scores non-overlapping windows only.
         source, tokenizer: when given, ``prepare_data`` prepares ``path`` from them if it is not prepared yet,
             and a prepared ``path`` must have been made from them.
-        passkey_fraction: the share of each training batch's rows replaced by passkey prompts with their answer
-            (block_size + 1 tokens, random key and depth): the fine-tuning recipe that teaches small models to
-            retrieve at all (configs/passkey_finetune.yaml). 0 trains on the corpus only.
         cache_dir: for an ``s3://bucket/prefix`` path, the local folder for streamed chunks and the fetched
             manifest, index and held-out arrays (default: LitData's, ``$LITDATA_CACHE_DIR`` or
             ``~/.lightning/chunks``).
@@ -99,7 +95,7 @@ class TokenDataModule(L.LightningDataModule):
         tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (``cable_lightning.data.tasks``), taken in
             turn; training batches become ``{"tokens", "loss_weight"}``. With ``path`` null the tasks use a
             vocabulary of their own and validation perplexity is measured on task examples; with a prepared
-            ``path``, its tokenizer's ids.
+            ``path``, its tokenizer's ids (and its text, for ``passkey``).
         task_fraction: the share of each training batch's rows that are task examples (the rest: the corpus).
         lm_loss_weight: the loss weight of a task row's tokens other than its answer (0: answer tokens only; 1:
             the ordinary language-model loss on the whole row). Corpus rows weigh 1 everywhere.
@@ -108,12 +104,11 @@ class TokenDataModule(L.LightningDataModule):
     def __init__(self, path: str | None = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
                  num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
-                 passkey_fraction: float = 0.0, tasks: dict[str, dict | None] | None = None,
+                 tasks: dict[str, dict | None] | None = None,
                  task_fraction: float = 1.0, lm_loss_weight: float = 0.0, cache_dir: str | None = None,
                  max_cache_size: str | None = None, endpoint_url: str | None = None):
         super().__init__()
-        for name, value in (("passkey_fraction", passkey_fraction), ("task_fraction", task_fraction),
-                            ("lm_loss_weight", lm_loss_weight)):
+        for name, value in (("task_fraction", task_fraction), ("lm_loss_weight", lm_loss_weight)):
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if path is None and (not tasks or task_fraction < 1 or source is not None):
@@ -135,20 +130,15 @@ class TokenDataModule(L.LightningDataModule):
         self.eval_lengths = [int(n) for n in eval_lengths or [block_size]]
         self.eval_stride = None if eval_stride is None else int(eval_stride)
         self.source, self.tokenizer_spec = source, tokenizer
-        self.passkey_fraction = float(passkey_fraction)
         self.cache_dir, self.max_cache_size, self.endpoint_url = cache_dir, max_cache_size, endpoint_url
         self.store = Store(self.path, endpoint_url) if is_remote(self.path) else None  # a bad URL fails here
         self.folder = None if self.store else self.path  # local: the path; remote: its fetched small files
-        self._passkey_prompts = None
         self.task_settings, self.task_fraction, self.lm_loss_weight = tasks, float(task_fraction), float(lm_loss_weight)
         self.tasks = TaskMix(tasks) if tasks else None  # an unknown task or setting: one line, now
         if self.tasks is not None:
-            try:
-                self.tasks.check_length(self.block_size)
-            except ConfigError as exc:
-                raise ConfigError(f"data.block_size {self.block_size} is too short for a task: {exc}") from None
-            if passkey_fraction:
-                raise ConfigError("data.passkey_fraction and data.tasks both replace training rows; use one")
+            if path is None:
+                self.tasks.vocab = TaskVocabulary.own()  # a text task (passkey) is refused here, by check_tasks
+            self.check_tasks()
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}
 
@@ -166,8 +156,6 @@ class TokenDataModule(L.LightningDataModule):
     def describe(self) -> DataInfo:
         """What the model needs from the data; the manifest is read and every file checked once."""
         if self.path is None:  # tasks alone, in their own vocabulary
-            if self.tasks.vocab is None:
-                self.tasks.vocab = TaskVocabulary.own()
             return DataInfo(vocab_size=OWN_VOCABULARY, eot_id=0, mask_id=None, special_ids=(0,),
                             tokenizer={"kind": "task", "name": f"task-vocabulary-{OWN_VOCABULARY}",
                                        "hash": f"task-vocabulary-v1-{OWN_VOCABULARY}"},
@@ -181,19 +169,25 @@ class TokenDataModule(L.LightningDataModule):
             self._manifest = manifest
         m = self._manifest
         if self.tasks is not None and self.tasks.vocab is None:
-            self.tasks.vocab = TaskVocabulary.from_ids(int(m["vocab_size"]), m["special_ids"])
+            needs_text = any(task.needs_text for task in self.tasks.tasks)
+            self.tasks.vocab = TaskVocabulary.from_ids(int(m["vocab_size"]), m["special_ids"],
+                                                       self.load_tokenizer() if needs_text else None)
+            self.check_tasks()  # a text task's length in tokens is known now
         return DataInfo(vocab_size=int(m["vocab_size"]), eot_id=int(m["eot_id"]), mask_id=m["mask_id"],
                         special_ids=tuple(m["special_ids"]), tokenizer=dict(m["tokenizer"]["identity"]),
                         block_size=self.block_size, eval_specs=tuple(self.eval_specs()))
 
+    def check_tasks(self) -> None:
+        """The training length fits every task (task_fraction 0: no task row is trained on, only evaluated)."""
+        if not self.task_fraction:
+            return
+        try:
+            self.tasks.check_length(self.block_size)
+        except ConfigError as exc:
+            raise ConfigError(f"data.block_size {self.block_size} is too short for a task: {exc}") from None
+
     def setup(self, stage: str) -> None:
         self.describe()
-        if self.passkey_fraction and stage == "fit":  # a block too short for a passkey prompt: say so before training
-            try:
-                self.passkey_sequence(random.Random(0))
-            except ConfigError as exc:
-                raise ConfigError(f"passkey_fraction needs a longer block_size than {self.block_size} with this "
-                                  f"tokenizer ({exc})") from None
 
     def _check_request(self, request: dict[str, Any]) -> None:
         from cable_lightning.data.sources import get_source
@@ -218,9 +212,10 @@ class TokenDataModule(L.LightningDataModule):
     def load_tokenizer(self) -> Tokenizer:
         """The tokenizer that made the data (for decoding samples); its identity must match the manifest's."""
         if self.path is None:
-            raise ConfigError("data.path is null: the tasks' own vocabulary has no tokenizer (text probes such as "
-                              "the passkey need a prepared corpus)")
-        self.describe()
+            raise ConfigError("data.path is null: the tasks' own vocabulary has no tokenizer (text such as the "
+                              "passkey task needs a prepared corpus)")
+        if self._manifest is None:
+            self.describe()
         info = self._manifest["tokenizer"]
         ref = os.path.join(self.folder, info["file"]) if info.get("file") else info["spec"]
         tok = get_tokenizer(ref, name=info["identity"]["name"])
@@ -231,21 +226,14 @@ class TokenDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Every training batch's token ids are checked against the vocabulary here, on the host before the copy to the
-        device (a chunk corrupted anywhere in the stream is named when it is read). With ``passkey_fraction``, the
-        first rows of each training batch then become passkey sequences, drawn from a generator seeded by (seed, rank,
-        batch number) so that a resumed run sees the same ones."""
+        device (a chunk corrupted anywhere in the stream is named when it is read); with ``tasks``, task rows then
+        replace the first rows (:meth:`task_batch`)."""
         trainer = getattr(self, "trainer", None)
         if trainer is None or not trainer.training:
             return batch
         batch_number = trainer.fit_loop.epoch_loop.batch_progress.total.ready
         check_token_ids(batch, self.describe().vocab_size, f"training batch {batch_number} of {self.path}")
-        rows = round(self.passkey_fraction * batch.shape[0])
-        if rows:
-            batch = batch.clone()
-            rng = random.Random(hash((self.seed, trainer.global_rank, batch_number)))
-            for row in range(rows):
-                batch[row] = torch.tensor(self.passkey_sequence(rng), dtype=batch.dtype)
-        if self.tasks is not None:
+        if self.tasks is not None and self.task_fraction:  # task_fraction 0: tasks are only evaluated
             return self.task_batch(batch, batch_number, trainer.global_rank, trainer.world_size)
         return batch
 
@@ -262,14 +250,6 @@ class TokenDataModule(L.LightningDataModule):
             answer = torch.from_numpy(answer[:, 1:])
             weight[:rows] = torch.where(answer, 1.0, self.lm_loss_weight)
         return {"tokens": batch, "loss_weight": weight}
-
-    def passkey_sequence(self, rng: random.Random) -> list[int]:
-        """A passkey prompt and its answer, ``block_size + 1`` tokens (one training window)."""
-        from cable_lightning.eval.passkey import PasskeyPrompts, training_sequence
-
-        if self._passkey_prompts is None:
-            self._passkey_prompts = PasskeyPrompts(self.load_tokenizer())
-        return training_sequence(self._passkey_prompts, self.block_size + 1, rng)
 
     def train_dataloader(self) -> Any:
         from litdata import StreamingDataset, TokensLoader

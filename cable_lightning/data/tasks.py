@@ -18,13 +18,17 @@ the end-of-text id). The tasks (``--data.tasks '{"needle": {"keys": 4}}'``):
 - ``variable_tracking`` (RULER): ``ASSIGN x1 v``, ``ASSIGN x2 x1``, ... (``hops`` assignments) spread through filler
   in order; ``QUERY v -> x1 ... x_hops``, every variable that holds v.
 - ``copy`` (induction): ``COPY span`` at the start, filler, ``COPY -> span``.
+- ``passkey`` (Mohtashami & Jaggi 2023): text in the run's tokenizer, a 5-digit key in plain filler sentences at a
+  given depth, then ``What is the pass key? The pass key is`` and the answer `` <key>.`` (the full stop is part of the
+  answer, so an answer that runs on into a sixth digit is wrong). It needs a prepared corpus's tokenizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -43,16 +47,17 @@ class TaskVocabulary:
     markers: dict
     symbols: np.ndarray
     filler: np.ndarray
+    tokenizer: Any = None  # the run's tokenizer (``encode_batch``), for tasks written in text; None: ids only
 
     @classmethod
-    def from_ids(cls, vocab_size: int, special_ids=()) -> "TaskVocabulary":
+    def from_ids(cls, vocab_size: int, special_ids=(), tokenizer=None) -> "TaskVocabulary":
         """The first non-special ids become markers, the next ``SYMBOLS`` symbols, the rest filler."""
         usable = np.array([i for i in range(vocab_size) if i not in set(special_ids)], dtype=np.int64)
         if len(usable) < len(MARKERS) + 2 * SYMBOLS:
             raise ConfigError(f"tasks need at least {len(MARKERS) + 2 * SYMBOLS} non-special token ids; the vocabulary "
                               f"has {len(usable)}: use a larger tokenizer, or data.path null for the tasks' own")
         k = len(MARKERS)
-        return cls(dict(zip(MARKERS, usable[:k].tolist())), usable[k:k + SYMBOLS], usable[k + SYMBOLS:])
+        return cls(dict(zip(MARKERS, usable[:k].tolist())), usable[k:k + SYMBOLS], usable[k + SYMBOLS:], tokenizer)
 
     @classmethod
     def own(cls) -> "TaskVocabulary":
@@ -76,14 +81,15 @@ class Task:
 
     name: ClassVar[str]
     has_depth: ClassVar[bool] = False  # evaluated per depth of the queried fact
+    needs_text: ClassVar[bool] = False  # written in the run's tokenizer's text (not available with the own vocabulary)
     registry: ClassVar[dict[str, type["Task"]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         Task.registry[cls.name] = cls
 
-    def fixed_tokens(self) -> int:
-        """Tokens an example needs besides filler."""
+    def fixed_tokens(self, vocab: Optional[TaskVocabulary]) -> Optional[int]:
+        """Tokens an example needs besides filler (None when that depends on a tokenizer not known yet)."""
         raise NotImplementedError
 
     def layout(self, rng: np.random.Generator, vocab: TaskVocabulary, filler: int, depth: Optional[float]):
@@ -91,21 +97,22 @@ class Task:
         are spread as the task says."""
         raise NotImplementedError
 
-    def check_length(self, length: int) -> None:
+    def check_length(self, length: int, vocab: Optional[TaskVocabulary]) -> None:
         """``length``: the tokens a model reads (an example has one more, the last answer token's target)."""
-        if length < self.fixed_tokens():
+        fixed = self.fixed_tokens(vocab)
+        if fixed is not None and length < fixed:
             settings = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-            raise ConfigError(f"task {self.name} ({settings}) needs a length of at least {self.fixed_tokens()} "
+            raise ConfigError(f"task {self.name} ({settings or 'no settings'}) needs a length of at least {fixed} "
                               f"tokens, got {length}; use a longer length or fewer facts")
 
     def example(self, length: int, rng: np.random.Generator, vocab: TaskVocabulary,
                 depth: Optional[float] = None) -> Example:
         """Exactly ``length`` tokens: a leading filler token (the first position is never predicted), then the
         task's pieces with ``length - 1 - fixed_tokens()`` filler tokens placed among them."""
-        self.check_length(length - 1)
+        self.check_length(length - 1, vocab)
         if depth is None and self.has_depth:
             depth = float(rng.random())
-        pieces = self.layout(rng, vocab, length - 1 - self.fixed_tokens(), depth)
+        pieces = self.layout(rng, vocab, length - 1 - self.fixed_tokens(vocab), depth)
         ids = np.concatenate([rng.choice(vocab.filler, 1)] + [p for p, _ in pieces])
         answer = np.concatenate([np.zeros(1, bool)] + [np.full(len(p), a) for p, a in pieces])
         assert len(ids) == length
@@ -140,7 +147,7 @@ class AssociativeRecall(Task):
             raise ConfigError(f"associative_recall needs 1 <= queries <= pairs <= {SYMBOLS}, got pairs={self.pairs}, "
                               f"queries={self.queries}")
 
-    def fixed_tokens(self) -> int:
+    def fixed_tokens(self, vocab) -> int:
         return 2 * self.pairs + 3 * self.queries
 
     def layout(self, rng, vocab, filler, depth):
@@ -165,7 +172,7 @@ class Needle(Task):
             raise ConfigError(f"needle needs 1 <= keys <= {SYMBOLS} and value_tokens >= 1, got keys={self.keys}, "
                               f"value_tokens={self.value_tokens}")
 
-    def fixed_tokens(self) -> int:
+    def fixed_tokens(self, vocab) -> int:
         return (self.keys + 1) * (2 + self.value_tokens)
 
     def layout(self, rng, vocab, filler, depth):
@@ -186,7 +193,7 @@ class VariableTracking(Task):
         if not 1 <= self.hops < SYMBOLS:
             raise ConfigError(f"variable_tracking needs 1 <= hops < {SYMBOLS}, got hops={self.hops}")
 
-    def fixed_tokens(self) -> int:
+    def fixed_tokens(self, vocab) -> int:
         return 3 * self.hops + 2 + self.hops
 
     def layout(self, rng, vocab, filler, depth):
@@ -207,12 +214,108 @@ class Copy(Task):
         if self.span < 1:
             raise ConfigError(f"copy needs span >= 1, got span={self.span}")
 
-    def fixed_tokens(self) -> int:
+    def fixed_tokens(self, vocab) -> int:
         return 2 * (1 + self.span)
 
     def layout(self, rng, vocab, filler, depth):
         span, mark = rng.choice(vocab.symbols, self.span), ids(vocab.markers["COPY"])
         return [(mark, False), (span, False), (rng.choice(vocab.filler, filler), False), (mark, False), (span, True)]
+
+
+PASSKEY_INTRO = "There is a pass key in this text. Remember it."
+PASSKEY_FILLER = (
+    " The river runs past the old mill.",
+    " A cold wind came down from the hills.",
+    " The market opens early on Saturdays.",
+    " Two boats were tied up at the pier.",
+    " Rain fell on the roofs of the town.",
+    " The baker lit the oven before dawn.",
+    " A dog slept in the shade of a wall.",
+    " The road turned north after the bridge.",
+)
+PASSKEY_NEEDLE = " The pass key is {key}. Remember {key}."
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+PASSKEY_ANSWER = " {key}."
+PROBE_KEYS = 64  # keys tokenized to bound a key's length in tokens; a key longer than all of them is drawn again
+
+
+@dataclass(frozen=True)
+class PasskeyText:
+    """The passkey's fixed text in one tokenizer's ids, encoded once per tokenizer (what follows the intro continues
+    the text, so every piece starts with a space)."""
+
+    tokenizer: Any
+    intro: tuple
+    question: tuple
+    sentences: tuple
+    longest_key: int  # the most tokens a needle and answer may take (over the probe keys)
+
+    @classmethod
+    def encode(cls, tokenizer) -> "PasskeyText":
+        intro, question, *sentences = tokenizer.encode_batch([PASSKEY_INTRO, PASSKEY_QUESTION, *PASSKEY_FILLER])
+        if not all(sentences):
+            raise ConfigError("the tokenizer turned a passkey filler sentence into no tokens; it cannot make passkeys")
+        text = cls(tokenizer, tuple(intro), tuple(question), tuple(map(tuple, sentences)), 0)
+        probe = np.random.default_rng(0).integers(10_000, 100_000, PROBE_KEYS)
+        longest = max(sum(map(len, text.key_pieces(str(k)))) for k in probe)
+        return dataclasses.replace(text, longest_key=longest)
+
+    def key_pieces(self, key: str) -> tuple[list, list]:
+        """(needle ids, answer ids) for ``key``."""
+        needle, answer = self.tokenizer.encode_batch([PASSKEY_NEEDLE.format(key=key), PASSKEY_ANSWER.format(key=key)])
+        return needle, answer
+
+
+@functools.lru_cache(maxsize=4)
+def passkey_text(tokenizer) -> PasskeyText:
+    return PasskeyText.encode(tokenizer)
+
+
+@dataclass(frozen=True)
+class Passkey(Task):
+    """The passkey in text: the one task a corpus model can be asked without training on it (the fine-tuning recipe,
+    configs/passkey_finetune.yaml, trains on it as a share of each batch)."""
+
+    name: ClassVar[str] = "passkey"
+    has_depth: ClassVar[bool] = True
+    needs_text: ClassVar[bool] = True
+
+    def fixed_tokens(self, vocab) -> Optional[int]:
+        """Intro, needle, question and answer, less one: the intro's first token is the example's first token, which
+        other tasks spend on filler."""
+        if vocab is None or vocab.tokenizer is None:
+            return None
+        text = passkey_text(vocab.tokenizer)
+        return len(text.intro) + text.longest_key + len(text.question) - 1
+
+    def check_length(self, length: int, vocab) -> None:
+        if vocab is not None and vocab.tokenizer is None:
+            raise ConfigError("task passkey is written in text and needs a prepared corpus's tokenizer (data.path); "
+                              "the tasks' own vocabulary has none")
+        super().check_length(length, vocab)
+
+    def example(self, length: int, rng: np.random.Generator, vocab: TaskVocabulary,
+                depth: Optional[float] = None) -> Example:
+        """Exactly ``length`` tokens; the key sits at the sentence boundary of the filler nearest to ``depth``."""
+        self.check_length(length - 1, vocab)
+        text = passkey_text(vocab.tokenizer)
+        depth = float(rng.random()) if depth is None else depth
+        while True:  # a key longer in tokens than every probe key would not fit the checked length: draw again
+            key = str(rng.integers(10_000, 100_000))
+            needle, answer = text.key_pieces(key)
+            if len(needle) + len(answer) <= text.longest_key:
+                break
+        budget = length - len(text.intro) - len(needle) - len(text.question) - len(answer)
+        filler, boundaries, unit = [], [0], int(rng.integers(len(text.sentences)))
+        while len(filler) < budget:
+            filler += text.sentences[unit % len(text.sentences)]
+            boundaries.append(min(len(filler), budget))
+            unit += 1
+        filler = filler[:budget]  # the last sentence is cut to fit
+        cut = min(boundaries, key=lambda b: abs(b - depth * budget))
+        prompt = list(text.intro) + filler[:cut] + needle + filler[cut:] + list(text.question)
+        ids = np.array(prompt + answer, dtype=np.int64)
+        return Example(ids, np.arange(len(ids)) >= len(prompt), depth)
 
 
 def build_task(name: str, settings: Optional[dict] = None) -> Task:
@@ -239,8 +342,9 @@ class TaskMix:
         self.vocab = vocab
 
     def check_length(self, length: int) -> None:
+        """Every task fits ``length`` (a text task is checked once the tokenizer is known)."""
         for task in self.tasks:
-            task.check_length(length)
+            task.check_length(length, self.vocab)
 
     def example(self, length: int, seed: int, split: int, index: int, task: Optional[Task] = None,
                 depth: Optional[float] = None) -> Example:

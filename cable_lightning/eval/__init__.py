@@ -1,4 +1,4 @@
-"""Length-extrapolation evaluation: windows over a fixed token stream, loss by position, passkey retrieval."""
+"""Length-extrapolation evaluation: windows over a fixed token stream, loss by position, synthetic tasks."""
 
 from .positions import PositionNLL, position_buckets
 from .windows import EvalWindows, scored_targets, window_plan
