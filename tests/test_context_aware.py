@@ -181,7 +181,8 @@ def test_zeroing_the_future_is_what_keeps_dape_causal(monkeypatch):
 
     assert first_seven_equal()
     monkeypatch.setattr(DapeScores, "future",
-                        lambda self, start, stop, n, device: torch.zeros(stop - start, n, dtype=bool))
+                        lambda self, start, stop, n, device, first_key=0: torch.zeros(stop - start, n - first_key,
+                                                                                      dtype=bool))
     assert not first_seven_equal()
 
 

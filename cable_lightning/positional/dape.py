@@ -40,13 +40,10 @@ class DapeScores(LogitScores):
     def scores(self, logits, q, start, stop):
         batch, heads, _, n_keys = logits.shape
         bias = self.bias.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype).expand_as(logits)
-        features = torch.cat([logits, bias], dim=1)
-        unseen = self.unseen(start, stop, n_keys, logits.device)  # the future, and padding in a padded batch
-        if unseen is not None:
-            features = features.masked_fill(unseen, 0.0)
-        hidden = F.leaky_relu(self.convolutions.expand(features))
-        if unseen is not None:
-            hidden = hidden.masked_fill(unseen, 0.0)
+        # zero the future (and padding in a padded batch) before each convolution, in place: both are new tensors
+        # that autograd does not keep (LeakyReLU's backward reads its input)
+        features = self.hide_(torch.cat([logits, bias], dim=1), start, stop, 0.0)
+        hidden = self.hide_(F.leaky_relu(self.convolutions.expand(features)), start, stop, 0.0)
         return logits + bias + self.convolutions.reduce(hidden)
 
 
