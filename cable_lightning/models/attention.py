@@ -215,7 +215,7 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     [0, Tk) whatever the window: the window masks keys after the scores are computed)."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
-    logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)  # scaled q: no pass over the map
     scores.key_padding = key_padding
     out = scores.scores(logits, q, start, stop)
     # In place; causal and unpadded only on the keys from the block's second row on: every earlier key is seen.

@@ -40,11 +40,12 @@ class DapeScores(LogitScores):
     def scores(self, logits, q, start, stop):
         batch, heads, _, n_keys = logits.shape
         bias = self.bias.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype).expand_as(logits)
-        # zero the future (and padding in a padded batch) before each convolution, in place: both are new tensors
-        # that autograd does not keep (LeakyReLU's backward reads its input)
+        # Zero the future (and padding in a padded batch) before each convolution. In place, on new tensors that
+        # autograd does not keep: a convolution keeps its input, not its output (LeakyReLU(0) = 0, so zeroing before
+        # it is zeroing after).
         features = self.hide_(torch.cat([logits, bias], dim=1), start, stop, 0.0)
-        hidden = self.hide_(F.leaky_relu(self.convolutions.expand(features)), start, stop, 0.0)
-        return logits + bias + self.convolutions.reduce(hidden)
+        hidden = F.leaky_relu_(self.hide_(self.convolutions.expand(features), start, stop, 0.0))
+        return self.convolutions.reduce(hidden).add_(logits).add_(bias)
 
 
 class DapeConvolutions(nn.Module):
