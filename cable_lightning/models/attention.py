@@ -219,7 +219,7 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     scores.key_padding = key_padding
     out = scores.scores(logits, q, start, stop)
     # In place; causal and unpadded only on the keys from the block's second row on: every earlier key is seen.
-    first = q_offset + start + 1 if causal and key_padding is None and window is None else 0
+    first = min(k.shape[-2], q_offset + start + 1) if causal and key_padding is None and window is None else 0
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window)
     if allowed is not None:
         out[..., first:].masked_fill_(~allowed, float("-inf"))
