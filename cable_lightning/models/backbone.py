@@ -30,10 +30,10 @@ def length_groups(lengths: list[int], waste: float) -> list[list[int]]:
 
     Why this rule: on a CPU a call's time grows with its padded tokens (and attention's with their square), so a
     group pays for its padding, and a group of equal lengths runs with no mask at all; one call per distinct length
-    (no padding) pays instead a call's fixed cost per length. Padding capped at 1/8 of a row costs at most 1/8 more
-    tokens (1.3x the attention) than that, and a batch of similar lengths (lm-eval's and sentence-transformers'
-    encoding sort by length) still runs as one call. One group for the whole batch (``waste`` 1.0) made a batch of
-    lengths mixed in 1-512 1.6-3.2x slower than one call per length on CPU (docs/speed.md)."""
+    (no padding) pays instead a call's fixed cost per length. Padding capped at 1/8 of a padded row costs at most 1/7
+    more tokens than the row's own (1.3x its attention), and a batch of similar lengths (lm-eval's and
+    sentence-transformers' encoding sort by length) still runs as one call. One group for the whole batch (``waste``
+    1.0) made a batch of lengths mixed in 1-512 1.6-4.4x slower than one call per length on CPU (docs/speed.md)."""
     order = sorted((row for row, n in enumerate(lengths) if n > 0), key=lambda row: -lengths[row])
     groups: list[list[int]] = []
     for row in order:
