@@ -71,20 +71,22 @@ def test_incremental_decoding_equals_full_forward(pe):
 
 def padded_against_alone(pe, causal, monkeypatch, gradients):
     """Left, right, no and all padding in one batch: real tokens get the hidden states (and the gradients) of
-    their row's real tokens run alone, padding gets zeros, and each layer's attention runs once for all rows."""
+    their row's real tokens run alone, padding gets zeros, rows come back in their order, and each layer's attention
+    runs once per group of similar lengths: lengths 16, 15 and 14 together (rows 0, 2, 1: one padded to the right,
+    one to the left), 6 alone, the empty row not at all."""
     model = tiny(pe, causal=causal)
-    x = torch.randint(0, 97, (4, 11))
-    spans = [(0, 11), (3, 11), (0, 6), (0, 0)]  # full, left-padded, right-padded, all padding
-    mask = torch.zeros(4, 11, dtype=torch.long)
+    x = torch.randint(0, 97, (5, 16))
+    spans = [(0, 16), (2, 16), (0, 15), (0, 6), (0, 0)]  # full, left-padded, right-padded, short, all padding
+    mask = torch.zeros(5, 16, dtype=torch.long)
     for row, (start, stop) in enumerate(spans):
         mask[row, start:stop] = 1
     calls = []
     monkeypatch.setattr(backbone_mod, "attention",
                         lambda q, *a, **kw: calls.append(q.shape[0]) or attention(q, *a, **kw))
-    weight = torch.randn(4, 11, 32)
+    weight = torch.randn(5, 16, 32)
     with torch.set_grad_enabled(gradients):
         padded = model.hidden_states(x, padding_mask=mask)
-        assert calls == [4, 4]
+        assert calls == [3, 3, 1, 1]
         grad = torch.autograd.grad((padded * weight).sum(), model.wte.weight)[0] if gradients else None
         alone_grad = 0
         for row, (start, stop) in enumerate(spans):

@@ -215,12 +215,14 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     [0, Tk) whatever the window: the window masks keys after the scores are computed)."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
-    logits = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)  # scaled q: no pass over the map
     scores.key_padding = key_padding
     out = scores.scores(logits, q, start, stop)
-    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
+    # In place; causal and unpadded only on the keys from the block's second row on: every earlier key is seen.
+    first = min(k.shape[-2], q_offset + start + 1) if causal and key_padding is None and window is None else 0
+    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window)
     if allowed is not None:
-        out = out.masked_fill(~allowed, float("-inf"))
+        out[..., first:].masked_fill_(~allowed, float("-inf"))
     weights = out.softmax(dim=-1) if scores.softmax else out.exp()
     return (weights @ v.to(wide)).to(q.dtype)
 

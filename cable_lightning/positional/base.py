@@ -34,12 +34,6 @@ ScoreKind = Literal["none", "bias", "foldable_bias", "logits"]
 SCORE_KINDS = typing.get_args(ScoreKind)
 
 
-def causal_allowed(start: int, stop: int, n_keys: int, q_offset: int, device) -> Tensor:
-    """(rows, n_keys) True where query row i (at position q_offset + i) may attend key j: j <= q_offset + i."""
-    q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
-    return torch.arange(n_keys, device=device)[None, :] <= q_pos
-
-
 def visible_keys(start: int, stop: int, first_key: int, n_keys: int, q_offset: int, causal: bool,
                  window: int | None, device) -> Tensor:
     """(rows, keys) True where query row i (at position q_offset + i) sees key j in [first_key, n_keys): j <= i when
@@ -111,8 +105,9 @@ class LogitScores:
 
     :meth:`scores` gets the scaled logits of query rows [start, stop) against keys [0, n_keys)
     (B, H, rows, n_keys), those rows' queries (B, H, rows, D), and returns the scores before the causal
-    mask. Every row must depend only on its own logits (and, causally, on keys up to its position), so
-    that blocks of rows, cached decoding and the full forward agree.
+    mask, as a new tensor that autograd does not keep for a backward (attention masks it in place). Every row must
+    depend only on its own logits (and, causally, on keys up to its position), so that blocks of rows, cached decoding
+    and the full forward agree.
     """
 
     # (row, key) maps of one head's size that scores() holds at once per head; sizes the row blocks.
@@ -130,9 +125,10 @@ class LogitScores:
     def scores(self, logits: Tensor, q: Tensor, start: int, stop: int) -> Tensor:
         raise NotImplementedError
 
-    def future(self, start: int, stop: int, n_keys: int, device) -> Tensor:
-        """(rows, n_keys) True where a key lies after its query row (never attended to when causal)."""
-        return ~causal_allowed(start, stop, n_keys, self.q_offset, device)
+    def future(self, start: int, stop: int, n_keys: int, device, first_key: int = 0) -> Tensor:
+        """(rows, n_keys - first_key) True where a key in [first_key, n_keys) lies after its query row (never attended
+        to when causal)."""
+        return ~visible_keys(start, stop, first_key, n_keys, self.q_offset, True, None, device)
 
     def unseen(self, start: int, stop: int, n_keys: int, device) -> Tensor | None:
         """(B|1, 1, rows, n_keys) True where a query row never attends a key: its future (causal) or padding;
@@ -142,6 +138,20 @@ class LogitScores:
             padded = ~self.key_padding[:, None, None, :n_keys]
             hidden = padded if hidden is None else hidden | padded
         return hidden
+
+    def hide_(self, x: Tensor, start: int, stop: int, value: float) -> Tensor:
+        """``x`` (B, C, rows, n_keys), in place, with ``value`` wherever :meth:`unseen`. Causal and unpadded, only
+        the columns from the block's second row's position on are touched: every key before it is in every row's
+        past, and a pass over all of a block's keys costs as much as a pass of the scores themselves (DAPEv2 fills
+        three maps per block). ``x`` must be a tensor autograd does not keep for a backward."""
+        n_keys = x.shape[-1]
+        if self.causal and self.key_padding is None:
+            first = self.q_offset + start + 1
+            if first < n_keys:
+                x[..., first:].masked_fill_(self.future(start, stop, n_keys, x.device, first), value)
+            return x
+        unseen = self.unseen(start, stop, n_keys, x.device)
+        return x if unseen is None else x.masked_fill_(unseen, value)
 
 
 class Encoding:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
@@ -23,7 +24,7 @@ from .base import Encoding, LogitScores, PositionalEncoding
 
 
 class CopeScores(LogitScores):
-    maps_per_head = 8  # gates, positions, two indices, two gathered logits, the fraction, the scores
+    maps_per_head = 8  # gates, their reversed copy, positions, the index, two gathered maps, the fraction, the scores
 
     def __init__(self, table, q_offset, causal):
         super().__init__(q_offset, causal)
@@ -34,8 +35,14 @@ class CopeScores(LogitScores):
         gates = torch.sigmoid(logits)
         n_keys = logits.shape[-1]
         if self.causal:
-            gates = gates.masked_fill(self.future(start, stop, n_keys, logits.device), 0.0)
-            return gates.flip(-1).cumsum(-1).flip(-1)  # sum over t = j..n-1 of masked gates = sum over t = j..i
+            # sum over t = j..n-1 of the gates with the future zeroed = sum over t = j..i: a cumulative sum of the
+            # reversed gates (a sum of few terms near the query, so exact there). The future is zeroed in place on
+            # the reversed copy, only in the keys of the block's own rows (every earlier key is in every row's past).
+            first = min(n_keys, start + self.q_offset + 1)
+            reversed_gates = gates.flip(-1)
+            reversed_gates[..., : n_keys - first].masked_fill_(
+                self.future(start, stop, n_keys, logits.device, first).flip(-1), 0.0)
+            return reversed_gates.cumsum_(-1).flip(-1)
         totals = gates.cumsum(-1)  # C_j = sum_{t <= j} gate_it
         own = torch.arange(start, stop, device=logits.device) + self.q_offset
         own_index = own.view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
@@ -45,16 +52,16 @@ class CopeScores(LogitScores):
         return (own_total - totals).abs() + torch.where(before, gates, own_gate)
 
     def scores(self, logits, q, start, stop):
+        """logits + z(p), z interpolated linearly between the position logits at floor(p) and floor(p) + 1, as
+        z[n] + (z[n + 1] - z[n]) (p - n) with n = floor(p) clamped to the last position, whose slope is zero (so
+        past it z is the last position's logit, and p needs no clamp): one index, two gathers, one fused multiply-add
+        over each (rows x keys) map."""
         last = self.table.shape[-1] - 1
-        positions = self.positions(logits, start, stop).clamp(max=last)
-        below = positions.floor()
-        fraction = positions - below
-        below = below.long()
-        above = (below + 1).clamp(max=last)
+        positions = self.positions(logits, start, stop)
+        below = positions.long().clamp_(max=last)  # floor: positions are >= 0
         position_logits = (q.to(logits.dtype) @ self.table.to(logits.dtype)) * q.shape[-1] ** -0.5  # (B, H, rows, P)
-        interpolated = (position_logits.gather(-1, below) * (1 - fraction)
-                        + position_logits.gather(-1, above) * fraction)
-        return logits + interpolated
+        slopes = F.pad(position_logits.diff(dim=-1), (0, 1))  # z[n + 1] - z[n]; zero at the last position
+        return torch.addcmul(logits + position_logits.gather(-1, below), slopes.gather(-1, below), positions - below)
 
 
 class Cope(PositionalEncoding):

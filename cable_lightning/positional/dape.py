@@ -38,16 +38,20 @@ class DapeScores(LogitScores):
         self.maps_per_head = 4 + math.ceil((2 * heads + convolutions.reduce.in_channels) / heads)
 
     def scores(self, logits, q, start, stop):
-        batch, heads, _, n_keys = logits.shape
+        batch, heads, rows, n_keys = logits.shape
         bias = self.bias.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype).expand_as(logits)
-        features = torch.cat([logits, bias], dim=1)
-        unseen = self.unseen(start, stop, n_keys, logits.device)  # the future, and padding in a padded batch
-        if unseen is not None:
-            features = features.masked_fill(unseen, 0.0)
-        hidden = F.leaky_relu(self.convolutions.expand(features))
-        if unseen is not None:
-            hidden = hidden.masked_fill(unseen, 0.0)
-        return logits + bias + self.convolutions.reduce(hidden)
+        if torch.is_grad_enabled() or logits.device.type != "cpu":
+            features = torch.cat([logits, bias], dim=1)
+        else:  # CPU evaluation: channels-last maps, whose convolutions ran 2x faster (training's backward: slower)
+            features = torch.empty(batch, 2 * heads, rows, n_keys, dtype=logits.dtype,
+                                   memory_format=torch.channels_last)
+            features[:, :heads], features[:, heads:] = logits, bias
+        # Zero the future (and padding in a padded batch) before each convolution. In place, on new tensors that
+        # autograd does not keep: a convolution keeps its input, not its output (LeakyReLU(0) = 0, so zeroing before
+        # it is zeroing after).
+        features = self.hide_(features, start, stop, 0.0)
+        hidden = F.leaky_relu_(self.hide_(self.convolutions.expand(features), start, stop, 0.0))
+        return self.convolutions.reduce(hidden).contiguous().add_(logits).add_(bias)
 
 
 class DapeConvolutions(nn.Module):
