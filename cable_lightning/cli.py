@@ -24,6 +24,7 @@ What it adds to the stock CLI:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import os
 import random
@@ -52,7 +53,7 @@ from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, error_boundary
 from .lit import LanguageModel
-from .models.config import BackboneConfig, upgrade_backbone_dict
+from .models.config import BackboneConfig, moved_setting, upgrade_backbone_dict
 from .positional import available, encoding_class
 
 
@@ -139,37 +140,50 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
         trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
 
-ENCODING_ERRORS = ("unknown positional encoding ", "positional encoding ")  # how encoding_error's lines start
+SETTING_ERRORS = re.compile(r"(unknown positional encoding |positional encoding |unknown \w+ setting )")  # its lines
 
 
-def encoding_error(message: str) -> Optional[str]:
-    """jsonargparse's nested report of a bad encoding name or setting, as one line (None for any other error).
-    Nested parsers report into their parents' messages: the innermost names the encoding, the outer keep its line."""
-    known = [line.strip() for line in message.splitlines() if line.strip().startswith(ENCODING_ERRORS)]
+def setting_error(message: str) -> Optional[str]:
+    """jsonargparse's nested report of a bad encoding name or an unknown setting (of an encoding, the backbone or the
+    model), as one line; None for any other error. Nested parsers report into their parents' messages: the innermost
+    names the class and the setting."""
+    known = [line.strip() for line in message.splitlines() if SETTING_ERRORS.match(line.strip())]
     if known:
         return known[0]
     unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
     if unknown:
         return f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
-    setting = re.search(r"Problem with given class_path '(?:[\w.]*\.)?(\w+)':\s+Option '(\w+)' is not accepted",
-                        message)
-    if setting and setting.group(1) in available():
-        name, option = setting.groups()
+    setting = re.search(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted", message)
+    if not setting:
+        return None
+    class_path, option = setting.groups()
+    name = class_path.rpartition(".")[2]
+    if name in available():
         settings = ", ".join(f.name for f in dataclasses.fields(encoding_class(name))) or "none"
         return (f"positional encoding {name!r} has no setting {option!r} (its settings: {settings}); name the encoding "
                 "before its settings (--model.init_args.backbone.pos_encoding NAME), also with --ckpt_path")
-    return None
+    module, _, attribute = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    backbone = issubclass(cls, BackboneConfig)
+    moved = moved_setting(option) if backbone else None
+    if moved:
+        return f"unknown backbone setting {option!r}; {moved}"
+    settings = ", ".join(p for p, v in inspect.signature(cls).parameters.items() if v.kind is v.POSITIONAL_OR_KEYWORD)
+    return f"unknown {'backbone' if backbone else name} setting {option!r}; its settings: {settings}"
 
 
 class TerseParser(LightningArgumentParser):
     """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
-    name or setting is one line (:func:`encoding_error`), not jsonargparse's report of every type it tried."""
+    name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried."""
 
     def print_usage(self, file=None):
         pass
 
     def error(self, message: str, *args, **kwargs):
-        return super().error(encoding_error(message) or message, *args, **kwargs)
+        return super().error(setting_error(message) or message, *args, **kwargs)
 
 
 class CableCLI(LightningCLI):

@@ -70,7 +70,18 @@ def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
       "--model.init_args.backbone.n_head", "4"], "head size 15 (n_embd 60 / n_head 4) must be even"),
     (["--model.init_args.backbone.pos_encoding.scaling", "linear"],
      "positional encoding 'cable' has no setting 'scaling' (its settings: bias_activation); name the encoding"),
-], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape", "no-such-setting"])
+    (["--model.init_args.backbone.rope_scaling", "linear"],
+     "unknown backbone setting 'rope_scaling'; it moved into the rope encoding: --model.init_args.backbone.pos_encoding "
+     "rope --model.init_args.backbone.pos_encoding.scaling VALUE"),
+    (["--model.init_args.backbone.dape_width", "8"],
+     "unknown backbone setting 'dape_width'; it moved into the dape_v2 encoding: --model.init_args.backbone.pos_encoding "
+     "dape_v2 --model.init_args.backbone.pos_encoding.width VALUE"),
+    (["--model.init_args.backbone.n_layers", "2"], "unknown backbone setting 'n_layers'; its settings: preset, "
+                                                   "pos_encoding, n_layer, n_head, n_embd"),
+    (["--model.init_args.learning_rate", "0.1"], "unknown CausalLM setting 'learning_rate'; its settings: backbone, data, "
+                                                 "lr, min_lr"),
+], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape", "no-such-setting",
+        "moved-rope-setting", "moved-dape-setting", "no-such-backbone-setting", "no-such-model-setting"])
 def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_path, capsys, overrides, expected):
     """The quickstart's data would be prepared first (tens of seconds); a bad setting must stop the run before."""
     from test_reliability import user_error_line
@@ -80,6 +91,18 @@ def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_p
                                     str(tmp_path / "runs"), *overrides])
     assert expected in line, line
     assert not data.exists()
+
+
+def test_an_old_spelling_in_yaml_points_to_where_the_setting_went(tmp_path, capsys):
+    from test_reliability import user_error_line
+
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  init_args:\n    backbone:\n      cable_bias_activation: relu\n")
+    line = user_error_line(capsys, ["fit", "--config", QUICKSTART, "--config", str(old), "--data.path",
+                                    str(tmp_path / "never-prepared"), "--runs_dir", str(tmp_path / "runs")])
+    assert line == ("error: unknown backbone setting 'cable_bias_activation'; it moved into the cable/cable_nw/k_cable "
+                    "encoding: --model.init_args.backbone.pos_encoding cable "
+                    "--model.init_args.backbone.pos_encoding.bias_activation VALUE"), line
 
 
 def test_literal_settings_are_checked_outside_the_cli_too():

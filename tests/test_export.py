@@ -56,6 +56,13 @@ for name, spec in job["models"].items():
             model.save_pretrained(spec["folder"] + "-resaved")
             again = AutoModelForCausalLM.from_pretrained(spec["folder"] + "-resaved", trust_remote_code=True).eval()
             out["resaved"] = again(ids).logits
+        if spec.get("beams"):  # one cached step, the cache passed under each name transformers 5.x has used
+            whole = model(ids[:1, : job["prompt"] + 1]).logits[:, -1]
+            out["cached_step"] = {"whole": whole}
+            for keyword in ("cache", "past_key_values"):
+                cache = model(prompt, use_cache=True).to_tuple()[1]  # (logits, cache): the field's name varies
+                step = model(ids[:1, job["prompt"] : job["prompt"] + 1], **{keyword: cache}, use_cache=True)
+                out["cached_step"][keyword] = step.logits[:, -1]
         if spec.get("beams"):  # beam search reorders the cache (PE state included): it must match running without one
             out["beams"] = [model.generate(prompt, max_new_tokens=spec["new_tokens"], num_beams=3, do_sample=False,
                                            use_cache=use_cache) for use_cache in (True, False)]
@@ -143,6 +150,15 @@ def test_greedy_generate_through_transformers_equals_backbone_generate(round_tri
     ours = backbones[name].generate(ids[:1, :PROMPT], max_new_tokens=models[name]["new_tokens"], temperature=0)
     assert results[name]["generated"].tolist() == ours.tolist()
     assert ours.shape[1] == PROMPT + models[name]["new_tokens"]
+
+
+@pytest.mark.parametrize("pe", BEAM_PES)
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_a_cached_step_reads_the_cache_under_either_transformers_name(round_trip, pe, keyword):
+    """transformers 5.24 passes the cache as ``cache``, earlier 5.x releases as ``past_key_values``: a step on the
+    prompt's cache must give the logits of running the whole sequence, whichever name carries it."""
+    step = round_trip[4][f"{pe}-causal"]["cached_step"]
+    torch.testing.assert_close(step[keyword], step["whole"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("pe", BEAM_PES)

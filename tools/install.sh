@@ -1,13 +1,29 @@
 #!/usr/bin/env bash
-# One-command install. Why a script: torch must come first and stay pinned (an unpinned `torch`
-# pulls a multi-GB CUDA build), and litdata drags in torchvision, whose PyPI wheel does not match
-# torch 2.13 and breaks `import lightning` ("operator torchvision::nms does not exist").
+# One-command install into the active Python environment (a virtualenv is best: see the README).
+#
+# Why a script: torch must come first and stay pinned (an unpinned `torch` pulls a multi-GB CUDA build), litdata
+# drags in torchvision, whose PyPI wheel does not match torch 2.13 and breaks `import lightning` ("operator
+# torchvision::nms does not exist"), and every other package comes at the version in tools/requirements.lock, the
+# versions the suite passed with, so two installs a month apart get the same packages.
+#
+#   CABLE_LOCK=FILE   another lock; CABLE_LOCK=none: the newest releases pyproject's ranges allow (tools/lock.sh)
+#   TORCH_VERSION=V   another torch build (default: the lock's, or 2.13.0 without one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-python -m pip install "torch==${TORCH_VERSION}"
-echo "torch==${TORCH_VERSION}" > /tmp/cable_lightning_constraints.txt
-python -m pip install -c /tmp/cable_lightning_constraints.txt -e ".[dev,hf]"
+LOCK="${CABLE_LOCK:-tools/requirements.lock}"
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+if [ "$LOCK" = none ]; then
+    TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+else
+    [ -f "$LOCK" ] || { echo "error: lock file $LOCK does not exist; valid: a file from tools/lock.sh, or CABLE_LOCK=none" >&2; exit 2; }
+    locked_torch="$(sed -n 's/^torch==//p' "$LOCK")"
+    TORCH_VERSION="${TORCH_VERSION:-${locked_torch:-2.13.0}}"
+    grep -v '^torch==' "$LOCK" > "$constraints"
+fi
+echo "torch==${TORCH_VERSION}" >> "$constraints"
+python -m pip install -c "$constraints" "torch==${TORCH_VERSION}"
+python -m pip install -c "$constraints" -e ".[dev,hf]"
 python -m pip uninstall -y torchvision >/dev/null 2>&1 || true
 python -c "import lightning, litdata, torch, transformers; print(f'cable_lightning ready: torch {torch.__version__}, \
-lightning {lightning.__version__}, litdata {litdata.__version__}, transformers {transformers.__version__}')"
+lightning {lightning.__version__}, litdata {litdata.__version__}, transformers {transformers.__version__} ($LOCK)')"

@@ -95,8 +95,22 @@ _LEGACY_SETTINGS = {"rope": {"rope_base": "base", "rope_scaling": "scaling", "ro
                     "k_cable": {"cable_bias_activation": "bias_activation"},
                     "learnable": {"max_positions": "max_positions"},
                     "cope": {"cope_positions": "positions"}}
-_LEGACY_FIELDS = {"rope_base", "rope_scaling", "rope_scaling_factor", "cable_bias_activation", "max_positions",
-                  "cope_positions", "dape", "dape_width", "dape_kernel"}
+_LEGACY_DAPE = {"dape": "base", "dape_width": "width", "dape_kernel": "kernel"}  # dape: v2 -> dape_v2 wrapping
+_LEGACY_FIELDS = {old for renames in _LEGACY_SETTINGS.values() for old in renames} | set(_LEGACY_DAPE)
+
+
+def moved_setting(name: str) -> Optional[str]:
+    """Where an earlier version's backbone setting ``name`` lives now, as the flags that set it (None: ``name`` was
+    never a backbone setting). Checkpoints map these by themselves; a command line or YAML gets this pointer."""
+    flag = "--model.init_args.backbone.pos_encoding"
+    if name in _LEGACY_DAPE:
+        wraps = " (the encoding it wraps)" if name == "dape" else ""
+        return f"it moved into the dape_v2 encoding: {flag} dape_v2 {flag}.{_LEGACY_DAPE[name]} VALUE{wraps}"
+    owners = [encoding for encoding, renames in _LEGACY_SETTINGS.items() if name in renames]
+    if not owners:
+        return None
+    return (f"it moved into the {'/'.join(owners)} encoding: {flag} {owners[0]} "
+            f"{flag}.{_LEGACY_SETTINGS[owners[0]][name]} VALUE")
 
 
 def upgrade_backbone_dict(saved: dict) -> dict:

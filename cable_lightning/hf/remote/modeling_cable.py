@@ -33,6 +33,9 @@ from transformers.utils import cached_file
 from .configuration_cable import CableConfig
 
 CORE = "cable_core"
+# transformers renamed the cache from ``past_key_values`` to ``cache`` during 5.x (generate passes it under the new
+# name and reads it back from the output's field of that name); the output class says which name it has.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def core_paths(config):
@@ -169,20 +172,24 @@ class CableForCausalLM(CablePreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls):
         return False  # forward makes a CableCache (transformers' DynamicCache would lose the PE's state)
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
+    def forward(self, input_ids, attention_mask=None, cache=None, past_key_values=None, use_cache=None, labels=None,
                 return_dict=None, **kwargs):
-        cache = past_key_values
+        """The cache comes as ``cache`` (newer transformers) or ``past_key_values`` (older): either is read, and
+        the output carries it under the installed transformers' field name (:data:`CACHE_FIELD`)."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError("got both cache and past_key_values; pass the KV cache once, as cache")
+        cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = CableCache(self._core.models.KVCache(len(self.backbone.blocks)))
         if cache is not None and not isinstance(cache, CableCache):
-            raise TypeError(f"past_key_values must be a CableCache (or None: forward makes one), "
+            raise TypeError(f"the KV cache must be a CableCache (or None: forward makes one), "
                             f"got {type(cache).__name__}")
         hidden = self.hidden_states(input_ids, attention_mask, cache.kv if cache is not None else None)
         logits = self.backbone.logits(hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
         return output if return_dict is not False else output.to_tuple()
 
 
