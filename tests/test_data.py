@@ -637,6 +637,28 @@ def test_mask_tokens_statistics():
     assert torch.equal(ids[:, ::16], torch.zeros_like(ids[:, ::16])), "input tensor left untouched"
 
 
+def test_evaluation_masks_a_token_by_its_stream_position_whatever_window_holds_it():
+    """MLM perplexity at several lengths must score the same masked tokens: the masking of the validation stream
+    cut into windows of 32 equals its masking cut into windows of 128 (DRAW_BLOCK boundaries crossed), and a
+    different seed masks other tokens."""
+    from cable_lightning.lit.masking import DRAW_BLOCK, position_draws
+
+    stream = torch.randint(3, 1000, (2 * DRAW_BLOCK + 256,), generator=torch.Generator().manual_seed(5))
+    stream[::50] = 0  # separators: never chosen, at every length
+
+    def masked(length, seed=11):
+        windows = stream[: len(stream) // length * length].view(-1, length)
+        positions = torch.arange(windows.numel()).view_as(windows)
+        inputs, labels = mask_tokens(windows, 1, 1000, draws=position_draws(positions, seed), special_ids=(0, 1))
+        return inputs.flatten(), labels.flatten()
+
+    short, long = masked(32), masked(128)
+    assert torch.equal(short[0], long[0]) and torch.equal(short[1], long[1])
+    chosen = short[1] != -100
+    assert 0.13 < chosen.float().mean() < 0.17 and not (stream[: len(chosen)][chosen] == 0).any()
+    assert not torch.equal(masked(32, seed=12)[1], short[1])
+
+
 def test_mask_tokens_gpt2_mask_slot():
     """GPT-2's mask id is one past its vocabulary; random replacements stay inside the vocabulary."""
     ids = torch.randint(0, 50256, (4, 512), generator=torch.Generator().manual_seed(3))
