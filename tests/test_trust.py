@@ -227,6 +227,13 @@ def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write
     line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(mine), "--overwrite"]))
     assert f"{mine} already exists and was not written by prepare" in line, line
     assert os.listdir(mine) == ["keep.txt"]
+    prepared = tmp_path / "prepared"  # its trained tokenizer.json, then given as the tokenizer of an overwrite
+    prepare_main([*base, "--out", str(prepared)])
+    tokenizer = prepared / "tokenizer.json"
+    line = one_error_line(capsys, lambda: prepare_main([*base[:2], "--tokenizer", str(tokenizer), *base[4:], "--out",
+                                                        str(prepared), "--overwrite"]))
+    assert line.startswith(f"error: --out {prepared} holds this command's input {tokenizer}"), line
+    assert tokenizer.is_file()
 
 
 def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):

@@ -45,6 +45,7 @@ from cable_lightning.data.tokenizers import (
     Tokenizer,
     get_tokenizer,
     parse_bpe_spec,
+    tokenizer_file,
     train_bpe,
 )
 from cable_lightning.errors import ConfigError, RunFailedError, TargetExistsError, error_boundary
@@ -172,7 +173,7 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         # A second prepare of this out waits here, then finds it done. A POSIX lock belongs to this process alone:
         # forked litdata helpers that outlive a killed worker cannot keep it (an flock would stay held by them).
         fcntl.lockf(lock, fcntl.LOCK_EX)
-        if (done := _existing(out, request, overwrite, src.files or ())) is not None:
+        if (done := _existing(out, request, overwrite, [*(src.files or ()), tokenizer_file(tokenizer)])) is not None:
             (log or _silent)(f"{out} is already prepared for this request "
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
@@ -339,7 +340,8 @@ def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | Non
 
 def _existing(out: str, request: dict[str, Any], overwrite: bool, inputs: Iterable[str]) -> dict[str, Any] | None:
     """The finished manifest when ``out`` already holds this exact request; errors on a conflicting one. ``out`` is
-    replaced only when prepare wrote it (its marker or manifest) and it holds none of the source's files."""
+    replaced only when prepare wrote it (its marker or manifest) and it holds none of its inputs (the source's files,
+    the tokenizer file)."""
     check_replaceable(out, "prepare", True, inputs)  # ownership and inputs; --overwrite is looked at below
     if overwrite or not os.path.exists(out) or (os.path.isdir(out) and not os.listdir(out)):
         return None
