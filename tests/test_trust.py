@@ -228,12 +228,54 @@ def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write
     assert f"{mine} already exists and was not written by prepare" in line, line
     assert os.listdir(mine) == ["keep.txt"]
     prepared = tmp_path / "prepared"  # its trained tokenizer.json, then given as the tokenizer of an overwrite
+    (tmp_path / "prepared.partial").mkdir()  # the user's, by a name an earlier prepare used
+    (tmp_path / "prepared.partial" / "keep.txt").write_text("not prepare's")
     prepare_main([*base, "--out", str(prepared)])
+    assert os.listdir(tmp_path / "prepared.partial") == ["keep.txt"]
     tokenizer = prepared / "tokenizer.json"
     line = one_error_line(capsys, lambda: prepare_main([*base[:2], "--tokenizer", str(tokenizer), *base[4:], "--out",
                                                         str(prepared), "--overwrite"]))
     assert line.startswith(f"error: --out {prepared} holds this command's input {tokenizer}"), line
     assert tokenizer.is_file()
+
+
+KILLED_WRITER = """
+import os, shutil, sys
+from cable_lightning import owned
+
+out, stage = sys.argv[1], sys.argv[2]
+staged = owned.staging_folder(out, "export")
+with open(os.path.join(staged, "model.safetensors"), "wb") as f:
+    f.write(bytes(1000))
+if stage == "swap":  # killed while removing the replaced folder
+    owned.shutil.rmtree = lambda *args, **kwargs: os.kill(os.getpid(), 9)
+    owned.swap_in(staged, out, "export")
+os.kill(os.getpid(), 9)  # killed while building
+"""
+
+
+def test_the_next_run_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
+    from cable_lightning.owned import discard, staging_folder, write_marker
+
+    out = tmp_path / "model"
+    out.mkdir()
+    write_marker(str(out), "export")
+    for stage, left in (("build", ".model.partial"), ("swap", ".model.old")):  # the second run removes the first's
+        done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(out), stage], env={**os.environ,
+                              "PYTHONPATH": ROOT}, capture_output=True, text=True)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+        assert [name.split("-")[0] for name in os.listdir(tmp_path) if name != "model"] == [left]
+    look_alike = tmp_path / ".model.partial-mine"  # unmarked: not a writer's
+    look_alike.mkdir()
+    other = tmp_path / ".model.partial-other"  # another writer's
+    other.mkdir()
+    write_marker(str(other), "prepare")
+    staged = staging_folder(str(out), "export")
+    assert sorted(os.listdir(tmp_path)) == sorted([".model.partial-mine", ".model.partial-other", "model",
+                                                   os.path.basename(staged)])
+    live = staging_folder(str(out), "export")  # a live run's folder is held: not a leftover
+    assert os.path.isdir(staged)
+    discard(live), discard(staged)
 
 
 def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
@@ -349,7 +391,7 @@ def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plu
     assert child.returncode == 128 + stop, err
     assert err.strip().splitlines()[-1] == (f"error: stopped by {stop.name}; the workers were stopped and nothing was "
                                             f"written to {out}; run the same command again")
-    assert not out.exists() and not os.path.exists(f"{out}.partial")
+    assert not out.exists() and not glob.glob(f"{tmp_path}/.out.*")
     for pid in map(int, open(flag + ".workers").read().split()):
         for _ in range(100):  # a stopped worker is gone (reaped) within 10 s
             try:

@@ -27,7 +27,7 @@ import shutil
 import sys
 
 from cable_lightning.errors import ConfigError, error_boundary
-from cable_lightning.owned import check_replaceable, staging_folder, swap_in
+from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
 from cable_lightning.records import read_jsonl
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
@@ -95,13 +95,13 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
         SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
                                    loss=MultipleNegativesRankingLoss(st_model)).train()
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
-    staged = staging_folder(out)
+    staged = staging_folder(out, "export")
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
         swap_in(staged, out, "export")
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        discard(staged)
     return out
 
 

@@ -8,8 +8,8 @@ Each document's tokens are followed by the end-of-text id (``doc1 <eot> doc2 <eo
 of the stream: whole documents until ``--val-fraction`` of the characters or ``--val-tokens`` tokens, tokenized
 once, in this process (the tokenizers' batch encoders use every core), into one flat array; training is the rest,
 tokenized by litdata workers from where the head stopped. Sources with their own splits (wikitext-103) keep them.
-Work happens in ``<out>.partial`` under a lock on ``<out>.lock`` and is renamed to ``<out>`` at the end, so an
-``<out>`` folder is always complete and concurrent prepares of one ``<out>`` run one after the other. An
+Work happens in a private ``.<out>.partial-*`` folder under a lock on ``<out>.lock`` and is renamed to ``<out>`` at
+the end, so an ``<out>`` folder is always complete and concurrent prepares of one ``<out>`` run one after the other. An
 ``s3://bucket/prefix`` ``<out>`` is prepared the same way in a local temporary folder, then published there with its
 manifest last, under a lock object in the store (:mod:`cable_lightning.data.remote`).
 """
@@ -49,7 +49,7 @@ from cable_lightning.data.tokenizers import (
     train_bpe,
 )
 from cable_lightning.errors import ConfigError, RunFailedError, TargetExistsError, error_boundary
-from cable_lightning.owned import MARKER, check_replaceable, swap_in
+from cable_lightning.owned import MARKER, check_replaceable, discard, staging_folder, swap_in
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
@@ -183,16 +183,17 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
 
 def _stoppable(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None,
                log: Any) -> dict[str, Any]:
-    """:func:`_prepare` with SIGTERM and Ctrl-C turned into :class:`PrepareStopped` (main thread only)."""
+    """:func:`_prepare` in a private folder beside ``out`` (:func:`staging_folder`), with SIGTERM and Ctrl-C turned
+    into :class:`PrepareStopped` (main thread only). What a failed or stopped run wrote is removed (the watchdog has
+    ended the workers: finally in _optimize)."""
     stop = functools.partial(_stop, main_pid=os.getpid())
     previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
                 if threading.current_thread() is threading.main_thread() else {})
+    staged = staging_folder(out, "prepare")
     try:
-        return _prepare(src, request, out, num_workers, start_method, log)
-    except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
-        shutil.rmtree(out + ".partial", ignore_errors=True)
-        raise
+        return _prepare(src, request, out, staged, num_workers, start_method, log)
     finally:
+        discard(staged)  # already renamed to out after a success
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -275,12 +276,10 @@ def _silent(*_: Any) -> None:
     pass
 
 
-def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None,
-             printer: Any) -> dict:
+def _prepare(src: DatasetSource, request: dict, out: str, partial: str, num_workers: int | None,
+             start_method: str | None, printer: Any) -> dict:
     log, tokenizer, bpe_size = printer or _silent, request["tokenizer"], parse_bpe_spec(request["tokenizer"])
-    started, partial = time.time(), out + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    started = time.time()
     if bpe_size:
         chars = request["bpe_train_chars"]
         log(f"training {tokenizer} on up to {chars} characters of {src.name}")

@@ -27,7 +27,7 @@ from ..errors import ConfigError, MissingFileError, RunFailedError, error_bounda
 from ..lit.modules import saved_weights
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
-from ..owned import check_replaceable, staging_folder, swap_in
+from ..owned import check_replaceable, discard, staging_folder, swap_in
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
@@ -167,7 +167,7 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
     config = backbone.config
     partial = None
     try:
-        partial = staging_folder(out)
+        partial = staging_folder(out, "export")
         core_files = copy_core(partial)
         for name in REMOTE_FILES:
             shutil.copyfile(os.path.join(REMOTE, name), os.path.join(partial, name))
@@ -196,7 +196,7 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
                              "replaced") from exc
     finally:
         if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
+            discard(partial)
     return out
 
 
