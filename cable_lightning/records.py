@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from .errors import ConfigError, MissingFileError
 
@@ -27,6 +27,8 @@ class Record:
     """What every record says about where it comes from."""
 
     FILE: ClassVar[str]
+    # What a measured value can be (low, high; None: unbounded), checked on reading (:meth:`out_of_range`)
+    RANGES: ClassVar[dict[str, tuple]] = {"train_length": (1, None), "step": (0, None)}
 
     pe: str  # the encoding's label: cable, dape_v2+cable, rope+linear4
     train_length: int
@@ -36,11 +38,25 @@ class Record:
     run_seed: Optional[int] = None  # the run's seed_everything (TaskRecord.seed is the evaluation examples' own seed)
 
 
+    def out_of_range(self) -> Optional[str]:
+        """What is wrong with a row read back (a number outside what it measures), or None."""
+        for name, (low, high) in self.RANGES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            number = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not number or not (low is None or value >= low) or not (high is None or value <= high):
+                return f"{name} {value!r} is not a number in [{low}, {'inf' if high is None else high}]"
+        return None
+
+
 @dataclass(kw_only=True)
 class LengthRecord(Record):
     """Perplexity at one evaluation length and window mode."""
 
     FILE: ClassVar[str] = "length_eval.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "ppl": (1, None), "stride": (0, None),
+                                                          "loss": (0, None), "tokens": (0, None)}
 
     length: int
     mode: str  # nonoverlap or sliding
@@ -61,6 +77,8 @@ class PositionRecord(Record):
     """Mean loss over one bucket of token positions of the non-overlapping windows of one length."""
 
     FILE: ClassVar[str] = "position_loss.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "first_position": (0, None),
+                                                          "last_position": (0, None), "loss": (0, None)}
 
     length: int
     first_position: int
@@ -77,6 +95,8 @@ class TaskRecord(Record):
     the queried fact for tasks that place it (None for the others)."""
 
     FILE: ClassVar[str] = "task_accuracy.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "depth": (0, 1), "accuracy": (0, 1),
+                                                          "trials": (0, None), "correct": (0, None)}
 
     task: str
     length: int  # tokens the model reads (the example has one more: the last answer token is only a target)
@@ -97,8 +117,9 @@ def append_records(folder: str, records: list[Record]) -> None:
                     f.write(json.dumps(dataclasses.asdict(record)) + "\n")
 
 
-def read_jsonl(path: str, required: Iterable[str] = ()) -> list[dict]:
-    """The rows of ``path`` (blank lines skipped), each an object holding the ``required`` keys."""
+def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], Any] = dict) -> list:
+    """The rows of ``path`` (blank lines skipped), each an object holding the ``required`` keys, made into
+    ``make(row)``; a ValueError from ``make`` is an error naming the line."""
     required = tuple(required)
     try:
         with open(path, encoding="utf-8") as f:
@@ -122,7 +143,10 @@ def read_jsonl(path: str, required: Iterable[str] = ()) -> list[dict]:
         if missing:
             raise ConfigError(f"{path}:{number}: the row lacks {', '.join(missing)} (another record format?); "
                               f"valid rows have {', '.join(required)}")
-        rows.append(row)
+        try:
+            rows.append(make(row))
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{number}: {exc}; fix or remove that line") from None
     return rows
 
 
@@ -132,4 +156,11 @@ def read_records(path: str, kind: type[Record]) -> list[Record]:
     fields = dataclasses.fields(kind)
     required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     known = {f.name for f in fields}
-    return [kind(**{k: v for k, v in row.items() if k in known}) for row in read_jsonl(path, required)]
+
+    def make(row: dict) -> Record:
+        record = kind(**{k: v for k, v in row.items() if k in known})
+        if problem := record.out_of_range():
+            raise ValueError(problem)
+        return record
+
+    return read_jsonl(path, required, make)

@@ -25,6 +25,7 @@ from cable_lightning.errors import ConfigError
 from cable_lightning.hf.export import main as export_main
 from cable_lightning.lit import CausalLM, MaskedLM
 from cable_lightning.positional.registry import available
+from cable_lightning.records import LengthRecord, TaskRecord, read_records
 
 
 class WritesMarker:
@@ -204,6 +205,23 @@ def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_
     assert not glob.glob(str(tmp_path / "empty*"))
     assert error_lines(tool("tools/report.py", str(tmp_path / "nothing"), "--out", out)) == [
         f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]
+
+
+TASK_ROW = {**ROW, "task": "passkey", "depth": 0.5, "accuracy": 0.5}
+
+
+@pytest.mark.parametrize("kind, row, problem", [
+    (LengthRecord, {**ROW, "length": -3}, "length -3 is not a number in [1, inf]"),
+    (LengthRecord, {**ROW, "ppl": "9.5"}, "ppl '9.5' is not a number in [1, inf]"),
+    (TaskRecord, {**TASK_ROW, "accuracy": 7.5}, "accuracy 7.5 is not a number in [0, 1]"),
+], ids=["length", "ppl", "accuracy"])
+def test_a_row_with_a_value_its_measure_cannot_take_is_named(tmp_path, kind, row, problem):
+    """The report's reader: a value no run writes (an accuracy above 1, a negative length) is an error, not a row."""
+    records = tmp_path / kind.FILE
+    records.write_text(json.dumps(TASK_ROW if kind is TaskRecord else ROW) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError) as error:
+        read_records(str(records), kind)
+    assert str(error.value) == f"{records}:2: {problem}; fix or remove that line"
 
 
 # --- owned replacement: --overwrite replaces only what the tool wrote, never its own input ----------------------------
