@@ -107,6 +107,12 @@ class TaskRecord(Record):
     seed: int = 0  # the evaluation examples' seed
 
 
+def format_value(value: float, digits: int = 2) -> str:
+    """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
+    model's perplexity would otherwise print hundreds of digits)."""
+    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.3g}"
+
+
 def append_records(folder: str, records: list[Record]) -> None:
     """Append records, each kind to its own file in ``folder``."""
     os.makedirs(folder, exist_ok=True)

@@ -146,6 +146,18 @@ def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tiny_corp
     assert resumed.trainer.global_step == 4
 
 
+def test_a_run_worse_than_guessing_says_so_and_prints_its_perplexity_short(tiny_corpus_dir, tmp_path, capsys):
+    """lr 5: the loss stays finite (no divergence stop), the perplexity is ~1e225."""
+    run(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=4, every=4), "--model.init_args.lr", "5"])
+    out, err = capsys.readouterr()
+    [row] = [line.split() for line in out.splitlines() if line.startswith("    32 ")]
+    assert "e+" in row[2] and float(row[2]) > 1e100, out  # three significant digits, not hundreds of digits
+    warning = [line for line in err.splitlines() if line.startswith("warning: perplexity")]
+    assert warning == [f"warning: perplexity {row[2]} at the training length 32 (step 4) is above the vocabulary size "
+                       "512, worse than guessing every token: the model is not learning; lower the learning rate "
+                       "(--model.init_args.lr)"], err
+
+
 def test_perplexity_overflow_is_recorded_as_inf(tiny_corpus_dir, rope_run, tmp_path):
     state = torch.load(os.path.join(checkpoints(rope_run), "last.ckpt"), weights_only=True)
     state["state_dict"]["backbone.ln_f.weight"] *= 1e5  # logits ~1e5: mean NLL far beyond exp's float64 range
