@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from .errors import ConfigError, CorruptCheckpointError, RunFailedError
+from .errors import ConfigError, CorruptCheckpointError, RunFailedError, space_left
 
 PARTIAL_SUFFIX = ".partial"
 RESUME_CHOICES = ("last", "auto")  # last: must exist; auto: resume when there is a checkpoint, else start afresh
@@ -148,14 +148,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(partial, path)
             _fsync_dir(folder)
         except BaseException as exc:
+            written = os.path.getsize(partial) if os.path.isfile(partial) else None
             with contextlib.suppress(OSError):
                 os.remove(partial)
-            # torch.save wraps ENOSPC in RuntimeError
+            # torch.save wraps ENOSPC and EFBIG in RuntimeError
             if isinstance(exc, (OSError, RuntimeError, CorruptCheckpointError)):
-                free = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else None
-                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {str(exc).strip()}"
-                                     + (f"; {free:.0f} MiB free there" if free is not None else "")
-                                     + "); the checkpoints written before it are intact") from exc
+                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {str(exc).strip()}; "
+                                     f"{space_left(path, written)}); the checkpoints written before it are "
+                                     "intact") from exc
             raise
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Optional
 
-from .errors import ConfigError, MissingFileError
+from .errors import ConfigError, MissingFileError, RunFailedError, space_left
 
 
 @dataclass(kw_only=True)
@@ -114,13 +114,19 @@ def format_value(value: float, digits: int = 2) -> str:
 
 
 def append_records(folder: str, records: list[Record]) -> None:
-    """Append records, each kind to its own file in ``folder``."""
-    os.makedirs(folder, exist_ok=True)
+    """Append records, each kind to its own file in ``folder``; a failed write (a full disk) is an error naming the
+    file."""
     for kind in {type(r) for r in records}:
-        with open(os.path.join(folder, kind.FILE), "a", encoding="utf-8") as f:
-            for record in records:
-                if type(record) is kind:
-                    f.write(json.dumps(dataclasses.asdict(record)) + "\n")
+        path = os.path.join(folder, kind.FILE)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                for record in records:
+                    if type(record) is kind:
+                        f.write(json.dumps(dataclasses.asdict(record)) + "\n")
+        except OSError as exc:
+            raise RunFailedError(f"could not write the records {path} ({type(exc).__name__}: {exc}; "
+                                 f"{space_left(path)}); the checkpoints written before it are intact") from exc
 
 
 def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], Any] = dict) -> list:

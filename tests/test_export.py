@@ -226,6 +226,26 @@ def test_export_replaces_only_its_own_folder_and_leaves_no_partial_one(tmp_path)
         export_backbone(backbone, str(out), overwrite=True, inputs=(str(out / "model.safetensors"),))
 
 
+def test_an_export_that_cannot_be_written_is_one_error_naming_the_limit_and_replaces_nothing(tmp_path):
+    """safetensors reports a full disk (here the file-size limit, EFBIG) as its own SafetensorError."""
+    import resource
+
+    from cable_lightning.errors import RunFailedError
+
+    backbone, out = tiny_backbone("nope", True, 300), tmp_path / "model"
+    export_backbone(backbone, str(out))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
+    try:
+        with pytest.raises(RunFailedError) as failed:
+            export_backbone(backbone, str(out), overwrite=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(failed.value).startswith(f"could not write the export {out} (SafetensorError: "), failed.value
+    assert str(failed.value).endswith("file-size limit (ulimit -f) 0.0625 MiB); nothing was replaced")
+    assert list(tmp_path.iterdir()) == [out] and load_backbone(str(out)).config == backbone.config
+
+
 def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
     text = "the theme of the thesis: then, there! 42"
     ranks = {bytes([b]): b for b in range(256)}

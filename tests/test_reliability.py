@@ -265,6 +265,33 @@ def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, 
     assert not os.path.exists(target + PARTIAL_SUFFIX)
 
 
+def test_a_file_size_limit_is_named_as_such_not_as_free_space(tmp_path):
+    """``ulimit -f``: the write fails with EFBIG (Python ignores SIGXFSZ) while the disk has room."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(RunFailedError) as failed:
+            AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(1 << 19)}, str(tmp_path / "last.ckpt"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "the file reached this process's file-size limit (ulimit -f) of 1 MiB; raise it" in str(failed.value)
+    assert "free there" not in str(failed.value) and os.listdir(tmp_path) == []
+
+
+def test_a_full_logs_folder_is_one_line_naming_the_file(tiny_corpus_dir, tmp_path, capsys):
+    logs = tmp_path / "logs" / "test" / "v0"
+    logs.mkdir(parents=True)
+    os.symlink("/dev/full", logs / "length_eval.jsonl")  # every write to it: ENOSPC
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2, every=2),
+                                    "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                                    "--trainer.logger.save_dir", str(tmp_path / "logs"), "--trainer.logger.name",
+                                    "test", "--trainer.logger.version", "v0"], status=1)
+    assert line.startswith(f"error: could not write the records {logs / 'length_eval.jsonl'} (OSError: [Errno 28] "
+                           "No space left on device; "), line
+
+
 def test_a_checkpoint_folder_that_cannot_be_made_fails_before_training(tiny_corpus_dir, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), "--checkpoint.dirpath",

@@ -19,11 +19,13 @@ import os
 import shutil
 import tempfile
 
+from safetensors import SafetensorError
+
 from ..checkpoints import package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
-from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary
+from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary, space_left
 from ..lit.modules import saved_weights
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
@@ -191,9 +193,9 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
         if tokenizer is not None:
             hf_tokenizer(tokenizer, training_length(config)).save_pretrained(partial)
         swap_in(partial, out, "export")
-    except OSError as exc:
-        raise RunFailedError(f"could not write the export {out} ({type(exc).__name__}: {exc}); nothing was "
-                             "replaced") from exc
+    except (OSError, SafetensorError) as exc:  # safetensors has its own error for a failed write
+        raise RunFailedError(f"could not write the export {out} ({type(exc).__name__}: {exc}; "
+                             f"{space_left(out)}); nothing was replaced") from exc
     finally:
         if partial is not None:
             discard(partial)
