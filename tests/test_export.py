@@ -305,3 +305,17 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, t
         f"error: --out {run_folder} holds this command's input {ckpt}; replacing it would delete the input: choose "
         "another --out"]
     assert sorted(p.name for p in run_folder.rglob("*")) == before
+
+    # `last` is not a file: said first, not advice about the data
+    with pytest.raises(SystemExit):
+        export(["--ckpt_path", "last", "--out", str(tmp_path / "hf2")])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: checkpoint last does not exist; give an existing checkpoint file"]
+    # the run's data.path, relative to the folder it started in, is not there from here: --data_path is the fix
+    config = next(run_folder.glob("version_*/config.yaml"))
+    config.write_text(config.read_text().replace(f"path: {tiny_corpus_dir}", "path: data/tiny-bpe512"))
+    with pytest.raises(SystemExit):
+        export(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "hf2")])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: the run's data.path data/tiny-bpe512 (from {config}) is not there from {os.getcwd()}; pass "
+        "--data_path <the prepared folder the run trained on> (its tokenizer is exported)"]
