@@ -51,7 +51,7 @@ _downloads: dict[str, str] = {}  # URL -> local copy
 
 
 def shown_name(path: str) -> str:
-    """How errors name a checkpoint: its URL when it was downloaded."""
+    """How errors and records name a checkpoint: its URL when it was downloaded (the copy is removed at exit)."""
     return next((url for url, local in _downloads.items() if local == path), path)
 
 

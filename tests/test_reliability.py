@@ -158,6 +158,12 @@ def test_a_run_worse_than_guessing_says_so_and_prints_its_perplexity_short(tiny_
                        "(--model.init_args.lr)"], err
 
 
+def test_rows_validated_from_a_url_record_the_url_not_its_temporary_copy(tiny_corpus_dir, rope_run, tmp_path):
+    url = f"file://{os.path.join(checkpoints(rope_run), 'last.ckpt')}"
+    cli = main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="rope"), "--ckpt_path", url])
+    assert cli.model.length_results and {r.checkpoint for r in cli.model.length_results} == {url}
+
+
 def test_perplexity_overflow_is_recorded_as_inf(tiny_corpus_dir, rope_run, tmp_path):
     state = torch.load(os.path.join(checkpoints(rope_run), "last.ckpt"), weights_only=True)
     state["state_dict"]["backbone.ln_f.weight"] *= 1e5  # logits ~1e5: mean NLL far beyond exp's float64 range
