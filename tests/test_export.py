@@ -246,6 +246,30 @@ def test_an_export_that_cannot_be_written_is_one_error_naming_the_limit_and_repl
     assert list(tmp_path.iterdir()) == [out] and load_backbone(str(out)).config == backbone.config
 
 
+EDITED_LOADER = """
+import sys
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+except ValueError as exc:
+    sys.exit(f"refused: {exc}")
+"""
+
+
+def test_weights_that_do_not_fit_an_edited_config_json_are_refused_by_transformers(tmp_path):
+    out = tmp_path / "model"
+    export_backbone(tiny_backbone("nope", True, 300), str(out))
+    config = json.loads((out / "config.json").read_text())
+    config["backbone"]["n_layer"] = 3  # the third layer's weights are not in the file
+    (out / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    done = subprocess.run([sys.executable, "-c", EDITED_LOADER, str(out)], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"refused: the weights in {out} do not fit its config.json (missing keys backbone.blocks.2.attn.out.bias, "
+        "backbone.blocks.2.attn.out.weight, backbone.blocks.2.attn.qkv.bias ...); undo the edit to config.json or "
+        "export the checkpoint again"), done.stderr[-3000:]
+
+
 def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
     text = "the theme of the thesis: then, there! 42"
     ranks = {bytes([b]): b for b in range(256)}
