@@ -322,6 +322,14 @@ def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable
         debug.stderr
 
 
+@pytest.mark.parametrize("endpoint", ["not-a-url", "ftp://store", "http://:9000", "http://store:port"])
+def test_an_endpoint_that_is_not_an_http_url_is_one_line_before_any_connection(tmp_path, capsys, endpoint):
+    line = one_error_line(capsys, lambda: run(["fit", *args("s3://bucket/prefix", str(tmp_path / "runs")),
+                                               "--data.endpoint_url", endpoint]))
+    assert line == (f"error: endpoint URL {endpoint!r} is not an http(s) URL with a host; give the store's endpoint "
+                    "(e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url or --endpoint-url")
+
+
 @pytest.mark.parametrize("stride", ["0", "-2"])
 def test_a_zero_or_negative_eval_stride_is_refused_before_training(tiny_corpus_dir, tmp_path, capsys, stride):
     line = one_error_line(capsys, lambda: run(["fit", *args(tiny_corpus_dir, str(tmp_path / "runs")),
