@@ -140,19 +140,23 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
         trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
 
-SETTING_ERRORS = re.compile(r"(unknown positional encoding |positional encoding |unknown \w+ setting )")  # its lines
+SETTING_ERRORS = re.compile(r"(unknown positional encoding |positional encoding |unknown \w+ setting |unknown value )")
 
 
 def setting_error(message: str) -> Optional[str]:
-    """jsonargparse's nested report of a bad encoding name or an unknown setting (of an encoding, the backbone or the
-    model), as one line; None for any other error. Nested parsers report into their parents' messages: the innermost
-    names the class and the setting."""
+    """jsonargparse's nested report of a bad encoding name, an unknown setting (of an encoding, the backbone or the
+    model) or a value outside a setting's fixed choices, as one line; None for any other error. Nested parsers report
+    into their parents' messages: the innermost names the class and the setting."""
     known = [line.strip() for line in message.splitlines() if SETTING_ERRORS.match(line.strip())]
     if known:
         return known[0]
     unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
     if unknown:
         return f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
+    choice = re.findall(r'Parser key "([\w.]+)":\s+Expected a typing\.Literal\[(.*?)\]\. Got value: (.*)', message)
+    if choice:  # a fixed-choice setting (attention_backend chunkd): the innermost report names it
+        key, choices, value = choice[-1]
+        return f"unknown value {value.strip()!r} for {key}; choose one of {choices}"
     setting = re.search(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted", message)
     if not setting:
         return None
