@@ -375,7 +375,7 @@ SIGTERM_SCRIPT = """
 import functools, os, sys, time
 import cable_lightning.data.prepare as prep
 
-flag = sys.argv[1]
+flag = os.environ["STARTED_FLAG"]  # spawned workers import this file again (as __mp_main__): slow is found there
 real_tokenize = prep.tokenize_work
 
 def slow(work, **kwargs):
@@ -385,23 +385,27 @@ def slow(work, **kwargs):
     time.sleep(600)  # until stopped
     yield from real_tokenize(work, **kwargs)
 
-prep.tokenize_work = slow
-prep.prepare = functools.partial(prep.prepare, start_method="fork")
-sys.exit(prep.main(sys.argv[2:]))
+if __name__ == "__main__":
+    prep.tokenize_work = slow
+    prep.prepare = functools.partial(prep.prepare, start_method=sys.argv[1])
+    sys.exit(prep.main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plus_the_signal(tmp_path, stop):
+@pytest.mark.parametrize("stop, start_method", [(signal.SIGTERM, "fork"), (signal.SIGINT, "fork"),
+                                                (signal.SIGTERM, "spawn")], ids=["SIGTERM", "Ctrl-C", "spawn"])
+def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plus_the_signal(tmp_path, stop,
+                                                                                            start_method):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(4):
         (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
     out, flag = tmp_path / "out", str(tmp_path / "started")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    child = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, flag, "--source", str(corpus), "--tokenizer",
-                              "bpe:300", "--out", str(out), "--val-tokens", "20", "--num-workers", "2", "--quiet"],
-                             env=env, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": ROOT, "STARTED_FLAG": flag}
+    (tmp_path / "slow_prepare.py").write_text(SIGTERM_SCRIPT)
+    child = subprocess.Popen([sys.executable, str(tmp_path / "slow_prepare.py"), start_method, "--source",
+                              str(corpus), "--tokenizer", "bpe:300", "--out", str(out), "--val-tokens", "20",
+                              "--num-workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
     def started() -> int:
         return len(open(flag + ".workers").read().split()) if os.path.exists(flag + ".workers") else 0
 
@@ -415,6 +419,7 @@ def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plu
     child.send_signal(stop)
     _, err = child.communicate(timeout=120)
     assert child.returncode == 128 + stop, err
+    assert "Traceback" not in err and "resource_tracker" not in err, err  # the tracker is not ended with the workers
     assert err.strip().splitlines()[-1] == (f"error: stopped by {stop.name}; the workers were stopped and nothing was "
                                             f"written to {out}; run the same command again")
     assert not out.exists() and not glob.glob(f"{tmp_path}/.out.*")

@@ -22,6 +22,7 @@ import functools
 import itertools
 import json
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -411,6 +412,7 @@ class _Watchdog(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(name="prepare-watchdog", daemon=True)
+        _start_resource_tracker()
         self.before = set(_started_children())
         self.before_pids = set(_children(os.getpid()))
         self.workers: dict[int, Any] = {}  # pid -> Process, every child started while watching
@@ -456,6 +458,19 @@ class _Watchdog(threading.Thread):
         self.join()
         self.look()
         self.end()
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's resource tracker is a child of this process too, started on first use. Started before the
+    watchdog looks, it is never taken for a worker and ended (a tracker ended mid-run is relaunched without its
+    records and prints a traceback for every resource released after). It runs without its warning about the
+    semaphores of stopped workers, which it removes: after a stop, the run's last line is its error."""
+    flags = list(sys.warnoptions)  # the tracker's interpreter gets this process's -W options
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions[:] = flags
 
 
 def _started_children() -> list:
