@@ -7,6 +7,7 @@ leftover, and the writer's next run removes it."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -67,7 +68,10 @@ _held: dict[str, int] = {}  # folder -> the descriptor that holds its lock while
 def _hold(folder: str, writer: str) -> None:
     write_marker(folder, writer)
     fd = os.open(folder, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a filesystem without flock (some NFS): no run can take the lock, so none removes the folder
+        pass
     _held[folder] = fd
 
 
@@ -77,7 +81,8 @@ def discard(folder: str) -> None:
     if os.path.isdir(folder):
         for entry in os.scandir(folder):
             if entry.name != MARKER:
-                shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.remove(entry.path)
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.remove(entry.path)
         shutil.rmtree(folder, ignore_errors=True)
     fd = _held.pop(folder, None)
     if fd is not None:
@@ -98,7 +103,7 @@ def remove_leftovers(out: str, writer: str) -> list[str]:
         fd = os.open(folder, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a live run's
+        except OSError:  # a live run's (or a filesystem without flock: kept)
             continue
         else:
             shutil.rmtree(folder, ignore_errors=True)
