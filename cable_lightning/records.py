@@ -37,7 +37,6 @@ class Record:
     checkpoint: Optional[str] = None  # the checkpoint a validate/test measured (None: the weights of the running fit)
     run_seed: Optional[int] = None  # the run's seed_everything (TaskRecord.seed is the evaluation examples' own seed)
 
-
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""
         for name, (low, high) in self.RANGES.items():

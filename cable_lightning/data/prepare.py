@@ -187,10 +187,10 @@ def _stoppable(src: DatasetSource, request: dict, out: str, num_workers: int | N
     """:func:`_prepare` in a private folder beside ``out`` (:func:`staging_folder`), with SIGTERM and Ctrl-C turned
     into :class:`PrepareStopped` (main thread only). What a failed or stopped run wrote is removed (the watchdog has
     ended the workers: finally in _optimize)."""
+    staged = staging_folder(out, "prepare")
     stop = functools.partial(_stop, main_pid=os.getpid())
     previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
                 if threading.current_thread() is threading.main_thread() else {})
-    staged = staging_folder(out, "prepare")
     try:
         return _prepare(src, request, out, staged, num_workers, start_method, log)
     finally:
