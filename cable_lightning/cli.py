@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
@@ -51,7 +51,7 @@ from .checkpoints import (
 )
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
-from .errors import ConfigError, RunFailedError, error_boundary
+from .errors import ConfigError, RunFailedError, error_boundary, space_left
 from .lit import LanguageModel
 from .models.config import BackboneConfig, moved_setting, upgrade_backbone_dict
 from .positional import available, encoding_class
@@ -190,6 +190,19 @@ class TerseParser(LightningArgumentParser):
         return super().error(setting_error(message) or message, *args, **kwargs)
 
 
+class SavedConfig(SaveConfigCallback):
+    """Lightning's writer of the run's ``config.yaml``; a failed write (a full logs folder) is one line naming the
+    file."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        try:
+            super().setup(trainer, pl_module, stage)
+        except OSError as exc:
+            path = os.path.join(trainer.log_dir or ".", self.config_filename)
+            raise RunFailedError(f"could not write {path} ({type(exc).__name__}: {exc}; {space_left(path)}); "
+                                 "nothing was trained") from exc
+
+
 class CableCLI(LightningCLI):
     def parse_arguments(self, parser, args):
         self._args = args  # parsed again over a checkpoint's model settings (see _parse_ckpt_path)
@@ -303,7 +316,7 @@ class CableCLI(LightningCLI):
 def main(args: list[str] | None = None) -> CableCLI:
     """The CLI as a library call; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``. Errors propagate."""
     return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args,
-                    save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
+                    save_config_callback=SavedConfig, save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
                     parser_kwargs={"prog": "python -m cable_lightning"})
 
 

@@ -286,16 +286,24 @@ def test_a_file_size_limit_is_named_as_such_not_as_free_space(tmp_path):
     assert "free there" not in str(failed.value) and os.listdir(tmp_path) == []
 
 
-def test_a_full_logs_folder_is_one_line_naming_the_file(tiny_corpus_dir, tmp_path, capsys):
+@pytest.mark.parametrize("full, what", [("length_eval.jsonl", "the records "), ("config.yaml", "")],
+                         ids=["records", "config"])
+def test_a_full_logs_folder_is_one_line_naming_the_file(tiny_corpus_dir, tmp_path, capsys, monkeypatch, full, what):
     logs = tmp_path / "logs" / "test" / "v0"
     logs.mkdir(parents=True)
-    os.symlink("/dev/full", logs / "length_eval.jsonl")  # every write to it: ENOSPC
+    if full == "config.yaml":  # jsonargparse refuses to write through a link: its save meets the full disk
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr("cable_lightning.cli.TerseParser.save", disk_full)
+    else:
+        os.symlink("/dev/full", logs / full)  # every write to it: ENOSPC
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2, every=2),
                                     "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
                                     "--trainer.logger.save_dir", str(tmp_path / "logs"), "--trainer.logger.name",
                                     "test", "--trainer.logger.version", "v0"], status=1)
-    assert line.startswith(f"error: could not write the records {logs / 'length_eval.jsonl'} (OSError: [Errno 28] "
-                           "No space left on device; "), line
+    assert line.startswith(f"error: could not write {what}{logs / full} (OSError: [Errno 28] No space left on "
+                           "device; "), line
 
 
 def test_a_checkpoint_folder_that_cannot_be_made_fails_before_training(tiny_corpus_dir, tmp_path, capsys):
