@@ -76,12 +76,13 @@ def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
     (["--model.init_args.backbone.dape_width", "8"],
      "unknown backbone setting 'dape_width'; it moved into the dape_v2 encoding: "
      "--model.init_args.backbone.pos_encoding dape_v2 --model.init_args.backbone.pos_encoding.width VALUE"),
-    (["--model.init_args.backbone.n_layers", "2"], "unknown backbone setting 'n_layers'; its settings: preset, "
-                                                   "pos_encoding, n_layer, n_head, n_embd"),
-    (["--model.init_args.learning_rate", "0.1"], "unknown CausalLM setting 'learning_rate'; its settings: backbone, "
-                                                 "data, lr, min_lr"),
-    (["--model.init_args.backbone.attention_backend", "chunkd"], "error: unknown value 'chunkd' for attention_backend; "
-     "choose one of 'auto', 'sdpa', 'fold', 'flex', 'chunked', 'materialized'"),
+    (["--model.init_args.backbone.n_layers", "2"],
+     "unknown backbone setting 'n_layers'; its settings: preset, pos_encoding, n_layer, n_head, n_embd"),
+    (["--model.init_args.learning_rate", "0.1"],
+     "unknown CausalLM setting 'learning_rate'; its settings: backbone, data, lr, min_lr"),
+    (["--model.init_args.backbone.attention_backend", "chunkd"],
+     "error: unknown value 'chunkd' for attention_backend; choose one of 'auto', 'sdpa', 'fold', 'flex', 'chunked', "
+     "'materialized'"),
 ], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape", "no-such-setting",
         "moved-rope-setting", "moved-dape-setting", "no-such-backbone-setting", "no-such-model-setting",
         "backend-typo"])
