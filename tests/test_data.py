@@ -81,6 +81,12 @@ def small_txt_dir(tmp_path):
     return str(folder)
 
 
+def work_folders(out: str) -> list[str]:
+    """What a prepare of ``out`` builds or retires beside it (``.<out>.partial-*``, ``.<out>.old-*``)."""
+    parent, base = os.path.split(out)
+    return [name for name in os.listdir(parent) if name.startswith((f".{base}.partial-", f".{base}.old-"))]
+
+
 def fast_prepare(**kwargs):
     kwargs.setdefault("num_workers", 1)
     kwargs.setdefault("start_method", "fork")
@@ -127,7 +133,7 @@ def test_local_sources_round_trip(fmt, val_tokens, small_txt_dir, tmp_path):
     assert int((stream == manifest["eot_id"]).sum()) == len(SMALL_DOCS)
     assert manifest["splits"]["val"]["tokens"] >= val_tokens
     assert 1 <= int((val == manifest["eot_id"]).sum()) < len(SMALL_DOCS)
-    assert not os.path.exists(out + ".partial")
+    assert work_folders(out) == []
 
 
 def test_rerun_is_a_noop_that_says_so(tiny_corpus_dir, capsys):
@@ -251,12 +257,12 @@ def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir,
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: tokenizing into {out} failed: worker pid "), proc.stderr
     assert "was killed by signal 9 (SIGKILL; out of memory?)" in error and "run the same command again" in error
-    assert not os.path.exists(out) and os.path.isdir(out + ".partial")
+    assert not os.path.exists(out) and work_folders(out) == []
     manifest = fast_prepare(source=small_txt_dir, tokenizer="bpe:300", out=out, val_tokens=50, num_workers=2)
     stream = np.concatenate([read_split_tokens(out, "val"), read_split_tokens(out, "train")])
     tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
     assert tok.decode(stream.tolist()) == joined(SMALL_DOCS) and manifest["splits"]["train"]["tokens"] > 0
-    assert not os.path.exists(out + ".partial")
+    assert work_folders(out) == []
 
 
 @pytest.mark.parametrize("case", ["jsonl-row-with-other-fields", "txt-not-utf8"])
@@ -730,7 +736,7 @@ def test_concurrent_prepares_of_one_folder_both_succeed_with_one_result(small_tx
     logs = [stdout for stdout, _ in results]
     assert sum("nothing to do" in log for log in logs) == 1 and sum("wrote" in log for log in logs) == 1
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
-    assert not os.path.exists(out + ".partial")
+    assert work_folders(out) == []
 
 
 def test_empty_or_one_document_sources_say_so(tmp_path):

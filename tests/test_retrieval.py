@@ -67,6 +67,17 @@ def write_beir(folder, relevant: dict[str, str]) -> list[str]:
     return [str(folder / name) for name in ("corpus.jsonl", "queries.jsonl", "qrels.tsv")]
 
 
+def test_qrels_separated_by_spaces_are_one_error_naming_the_line(tmp_path):
+    corpus, queries, qrels = write_beir(tmp_path, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    lines = open(qrels).read().splitlines()
+    with open(qrels, "w") as f:
+        f.write("\n".join([*lines[:2], lines[2].replace("\t", " "), *lines[3:]]) + "\n")
+    with pytest.raises(ConfigError) as error:
+        retrieval.read_beir(corpus, queries, qrels)
+    assert str(error.value) == (f"{qrels}:3: [{lines[2].replace(chr(9), ' ')!r}] is not query-id<TAB>corpus-id<TAB>"
+                                "score (columns separated by tabs, the score a number); fix that line")
+
+
 @pytest.mark.parametrize("length", [8, 24])  # 24: past the training length
 def test_encoder_mean_pools_and_truncates_inputs_at_the_requested_length(encoder_folder, length):
     folder, tok = encoder_folder

@@ -26,8 +26,8 @@ import os
 import shutil
 import sys
 
-from cable_lightning.errors import ConfigError, error_boundary
-from cable_lightning.owned import check_replaceable, staging_folder, swap_in
+from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
 from cable_lightning.records import read_jsonl
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
@@ -95,13 +95,13 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
         SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
                                    loss=MultipleNegativesRankingLoss(st_model)).train()
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
-    staged = staging_folder(out)
+    staged = staging_folder(out, "export")
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
         swap_in(staged, out, "export")
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        discard(staged)
     return out
 
 
@@ -115,12 +115,20 @@ def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
     docs = {str(r["_id"]): (r.get("title", "") + " " + r["text"]).strip() for r in read_jsonl(corpus, ("_id", "text"))}
     questions = {str(r["_id"]): r["text"] for r in read_jsonl(queries, ("_id", "text"))}
     relevant: dict[str, set] = {}
-    with open(qrels, encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t")
-        next(reader, None)
-        for query_id, doc_id, score in reader:
-            if float(score) > 0:
-                relevant.setdefault(query_id, set()).add(doc_id)
+    try:
+        with open(qrels, encoding="utf-8") as f:
+            rows = list(csv.reader(f, delimiter="\t"))
+    except FileNotFoundError:
+        raise MissingFileError(f"{qrels} does not exist") from None
+    for number, row in enumerate(rows[1:], 2):  # after the header
+        try:
+            query_id, doc_id, score = row
+            score = float(score)
+        except ValueError:
+            raise ConfigError(f"{qrels}:{number}: {row!r} is not query-id<TAB>corpus-id<TAB>score (columns "
+                              "separated by tabs, the score a number); fix that line") from None
+        if score > 0:
+            relevant.setdefault(query_id, set()).add(doc_id)
     return docs, questions, relevant
 
 

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from torchmetrics.aggregation import MeanMetric
 
+from ..checkpoints import shown_name
 from ..data.manifest import DataInfo
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL, scored_targets
@@ -216,7 +217,7 @@ class LanguageModel(L.LightningModule):
         # fit, and the validation after fit, at the trainer's.
         loaded = self.trainer.state.fn != "fit" and self.trainer.ckpt_path and self.loaded_step is not None
         step = self.loaded_step if loaded else self.global_step
-        checkpoint = os.path.abspath(self.trainer.ckpt_path) if loaded else None
+        checkpoint = shown_name(os.path.abspath(self.trainer.ckpt_path)) if loaded else None  # a URL, not its copy
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
