@@ -2,6 +2,7 @@
 requested length), a few steps of MultipleNegativesRankingLoss on local triples, nDCG@10 on a local BEIR set where
 the answers are known, the Table-3 layout, and MLDR's one-line error when the hub cannot be reached."""
 
+import csv
 import json
 import os
 import shutil
@@ -201,3 +202,22 @@ def test_finetune_out_replaces_only_an_export_that_is_not_its_input(encoder_fold
     tune(other, overwrite=True)
     assert not (other / "stale.bin").exists() and (other / "model.safetensors").is_file()  # replaced, not mixed
     assert [p for p in os.listdir(tmp_path) if ".partial-" in p or ".old-" in p] == []
+
+
+def test_bm25_baseline_finds_a_shared_rare_word_only_where_the_cut_keeps_it(encoder_folder, tmp_path):
+    """The lexical baseline at a length sees what an encoder at that length sees: documents cut to its first tokens.
+    Each query's rare words are in its document only, so uncut BM25 ranks every answer first (nDCG@10 = 1); cut to
+    one token, no document holds a query word and the ranking is a tie (below 1). The command adds a bm25 column."""
+    from transformers import AutoTokenizer
+
+    folder, _ = encoder_folder
+    local = write_beir(tmp_path, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    data = retrieval.read_beir(*local)
+    assert retrieval.ndcg_bm25(*data, 64, tokenizer) == 1.0
+    assert retrieval.ndcg_bm25(*data, 1, tokenizer) < 0.9
+    retrieval.main(["evaluate", "--models", f"base={folder}", "--lengths", "1", "64", "--corpus", local[0],
+                    "--queries", local[1], "--qrels", local[2], "--bm25", "--out", str(tmp_path / "out"),
+                    "--trust_remote_code"])
+    rows = list(csv.DictReader(open(tmp_path / "out" / "table.csv")))
+    assert [row["bm25"] for row in rows][1] == "100.00" and set(rows[0]) == {"length", "bm25", "base"}

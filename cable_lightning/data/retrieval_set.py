@@ -151,7 +151,7 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
 def write(rows: dict, out: str, manifest: dict, overwrite: bool = False, inputs: tuple = ()) -> str:
     """The files, staged and swapped in whole: a failed or killed build leaves no half-written set."""
     check_replaceable(out, "retrieval set", overwrite, inputs)
-    staged = staging_folder(out)
+    staged = staging_folder(out, "retrieval set")
     try:
         for name in ("corpus", "queries", "train_pairs"):
             with open(os.path.join(staged, f"{name}.jsonl"), "w", encoding="utf-8") as f:
