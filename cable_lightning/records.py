@@ -106,6 +106,25 @@ class TaskRecord(Record):
     seed: int = 0  # the evaluation examples' seed
 
 
+@dataclass(kw_only=True)
+class RetrievalRecord(Record):
+    """nDCG@10 of an exported, fine-tuned encoder on a retrieval set at one maximum input length
+    (``tools/retrieval.py evaluate --records``); ``step`` and ``run_seed`` are those of the pre-training checkpoint
+    the export came from, ``visible`` the share of queries whose passage ends within the length (None: the set does
+    not record where its passages lie)."""
+
+    FILE: ClassVar[str] = "retrieval.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "ndcg": (0, 1), "queries": (0, None),
+                                                          "visible": (0, 1)}
+
+    stage: str = "retrieval"
+    dataset: str
+    length: int
+    ndcg: float
+    queries: int = 0
+    visible: Optional[float] = None
+
+
 def format_value(value: float, digits: int = 2) -> str:
     """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
     model's perplexity would otherwise print hundreds of digits)."""

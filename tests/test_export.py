@@ -301,11 +301,12 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, t
     ckpt = tmp_path / "runs" / "export" / "cable" / "checkpoints" / "last.ckpt"
     out = tmp_path / "hf"
     export(["--ckpt_path", str(ckpt), "--out", str(out)])  # the data path comes from the run's config.yaml
-    trained, _ = checkpoint_backbone(str(ckpt))
+    trained, _, provenance = checkpoint_backbone(str(ckpt))
     exported = load_backbone(str(out))
     assert all(torch.equal(v, exported.state_dict()[k]) for k, v in trained.state_dict().items())
     config = json.loads((out / "config.json").read_text())
     assert config["max_position_embeddings"] == 32 and config["auto_map"]["AutoModelForCausalLM"]
+    assert config["provenance"] == provenance and provenance["step"] == 2 and provenance["checkpoint"] == str(ckpt)
     assert (out / "tokenizer.json").is_file() and (out / "cable_core" / "positional" / "registry.py").is_file()
 
     # `python -m cable_lightning export` (the module's __main__, in this process): an existing folder is a one-line

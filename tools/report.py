@@ -21,7 +21,9 @@ way (no one-seed interval: it keeps no per-window values), and so is each synthe
 passkey is one of them), averaged over depths (``<out>_task_<name>.md/.csv``), followed by the effective length
 per task and encoding (``<out>_effective.md``): the longest evaluated length, from the training length on, whose
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
-brackets; "-" where the training length falls short.
+brackets; "-" where the training length falls short. Encoders' retrieval rows (``retrieval.jsonl``, from
+``tools/retrieval.py evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval set, aggregated and
+tested the same way (``<out>_retrieval_<set>.md/.csv/.png``).
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -36,11 +38,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from cable_lightning.callbacks.length_eval import ppl_figure
+from cable_lightning.callbacks.length_eval import line_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
 from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
-from cable_lightning.records import LengthRecord, PositionRecord, Record, TaskRecord, format_value, read_records
+from cable_lightning.records import (
+    LengthRecord,
+    PositionRecord,
+    Record,
+    RetrievalRecord,
+    TaskRecord,
+    format_value,
+    read_records,
+)
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -288,7 +298,7 @@ def write_csv(path: str, table: Table, name: str, header: str = "length") -> Non
                                      *summary])
 
 
-def plot(columns, table, title: str, path: str):
+def plot(columns, table, title: str, path: str, ylabel: str = "perplexity", log_y: bool = True):
     import matplotlib.pyplot as plt
 
     series, bands = {}, {}
@@ -296,7 +306,7 @@ def plot(columns, table, title: str, path: str):
         estimates = [(row[0], row[i + 1].estimate()) for row in table if row[i + 1] is not None]
         series[name] = [(length, e.mean) for length, e in estimates if e is not None]
         bands[name] = [(length, e.low, e.high) for length, e in estimates if e is not None and e.low is not None]
-    fig = ppl_figure(series, title, bands=bands)
+    fig = line_figure(series, title, None, "evaluation length (tokens)", ylabel, log_y, bands=bands)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -396,6 +406,18 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
                                       "brackets; -: even the training length falls short._")
         with open(f"{out}_effective.md", "w") as f:
             f.write(tables["effective length"] + "\n")
+    found = find_records(paths, RetrievalRecord.FILE, required=False)
+    retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
+    for dataset in sorted({r.dataset for r in retrieval_rows}):
+        table = aggregate([r for r in retrieval_rows if r.dataset == dataset], lambda r: r.length,
+                          lambda r: 100 * r.ndcg)
+        tables[f"retrieval {dataset}"] = ("nDCG@10 (x100)\n\n" + markdown(*table, best=max) + "\n\n"
+                                          + describe(table, "highest"))
+        with open(f"{out}_retrieval_{dataset}.md", "w") as f:
+            f.write(tables[f"retrieval {dataset}"] + "\n")
+        write_csv(f"{out}_retrieval_{dataset}.csv", table, "ndcg10")
+        plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
+             "nDCG@10 (x100)", log_y=False)
     return tables
 
 

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import shutil
 import sys
 
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
-from cable_lightning.records import read_jsonl
+from cable_lightning.records import RetrievalRecord, append_records, read_jsonl
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
 MLDR = "MultiLongDocRetrieval"
 WEIGHTS = "model.safetensors"
+LOSS_LOG = "finetune_loss.jsonl"  # a fine-tuned export's training loss every max_steps / 20 steps
 
 
 def encoder(folder: str, max_seq_length: int, device: str | None = None, trust_remote_code: bool = False):
@@ -92,13 +94,17 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
             warmup_steps=warmup_ratio, seed=seed, save_strategy="no", report_to=[],  # a float below 1: a ratio
             logging_steps=max(1, max_steps // 20),
             batch_sampler=BatchSamplers.NO_DUPLICATES, use_cpu=not _cuda())
-        SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
-                                   loss=MultipleNegativesRankingLoss(st_model)).train()
+        trainer = SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
+                                             loss=MultipleNegativesRankingLoss(st_model))
+        trainer.train()
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
     staged = staging_folder(out, "export")
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(staged, LOSS_LOG), "w", encoding="utf-8") as f:  # the contrastive loss curve
+            f.writelines(json.dumps({"step": row["step"], "loss": row["loss"]}) + "\n"
+                         for row in trainer.state.log_history if "loss" in row)
         swap_in(staged, out, "export")
     finally:
         discard(staged)
@@ -194,6 +200,26 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
     return scores
 
 
+def retrieval_records(folder: str, scores: dict[int, float], local: tuple[str, str, str] | None) -> list:
+    """One :class:`RetrievalRecord` per length for the export ``folder``: its encoding and training length from its
+    config, the step and run seed of the checkpoint it came from (``provenance``), and for a set that records where
+    its passages end (``cable_lightning.data.retrieval_set``), the share of queries whose passage fits the length."""
+    from cable_lightning.hf.export import read_export_config
+    from cable_lightning.models import BackboneConfig
+
+    config = read_export_config(folder)
+    provenance = config.get("provenance") or {}
+    pe = BackboneConfig.from_dict(config["backbone"]).pos_encoding.label()
+    ends = [row.get("end") for row in read_jsonl(local[1], ("_id", "text"))] if local else []
+    dataset = os.path.basename(os.path.dirname(os.path.abspath(local[0]))) if local else MLDR
+    return [RetrievalRecord(pe=pe, train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
+                            run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),
+                            dataset=dataset, length=length, ndcg=ndcg, queries=len(ends),
+                            visible=(sum(end <= length for end in ends) / len(ends)
+                                     if ends and None not in ends else None))
+            for length, ndcg in scores.items()]
+
+
 def write_table(scores: dict[int, dict[str, float]], out: str) -> str:
     """The paper's Table 3 layout: rows length, columns model, nDCG@10 x 100, best per row in bold."""
     os.makedirs(out, exist_ok=True)
@@ -248,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--qrels")
     ev.add_argument("--bm25", action="store_true", help="add BM25 on the local set at each length (a lexical "
                     "baseline; documents cut with the first model's tokenizer)")
+    ev.add_argument("--records", help="append each model's nDCG@10 by length to <records>/retrieval.jsonl, as its "
+                    "run's (tools/report.py reads them; tools/sweep.py --stage retrieval passes the run folder)")
     ev.add_argument("--batch_size", type=int, default=16)
     ev.add_argument("--out", required=True)
     for command in (tune, ev):
@@ -266,8 +294,13 @@ def main(argv: list[str] | None = None) -> None:
     local = (args.corpus, args.queries, args.qrels) if args.corpus else None
     if args.bm25 and not local:
         parser.error("--bm25 needs a local set (--corpus, --queries, --qrels); MLDR's own BM25 is in its paper")
-    print(write_table(evaluate(_named_models(args.models), args.lengths, local, args.batch_size,
-                               args.trust_remote_code, args.bm25), args.out), end="")
+    models = _named_models(args.models)
+    scores = evaluate(models, args.lengths, local, args.batch_size, args.trust_remote_code, args.bm25)
+    print(write_table(scores, args.out), end="")
+    if args.records:
+        append_records(args.records, [record for name, folder in models.items()
+                                      for record in retrieval_records(folder, {n: row[name] for n, row in
+                                                                               scores.items()}, local)])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,14 @@
 
     python tools/sweep.py --config configs/quickstart.yaml --pes cable alibi --seeds 0 1 2 --experiment seeds
 
+An encoder study (the paper's Table 2) adds a stage after the masked-LM fits: for every run, export its last
+checkpoint, fine-tune it contrastively on the retrieval set's training pairs at the first length, and evaluate
+nDCG@10 at every length, recorded as the run's (``retrieval.jsonl``), then report:
+
+    python tools/sweep.py --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 --experiment enc
+    python tools/sweep.py --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 --experiment enc \
+        --stage retrieval --retrieval-set data/retrieval-1024 --retrieval-lengths 64 128 256 512 1024
+
 Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>; with ``--seeds``, one
 run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
 initialisation, not the data order, so the report can pair them across encodings), and the
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -26,9 +35,30 @@ from report import report
 from cable_lightning.errors import ConfigError, RunFailedError, error_boundary
 from cable_lightning.positional import from_label
 
+RETRIEVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "retrieval.py")
+
+
+def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
+    """The retrieval stage of one pre-trained run folder: export, fine-tune at the first length, evaluate at all."""
+    data = {name: os.path.join(args.retrieval_set, f"{name}.{ext}")
+            for name, ext in (("corpus", "jsonl"), ("queries", "jsonl"), ("qrels", "tsv"), ("train_pairs", "jsonl"))}
+    export, tuned = os.path.join(run, "export"), os.path.join(run, "export-tuned")
+    checkpoint = os.path.join(run, "checkpoints", "last.ckpt")
+    return [
+        [sys.executable, "-m", "cable_lightning", "export", "--ckpt_path", checkpoint, "--out", export, "--overwrite"],
+        [sys.executable, RETRIEVAL, "finetune", "--model", export, "--triples", data["train_pairs"], "--out", tuned,
+         "--max_seq_length", str(args.retrieval_lengths[0]), "--max_steps", str(args.finetune_steps),
+         "--batch_size", str(args.finetune_batch), "--seed", str(0 if seed is None else seed), "--overwrite",
+         "--trust_remote_code"],
+        [sys.executable, RETRIEVAL, "evaluate", "--models", f"{pe}={tuned}", "--lengths",
+         *map(str, args.retrieval_lengths), "--corpus", data["corpus"], "--queries", data["queries"], "--qrels",
+         data["qrels"], "--records", run, "--out", os.path.join(run, "retrieval"), "--trust_remote_code"],
+    ]
+
 
 def commands(args) -> list[tuple[str, list[str]]]:
-    """Every run's command; an unknown encoding label is an error before any run starts."""
+    """Every run's command (for ``--stage retrieval``, every run's three); an unknown encoding label is an error
+    before any run starts."""
     encodings = {}
     for pe in args.pes:
         try:
@@ -40,6 +70,11 @@ def commands(args) -> list[tuple[str, list[str]]]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
         for seed in args.seeds or [None]:  # seed-major: a sweep stopped early has every encoding at its first seeds
             for pe in args.pes:
+                if args.stage == "retrieval":
+                    run = os.path.join(args.runs_dir, experiment, from_label(pe).label(runtime=False))
+                    run = run if seed is None else os.path.join(run, f"seed{seed}")
+                    runs += [(experiment, cmd) for cmd in retrieval_commands(run, pe, seed, args)]
+                    continue
                 cmd = [sys.executable, "-m", "cable_lightning", "fit"]
                 for config in args.config:
                     cmd += ["--config", config]
@@ -65,9 +100,25 @@ def main(argv=None):
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")
     parser.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
+    parser.add_argument("--stage", choices=("fit", "retrieval"), default="fit",
+                        help="fit: train (or continue) every run; retrieval: export, fine-tune and evaluate every "
+                        "pre-trained encoder run on --retrieval-set")
+    parser.add_argument("--retrieval-set", help="a folder from python -m cable_lightning.data.retrieval_set")
+    parser.add_argument("--retrieval-lengths", type=int, nargs="+",
+                        help="evaluation lengths; the first is the fine-tuning length (the training length)")
+    parser.add_argument("--finetune-steps", type=int, default=200)
+    parser.add_argument("--finetune-batch", type=int, default=32)
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
     args = parser.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
+    if args.stage == "retrieval":
+        if not args.retrieval_set or not os.path.isfile(os.path.join(args.retrieval_set, "train_pairs.jsonl")):
+            parser.error(f"--stage retrieval needs --retrieval-set, a folder from python -m "
+                         f"cable_lightning.data.retrieval_set; got {args.retrieval_set!r}")
+        if not args.retrieval_lengths or min(args.retrieval_lengths) < 1:
+            parser.error(f"--stage retrieval needs positive --retrieval-lengths, got {args.retrieval_lengths}")
+        if args.train_lengths or args.extra:
+            parser.error("--stage retrieval takes the runs as they were trained: no --train-lengths or overrides")
     runs = commands(args)
     if args.print_only:
         print("\n".join(shlex.join(cmd) for _, cmd in runs))

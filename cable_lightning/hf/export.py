@@ -64,9 +64,10 @@ def copy_core(out: str) -> list[str]:
     return ["__init__.py", *files]
 
 
-def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
-    """The trained backbone of a fit checkpoint (built by its LightningModule class, as validate does) and the
-    data description it was trained with (vocabulary, ids, tokenizer identity, training length)."""
+def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:
+    """The trained backbone of a fit checkpoint (built by its LightningModule class, as validate does), the
+    data description it was trained with (vocabulary, ids, tokenizer identity, training length), and its provenance
+    (step, run seed, path), which the export keeps so that what is measured on it is recorded as that run's."""
     ckpt = read_checkpoint(ckpt_path, weights_only=True)
     hparams = dict(ckpt.get("hyper_parameters") or {})
     class_path = hparams.get("_class_path")
@@ -76,7 +77,9 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
     model = package_model_class(class_path, ckpt_path)(
         backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
     model.load_state_dict(saved_weights(ckpt))
-    return model.backbone.eval(), hparams["data"]
+    provenance = {"step": ckpt.get("global_step"), "run_seed": ckpt.get("run_seed"),
+                  "checkpoint": os.path.abspath(ckpt_path)}
+    return model.backbone.eval(), hparams["data"], provenance
 
 
 def run_data_path(ckpt_path: str) -> str | None:
@@ -163,8 +166,9 @@ def training_length(config: BackboneConfig) -> int:
 
 
 def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False,
-                    inputs: tuple = ()) -> str:
-    """Write ``backbone`` (and ``tokenizer``, one of this package's tokenizers) as a Hugging Face folder ``out``.
+                    inputs: tuple = (), provenance: dict | None = None) -> str:
+    """Write ``backbone`` (and ``tokenizer``, one of this package's tokenizers) as a Hugging Face folder ``out``;
+    ``provenance`` (the checkpoint's step, run seed and path) goes into ``config.json``.
 
     ``overwrite`` replaces only a folder an export wrote (its marker, :mod:`cable_lightning.owned`), never one that
     holds ``inputs`` (the checkpoint, the data). The folder is built in a private folder beside ``out`` and renamed
@@ -191,7 +195,8 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
             name_or_path=partial, vocab_size=config.vocab_size, hidden_size=config.n_embd,
             num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
             max_position_embeddings=training_length(config), is_decoder=config.causal, use_cache=config.causal,
-            bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, tie_word_embeddings=False)
+            bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, tie_word_embeddings=False,
+            provenance=provenance)
         model = head_class(hf_config)
         model.backbone.load_state_dict(backbone.state_dict())
         model.save_pretrained(partial)
@@ -215,9 +220,9 @@ def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, ov
         raise MissingFileError(f"no run config.yaml beside {ckpt_path} names the prepared data; pass --data_path "
                                "<the prepared folder the run trained on> (its tokenizer is exported)")
     check_replaceable(os.path.abspath(out), "export", overwrite, (ckpt_path, data_path))  # before any work
-    backbone, data = checkpoint_backbone(ckpt_path)
+    backbone, data, provenance = checkpoint_backbone(ckpt_path)
     return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite,
-                           inputs=(ckpt_path, data_path))
+                           inputs=(ckpt_path, data_path), provenance=provenance)
 
 
 def read_export_config(folder: str) -> dict:
