@@ -12,6 +12,7 @@ import math
 
 import lightning as L
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..positional import ScoreBias
 
@@ -83,8 +84,10 @@ class BiasPictures(L.Callback):
 
     def on_validation_end(self, trainer, pl_module):
         experiment = getattr(trainer.logger, "experiment", None)
+        # A sharded (FSDP2) model's weights are on no one rank, and rank 0 alone cannot gather them: no pictures
+        # there (a checkpoint's can be drawn in one process).
         if (trainer.sanity_checking or self.text is None or not trainer.is_global_zero
-                or not hasattr(experiment, "add_figure")):
+                or not hasattr(experiment, "add_figure") or isinstance(pl_module.backbone, FSDPModule)):
             return
         maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
         title = f"{pl_module.config.pos_encoding.label()}: last layer {what}, step {trainer.global_step}"
