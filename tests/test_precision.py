@@ -79,3 +79,14 @@ def test_compile_equals_eager(name):
     assert compiled.backbone.blocks[0]._compiled_call_impl is not None
     assert loss_c == pytest.approx(loss, rel=1e-5)
     torch.testing.assert_close(grads_c, grads, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_covers_every_layer_of_a_deep_model():
+    """Each block is compiled once per layer number (dynamo specialises on it); dynamo's default limit, 8, would leave
+    the blocks of gpt2-small (12) and gpt2-medium (24) past the 8th in eager mode, with only a warning (measured: a
+    10-layer CABLE model gave 8 graphs, 10 with the limit raised)."""
+    model = CausalLM(BackboneConfig(pos_encoding=from_label("cable"), block_size=64, **{**SHAPE, "n_layer": 12}),
+                     compile=True)
+    model.configure_model()
+    assert torch._dynamo.config.recompile_limit >= 12
+    assert all(block._compiled_call_impl is not None for block in model.backbone.blocks)

@@ -68,10 +68,7 @@ class LanguageModel(L.LightningModule):
 
     @cached_property
     def _flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward): 6 per parameter plus the attention matmuls,
-        12 x layers x width x length (PaLM's estimate)."""
-        c = self.config
-        return 6 * sum(p.numel() for p in self.backbone.parameters()) + 12 * c.n_layer * c.n_embd * c.block_size
+        return self.backbone.training_flops_per_token(self.config.block_size)
 
     # --- batches -------------------------------------------------------------------------------
     def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0):
@@ -99,6 +96,10 @@ class LanguageModel(L.LightningModule):
         # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
         # kernels are compiled on CUDA either way. Lightning calls this once per fit/validate: it must be idempotent.
         if self.hparams.compile:
+            # Dynamo compiles each block for its layer number (the encoding indexes its per-layer weights by it); at its
+            # default limit of 8 compilations per function, the blocks past the 8th would run eager (with a warning).
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, self.config.n_layer)
             for block in self.backbone.blocks:
                 block.compile()
         strategy = self._trainer.strategy if self._trainer is not None else None
