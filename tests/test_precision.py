@@ -90,3 +90,18 @@ def test_compile_covers_every_layer_of_a_deep_model():
     model.configure_model()
     assert torch._dynamo.config.recompile_limit >= 12
     assert all(block._compiled_call_impl is not None for block in model.backbone.blocks)
+
+
+def test_bias_pictures_of_a_compiled_model():
+    """The pictures read the last block's input through a forward hook, which a compiled block does not run; they run
+    the model eagerly (this failed the first validation of every compile: true fit)."""
+    from cable_lightning.callbacks.bias_pictures import last_layer_maps
+
+    model = CausalLM(BackboneConfig(pos_encoding=from_label("cable"), block_size=64, **{**SHAPE, "n_layer": 1}),
+                     compile=True)
+    model.configure_model()
+    text = batch(16)[:1, :16]
+    with torch.no_grad():
+        model.backbone.hidden_states(text)  # compiled as validation compiles it, before the hook exists
+    maps, what = last_layer_maps(model.backbone, text)
+    assert what == "additive bias" and maps.shape == (2, 16, 16)

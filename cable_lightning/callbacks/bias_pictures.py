@@ -24,7 +24,8 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
     block = backbone.blocks[-1]
     handle = block.ln_attn.register_forward_hook(lambda m, i, out: captured.__setitem__("h", out))
     try:
-        backbone.hidden_states(tokens)
+        with torch.compiler.set_stance("force_eager"):  # a compiled block (compile: true) would not run the hook
+            backbone.hidden_states(tokens)
     finally:
         handle.remove()
     h = captured["h"]
