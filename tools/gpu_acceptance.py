@@ -1,5 +1,6 @@
-"""The GPU acceptance run: one command for whoever has a CUDA GPU, about 10 minutes on one H100, that runs what the
-CPU test suite cannot and writes the "Measured on a GPU" tables (docs/speed.md) with the device named.
+"""The GPU acceptance run: one command for whoever has a CUDA GPU, sized for about 10 minutes on one H100 (not yet
+timed on one), that runs what the CPU test suite cannot and writes the "Measured on a GPU" tables (docs/speed.md)
+with the device named.
 
     python tools/gpu_acceptance.py --out runs/gpu_acceptance.md
 
