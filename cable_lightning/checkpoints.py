@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from .errors import ConfigError, CorruptCheckpointError, RunFailedError
+from .errors import ConfigError, CorruptCheckpointError, MissingFileError, RunFailedError, space_left
 
 PARTIAL_SUFFIX = ".partial"
 RESUME_CHOICES = ("last", "auto")  # last: must exist; auto: resume when there is a checkpoint, else start afresh
@@ -51,7 +51,7 @@ _downloads: dict[str, str] = {}  # URL -> local copy
 
 
 def shown_name(path: str) -> str:
-    """How errors name a checkpoint: its URL when it was downloaded."""
+    """How errors and records name a checkpoint: its URL when it was downloaded (the copy is removed at exit)."""
     return next((url for url, local in _downloads.items() if local == path), path)
 
 
@@ -97,6 +97,12 @@ def package_model_class(class_path: str, source: str) -> type:
                       f"models ({valid} or their subclasses in {__package__}); use a checkpoint written by fit")
 
 
+def check_exists(path: str) -> None:
+    """A local checkpoint path names a file (a URL is checked when it is fetched)."""
+    if not is_url(path) and not os.path.isfile(path):
+        raise MissingFileError(f"checkpoint {path} does not exist; give an existing checkpoint file")
+
+
 def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: bool = True, mmap: bool = False) -> dict:
     """``torch.load`` that names the file when it is missing, truncated, damaged or refused; the file is checked
     against its CRC-32s first unless ``mmap`` (reading the metadata only, as scanning for ``last`` does). Always
@@ -107,8 +113,7 @@ def read_checkpoint(path: str, map_location: Any = "cpu", weights_only: bool = T
         raise ValueError("checkpoints are loaded weights-only in this package")
     if is_url(path):
         path = fetch_checkpoint(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint {path} does not exist; give an existing checkpoint file")
+    check_exists(path)
     check_checkpoint_file(path, checksums=not mmap)
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -148,14 +153,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(partial, path)
             _fsync_dir(folder)
         except BaseException as exc:
+            written = os.path.getsize(partial) if os.path.isfile(partial) else None
             with contextlib.suppress(OSError):
                 os.remove(partial)
-            # torch.save wraps ENOSPC in RuntimeError
+            # torch.save wraps ENOSPC and EFBIG in RuntimeError
             if isinstance(exc, (OSError, RuntimeError, CorruptCheckpointError)):
-                free = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else None
-                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {str(exc).strip()}"
-                                     + (f"; {free:.0f} MiB free there" if free is not None else "")
-                                     + "); the checkpoints written before it are intact") from exc
+                raise RunFailedError(f"could not write checkpoint {path} ({type(exc).__name__}: {str(exc).strip()}; "
+                                     f"{space_left(path, written)}); the checkpoints written before it are "
+                                     "intact") from exc
             raise
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,

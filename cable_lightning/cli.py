@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
@@ -51,7 +51,7 @@ from .checkpoints import (
 )
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
-from .errors import ConfigError, RunFailedError, error_boundary
+from .errors import ConfigError, RunFailedError, error_boundary, space_left
 from .lit import LanguageModel
 from .models.config import BackboneConfig, moved_setting, upgrade_backbone_dict
 from .positional import available, encoding_class
@@ -140,19 +140,23 @@ def apply_global_batch(trainer, global_batch_tokens: Optional[int], micro_batch:
         trainer.val_check_interval = validate_every_n_steps * trainer.accumulate_grad_batches
 
 
-SETTING_ERRORS = re.compile(r"(unknown positional encoding |positional encoding |unknown \w+ setting )")  # its lines
+SETTING_ERRORS = re.compile(r"(unknown positional encoding |positional encoding |unknown \w+ setting |unknown value )")
 
 
 def setting_error(message: str) -> Optional[str]:
-    """jsonargparse's nested report of a bad encoding name or an unknown setting (of an encoding, the backbone or the
-    model), as one line; None for any other error. Nested parsers report into their parents' messages: the innermost
-    names the class and the setting."""
+    """jsonargparse's nested report of a bad encoding name, an unknown setting (of an encoding, the backbone or the
+    model) or a value outside a setting's fixed choices, as one line; None for any other error. Nested parsers report
+    into their parents' messages: the innermost names the class and the setting."""
     known = [line.strip() for line in message.splitlines() if SETTING_ERRORS.match(line.strip())]
     if known:
         return known[0]
     unknown = re.search(r'"pos_encoding":\s.*?Expected a dot import path string: (\S+)', message, flags=re.S)
     if unknown:
         return f"unknown positional encoding {unknown.group(1)!r}; valid names: {', '.join(available())}"
+    choice = re.findall(r'Parser key "([\w.]+)":\s+Expected a typing\.Literal\[(.*?)\]\. Got value: (.*)', message)
+    if choice:  # a fixed-choice setting (attention_backend chunkd): the innermost report names it
+        key, choices, value = choice[-1]
+        return f"unknown value {value.strip()!r} for {key}; choose one of {choices}"
     setting = re.search(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted", message)
     if not setting:
         return None
@@ -184,6 +188,19 @@ class TerseParser(LightningArgumentParser):
 
     def error(self, message: str, *args, **kwargs):
         return super().error(setting_error(message) or message, *args, **kwargs)
+
+
+class SavedConfig(SaveConfigCallback):
+    """Lightning's writer of the run's ``config.yaml``; a failed write (a full logs folder) is one line naming the
+    file."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        try:
+            super().setup(trainer, pl_module, stage)
+        except OSError as exc:
+            path = os.path.join(trainer.log_dir or ".", self.config_filename)
+            raise RunFailedError(f"could not write {path} ({type(exc).__name__}: {exc}; {space_left(path)}); "
+                                 "nothing was trained") from exc
 
 
 class CableCLI(LightningCLI):
@@ -299,7 +316,7 @@ class CableCLI(LightningCLI):
 def main(args: list[str] | None = None) -> CableCLI:
     """The CLI as a library call; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``. Errors propagate."""
     return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args,
-                    save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
+                    save_config_callback=SavedConfig, save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
                     parser_kwargs={"prog": "python -m cable_lightning"})
 
 

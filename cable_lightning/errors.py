@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
+import shutil
 import sys
+from typing import Optional
 
 EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
 DEBUG_VARIABLE = "CABLE_LIGHTNING_DEBUG"
@@ -34,6 +37,20 @@ def user_error(exc: BaseException) -> BaseException | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def space_left(path: str, written: Optional[int] = None) -> str:
+    """What may have stopped a write to ``path``, for its error: the process's file-size limit (``ulimit -f``) when the
+    file (``written`` bytes) reached it, else the free space there, and the limit when there is one."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limited = limit != resource.RLIM_INFINITY
+    if limited and written is not None and written >= limit:
+        return f"the file reached this process's file-size limit (ulimit -f) of {limit / 2**20:g} MiB; raise it"
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    notes = [f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there"] if os.path.isdir(folder) else []
+    if limited:
+        notes.append(f"file-size limit (ulimit -f) {limit / 2**20:g} MiB")
+    return ", ".join(notes) or "its folder is gone"
 
 
 class MissingFileError(ConfigError, FileNotFoundError):

@@ -17,9 +17,9 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
-from .errors import ConfigError, MissingFileError
+from .errors import ConfigError, MissingFileError, RunFailedError, space_left
 
 
 @dataclass(kw_only=True)
@@ -27,6 +27,8 @@ class Record:
     """What every record says about where it comes from."""
 
     FILE: ClassVar[str]
+    # What a measured value can be (low, high; None: unbounded), checked on reading (:meth:`out_of_range`)
+    RANGES: ClassVar[dict[str, tuple]] = {"train_length": (1, None), "step": (0, None)}
 
     pe: str  # the encoding's label: cable, dape_v2+cable, rope+linear4
     train_length: int
@@ -35,12 +37,25 @@ class Record:
     checkpoint: Optional[str] = None  # the checkpoint a validate/test measured (None: the weights of the running fit)
     run_seed: Optional[int] = None  # the run's seed_everything (TaskRecord.seed is the evaluation examples' own seed)
 
+    def out_of_range(self) -> Optional[str]:
+        """What is wrong with a row read back (a number outside what it measures), or None."""
+        for name, (low, high) in self.RANGES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            number = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not number or not (low is None or value >= low) or not (high is None or value <= high):
+                return f"{name} {value!r} is not a number in [{low}, {'inf' if high is None else high}]"
+        return None
+
 
 @dataclass(kw_only=True)
 class LengthRecord(Record):
     """Perplexity at one evaluation length and window mode."""
 
     FILE: ClassVar[str] = "length_eval.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "ppl": (1, None), "stride": (0, None),
+                                                          "loss": (0, None), "tokens": (0, None)}
 
     length: int
     mode: str  # nonoverlap or sliding
@@ -61,6 +76,8 @@ class PositionRecord(Record):
     """Mean loss over one bucket of token positions of the non-overlapping windows of one length."""
 
     FILE: ClassVar[str] = "position_loss.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "first_position": (0, None),
+                                                          "last_position": (0, None), "loss": (0, None)}
 
     length: int
     first_position: int
@@ -77,6 +94,8 @@ class TaskRecord(Record):
     the queried fact for tasks that place it (None for the others)."""
 
     FILE: ClassVar[str] = "task_accuracy.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "depth": (0, 1), "accuracy": (0, 1),
+                                                          "trials": (0, None), "correct": (0, None)}
 
     task: str
     length: int  # tokens the model reads (the example has one more: the last answer token is only a target)
@@ -87,18 +106,31 @@ class TaskRecord(Record):
     seed: int = 0  # the evaluation examples' seed
 
 
+def format_value(value: float, digits: int = 2) -> str:
+    """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
+    model's perplexity would otherwise print hundreds of digits)."""
+    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.3g}"
+
+
 def append_records(folder: str, records: list[Record]) -> None:
-    """Append records, each kind to its own file in ``folder``."""
-    os.makedirs(folder, exist_ok=True)
+    """Append records, each kind to its own file in ``folder``; a failed write (a full disk) is an error naming the
+    file."""
     for kind in {type(r) for r in records}:
-        with open(os.path.join(folder, kind.FILE), "a", encoding="utf-8") as f:
-            for record in records:
-                if type(record) is kind:
-                    f.write(json.dumps(dataclasses.asdict(record)) + "\n")
+        path = os.path.join(folder, kind.FILE)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                for record in records:
+                    if type(record) is kind:
+                        f.write(json.dumps(dataclasses.asdict(record)) + "\n")
+        except OSError as exc:
+            raise RunFailedError(f"could not write the records {path} ({type(exc).__name__}: {exc}; "
+                                 f"{space_left(path)}); the checkpoints written before it are intact") from exc
 
 
-def read_jsonl(path: str, required: Iterable[str] = ()) -> list[dict]:
-    """The rows of ``path`` (blank lines skipped), each an object holding the ``required`` keys."""
+def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], Any] = dict) -> list:
+    """The rows of ``path`` (blank lines skipped), each an object holding the ``required`` keys, made into
+    ``make(row)``; a ValueError from ``make`` is an error naming the line."""
     required = tuple(required)
     try:
         with open(path, encoding="utf-8") as f:
@@ -122,7 +154,10 @@ def read_jsonl(path: str, required: Iterable[str] = ()) -> list[dict]:
         if missing:
             raise ConfigError(f"{path}:{number}: the row lacks {', '.join(missing)} (another record format?); "
                               f"valid rows have {', '.join(required)}")
-        rows.append(row)
+        try:
+            rows.append(make(row))
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{number}: {exc}; fix or remove that line") from None
     return rows
 
 
@@ -132,4 +167,11 @@ def read_records(path: str, kind: type[Record]) -> list[Record]:
     fields = dataclasses.fields(kind)
     required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     known = {f.name for f in fields}
-    return [kind(**{k: v for k, v in row.items() if k in known}) for row in read_jsonl(path, required)]
+
+    def make(row: dict) -> Record:
+        record = kind(**{k: v for k, v in row.items() if k in known})
+        if problem := record.out_of_range():
+            raise ValueError(problem)
+        return record
+
+    return read_jsonl(path, required, make)

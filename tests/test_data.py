@@ -81,6 +81,12 @@ def small_txt_dir(tmp_path):
     return str(folder)
 
 
+def work_folders(out: str) -> list[str]:
+    """What a prepare of ``out`` builds or retires beside it (``.<out>.partial-*``, ``.<out>.old-*``)."""
+    parent, base = os.path.split(out)
+    return [name for name in os.listdir(parent) if name.startswith((f".{base}.partial-", f".{base}.old-"))]
+
+
 def fast_prepare(**kwargs):
     kwargs.setdefault("num_workers", 1)
     kwargs.setdefault("start_method", "fork")
@@ -127,7 +133,7 @@ def test_local_sources_round_trip(fmt, val_tokens, small_txt_dir, tmp_path):
     assert int((stream == manifest["eot_id"]).sum()) == len(SMALL_DOCS)
     assert manifest["splits"]["val"]["tokens"] >= val_tokens
     assert 1 <= int((val == manifest["eot_id"]).sum()) < len(SMALL_DOCS)
-    assert not os.path.exists(out + ".partial")
+    assert work_folders(out) == []
 
 
 def test_rerun_is_a_noop_that_says_so(tiny_corpus_dir, capsys):
@@ -251,12 +257,12 @@ def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir,
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: tokenizing into {out} failed: worker pid "), proc.stderr
     assert "was killed by signal 9 (SIGKILL; out of memory?)" in error and "run the same command again" in error
-    assert not os.path.exists(out) and os.path.isdir(out + ".partial")
+    assert not os.path.exists(out) and work_folders(out) == []
     manifest = fast_prepare(source=small_txt_dir, tokenizer="bpe:300", out=out, val_tokens=50, num_workers=2)
     stream = np.concatenate([read_split_tokens(out, "val"), read_split_tokens(out, "train")])
     tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
     assert tok.decode(stream.tolist()) == joined(SMALL_DOCS) and manifest["splits"]["train"]["tokens"] > 0
-    assert not os.path.exists(out + ".partial")
+    assert work_folders(out) == []
 
 
 @pytest.mark.parametrize("case", ["jsonl-row-with-other-fields", "txt-not-utf8"])
@@ -637,6 +643,28 @@ def test_mask_tokens_statistics():
     assert torch.equal(ids[:, ::16], torch.zeros_like(ids[:, ::16])), "input tensor left untouched"
 
 
+def test_evaluation_masks_a_token_by_its_stream_position_whatever_window_holds_it():
+    """MLM perplexity at several lengths must score the same masked tokens: the masking of the validation stream
+    cut into windows of 32 equals its masking cut into windows of 128 (DRAW_BLOCK boundaries crossed), and a
+    different seed masks other tokens."""
+    from cable_lightning.lit.masking import DRAW_BLOCK, position_draws
+
+    stream = torch.randint(3, 1000, (2 * DRAW_BLOCK + 256,), generator=torch.Generator().manual_seed(5))
+    stream[::50] = 0  # separators: never chosen, at every length
+
+    def masked(length, seed=11):
+        windows = stream[: len(stream) // length * length].view(-1, length)
+        positions = torch.arange(windows.numel()).view_as(windows)
+        inputs, labels = mask_tokens(windows, 1, 1000, draws=position_draws(positions, seed), special_ids=(0, 1))
+        return inputs.flatten(), labels.flatten()
+
+    short, long = masked(32), masked(128)
+    assert torch.equal(short[0], long[0]) and torch.equal(short[1], long[1])
+    chosen = short[1] != -100
+    assert 0.13 < chosen.float().mean() < 0.17 and not (stream[: len(chosen)][chosen] == 0).any()
+    assert not torch.equal(masked(32, seed=12)[1], short[1])
+
+
 def test_mask_tokens_gpt2_mask_slot():
     """GPT-2's mask id is one past its vocabulary; random replacements stay inside the vocabulary."""
     ids = torch.randint(0, 50256, (4, 512), generator=torch.Generator().manual_seed(3))
@@ -708,7 +736,7 @@ def test_concurrent_prepares_of_one_folder_both_succeed_with_one_result(small_tx
     logs = [stdout for stdout, _ in results]
     assert sum("nothing to do" in log for log in logs) == 1 and sum("wrote" in log for log in logs) == 1
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
-    assert not os.path.exists(out + ".partial")
+    assert work_folders(out) == []
 
 
 def test_empty_or_one_document_sources_say_so(tmp_path):

@@ -71,17 +71,21 @@ def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
     (["--model.init_args.backbone.pos_encoding.scaling", "linear"],
      "positional encoding 'cable' has no setting 'scaling' (its settings: bias_activation); name the encoding"),
     (["--model.init_args.backbone.rope_scaling", "linear"],
-     "unknown backbone setting 'rope_scaling'; it moved into the rope encoding: --model.init_args.backbone.pos_encoding "
-     "rope --model.init_args.backbone.pos_encoding.scaling VALUE"),
+     "unknown backbone setting 'rope_scaling'; it moved into the rope encoding: "
+     "--model.init_args.backbone.pos_encoding rope --model.init_args.backbone.pos_encoding.scaling VALUE"),
     (["--model.init_args.backbone.dape_width", "8"],
-     "unknown backbone setting 'dape_width'; it moved into the dape_v2 encoding: --model.init_args.backbone.pos_encoding "
-     "dape_v2 --model.init_args.backbone.pos_encoding.width VALUE"),
-    (["--model.init_args.backbone.n_layers", "2"], "unknown backbone setting 'n_layers'; its settings: preset, "
-                                                   "pos_encoding, n_layer, n_head, n_embd"),
-    (["--model.init_args.learning_rate", "0.1"], "unknown CausalLM setting 'learning_rate'; its settings: backbone, data, "
-                                                 "lr, min_lr"),
+     "unknown backbone setting 'dape_width'; it moved into the dape_v2 encoding: "
+     "--model.init_args.backbone.pos_encoding dape_v2 --model.init_args.backbone.pos_encoding.width VALUE"),
+    (["--model.init_args.backbone.n_layers", "2"],
+     "unknown backbone setting 'n_layers'; its settings: preset, pos_encoding, n_layer, n_head, n_embd"),
+    (["--model.init_args.learning_rate", "0.1"],
+     "unknown CausalLM setting 'learning_rate'; its settings: backbone, data, lr, min_lr"),
+    (["--model.init_args.backbone.attention_backend", "chunkd"],
+     "error: unknown value 'chunkd' for attention_backend; choose one of 'auto', 'sdpa', 'fold', 'flex', 'chunked', "
+     "'materialized'"),
 ], ids=["unknown", "rope-factor", "learnable-size", "backend", "dape-base", "rope-shape", "no-such-setting",
-        "moved-rope-setting", "moved-dape-setting", "no-such-backbone-setting", "no-such-model-setting"])
+        "moved-rope-setting", "moved-dape-setting", "no-such-backbone-setting", "no-such-model-setting",
+        "backend-typo"])
 def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_path, capsys, overrides, expected):
     """The quickstart's data would be prepared first (tens of seconds); a bad setting must stop the run before."""
     from test_reliability import user_error_line

@@ -226,6 +226,50 @@ def test_export_replaces_only_its_own_folder_and_leaves_no_partial_one(tmp_path)
         export_backbone(backbone, str(out), overwrite=True, inputs=(str(out / "model.safetensors"),))
 
 
+def test_an_export_that_cannot_be_written_is_one_error_naming_the_limit_and_replaces_nothing(tmp_path):
+    """safetensors reports a full disk (here the file-size limit, EFBIG) as its own SafetensorError."""
+    import resource
+
+    from cable_lightning.errors import RunFailedError
+
+    backbone, out = tiny_backbone("nope", True, 300), tmp_path / "model"
+    export_backbone(backbone, str(out))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
+    try:
+        with pytest.raises(RunFailedError) as failed:
+            export_backbone(backbone, str(out), overwrite=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(failed.value).startswith(f"could not write the export {out} (SafetensorError: "), failed.value
+    assert str(failed.value).endswith("file-size limit (ulimit -f) 0.0625 MiB); nothing was replaced")
+    assert list(tmp_path.iterdir()) == [out] and load_backbone(str(out)).config == backbone.config
+
+
+EDITED_LOADER = """
+import sys
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+except ValueError as exc:
+    sys.exit(f"refused: {exc}")
+"""
+
+
+def test_weights_that_do_not_fit_an_edited_config_json_are_refused_by_transformers(tmp_path):
+    out = tmp_path / "model"
+    export_backbone(tiny_backbone("nope", True, 300), str(out))
+    config = json.loads((out / "config.json").read_text())
+    config["backbone"]["n_layer"] = 3  # the third layer's weights are not in the file
+    (out / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    done = subprocess.run([sys.executable, "-c", EDITED_LOADER, str(out)], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"refused: the weights in {out} do not fit its config.json (missing keys backbone.blocks.2.attn.out.bias, "
+        "backbone.blocks.2.attn.out.weight, backbone.blocks.2.attn.qkv.bias ...); undo the edit to config.json or "
+        "export the checkpoint again"), done.stderr[-3000:]
+
+
 def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
     text = "the theme of the thesis: then, there! 42"
     ranks = {bytes([b]): b for b in range(256)}
@@ -285,3 +329,17 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, t
         f"error: --out {run_folder} holds this command's input {ckpt}; replacing it would delete the input: choose "
         "another --out"]
     assert sorted(p.name for p in run_folder.rglob("*")) == before
+
+    # `last` is not a file: said first, not advice about the data
+    with pytest.raises(SystemExit):
+        export(["--ckpt_path", "last", "--out", str(tmp_path / "hf2")])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: checkpoint last does not exist; give an existing checkpoint file"]
+    # the run's data.path, relative to the folder it started in, is not there from here: --data_path is the fix
+    config = next(run_folder.glob("version_*/config.yaml"))
+    config.write_text(config.read_text().replace(f"path: {tiny_corpus_dir}", "path: data/tiny-bpe512"))
+    with pytest.raises(SystemExit):
+        export(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "hf2")])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: the run's data.path data/tiny-bpe512 (from {config}) is not there from {os.getcwd()}; pass "
+        "--data_path <the prepared folder the run trained on> (its tokenizer is exported)"]

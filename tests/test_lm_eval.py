@@ -67,15 +67,51 @@ def test_harness_loglikelihood_equals_our_summed_token_logprobs(export, max_leng
     assert got == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
 
 
-def test_local_multiple_choice_task_at_two_lengths_gives_finite_accuracy(export, tmp_path):
-    _, _, folder = export
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (tmp_path / "tiny_mc.yaml").write_text(
+def write_task(folder) -> None:
+    """tiny_mc: a multiple-choice task over DOCS, in ``folder``."""
+    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (folder / "tiny_mc.yaml").write_text(
         "task: tiny_mc\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'docs.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\n"
         'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
         'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
+
+
+@pytest.mark.parametrize("case", ["missing-model", "malformed-task-file", "missing-include-path", "unknown-task"])
+def test_a_bad_model_task_or_task_folder_is_one_error_before_the_model_loads(export, tmp_path, case):
+    from cable_lightning.errors import ConfigError
+
+    _, _, folder = export
+    write_task(tmp_path)
+    (tmp_path / "broken.yaml").write_text("task: broken\n  - : [\n")
+    model, task, include = folder, "tiny_mc", tmp_path
+    expected = {"missing-model": f"--model {tmp_path / 'nope'} is not a folder and does not load from the hub (",
+                "malformed-task-file": f"unknown lm-eval task 'broken'; {tmp_path / 'broken.yaml'} does not load "
+                                       "(ScannerError: mapping values are not allowed",
+                "missing-include-path": f"--include_path {tmp_path / 'none'} is not a folder; give the folder of your "
+                                        "task YAMLs",
+                "unknown-task": f"unknown lm-eval task 'nosuchtask'; {tmp_path / 'broken.yaml'} does not load "}[case]
+    if case == "missing-model":
+        model = str(tmp_path / "nope")
+    elif case == "malformed-task-file":
+        task = "broken"
+    elif case == "missing-include-path":
+        include = tmp_path / "none"
+    else:
+        (tmp_path / "broken.yaml").unlink()
+        task, expected = "nosuchtask", "unknown lm-eval task 'nosuchtask'; valid: the tasks of --include_path " \
+                                       f"{tmp_path}: tiny_mc"
+    with pytest.raises(ConfigError) as error:
+        lm_eval_lengths.main(["--model", model, "--tasks", task, "--include_path", str(include),
+                              "--only_include_path", "--out", str(tmp_path / "out"), "--trust_remote_code"])
+    assert str(error.value).startswith(expected), error.value
+    assert not (tmp_path / "out").exists()
+
+
+def test_local_multiple_choice_task_at_two_lengths_gives_finite_accuracy(export, tmp_path):
+    _, _, folder = export
+    write_task(tmp_path)
     lm_eval_lengths.main(["--model", folder, "--tasks", "tiny_mc", "--lengths", "16", "12", "--batch_size", "2",
                           "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out"),
                           "--bootstrap_iters", "0", "--trust_remote_code"])

@@ -146,6 +146,24 @@ def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tiny_corp
     assert resumed.trainer.global_step == 4
 
 
+def test_a_run_worse_than_guessing_says_so_and_prints_its_perplexity_short(tiny_corpus_dir, tmp_path, capsys):
+    """lr 5: the loss stays finite (no divergence stop), the perplexity is ~1e225."""
+    run(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=4, every=4), "--model.init_args.lr", "5"])
+    out, err = capsys.readouterr()
+    [row] = [line.split() for line in out.splitlines() if line.startswith("    32 ")]
+    assert "e+" in row[2] and float(row[2]) > 1e100, out  # three significant digits, not hundreds of digits
+    warning = [line for line in err.splitlines() if line.startswith("warning: perplexity")]
+    assert warning == [f"warning: perplexity {row[2]} at the training length 32 (step 4) is above the vocabulary size "
+                       "512, worse than guessing every token: the model is not learning; lower the learning rate "
+                       "(--model.init_args.lr)"], err
+
+
+def test_rows_validated_from_a_url_record_the_url_not_its_temporary_copy(tiny_corpus_dir, rope_run, tmp_path):
+    url = f"file://{os.path.join(checkpoints(rope_run), 'last.ckpt')}"
+    cli = main(["validate", *args(tiny_corpus_dir, str(tmp_path), pe="rope"), "--ckpt_path", url])
+    assert cli.model.length_results and {r.checkpoint for r in cli.model.length_results} == {url}
+
+
 def test_perplexity_overflow_is_recorded_as_inf(tiny_corpus_dir, rope_run, tmp_path):
     state = torch.load(os.path.join(checkpoints(rope_run), "last.ckpt"), weights_only=True)
     state["state_dict"]["backbone.ln_f.weight"] *= 1e5  # logits ~1e5: mean NLL far beyond exp's float64 range
@@ -251,6 +269,41 @@ def test_a_failed_checkpoint_write_is_an_error_and_keeps_the_old_file(tmp_path, 
         io.save_checkpoint({"version": 2}, target)
     assert torch.load(target, weights_only=True) == {"version": 1}
     assert not os.path.exists(target + PARTIAL_SUFFIX)
+
+
+def test_a_file_size_limit_is_named_as_such_not_as_free_space(tmp_path):
+    """``ulimit -f``: the write fails with EFBIG (Python ignores SIGXFSZ) while the disk has room."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(RunFailedError) as failed:
+            AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(1 << 19)}, str(tmp_path / "last.ckpt"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "the file reached this process's file-size limit (ulimit -f) of 1 MiB; raise it" in str(failed.value)
+    assert "free there" not in str(failed.value) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("full, what", [("length_eval.jsonl", "the records "), ("config.yaml", "")],
+                         ids=["records", "config"])
+def test_a_full_logs_folder_is_one_line_naming_the_file(tiny_corpus_dir, tmp_path, capsys, monkeypatch, full, what):
+    logs = tmp_path / "logs" / "test" / "v0"
+    logs.mkdir(parents=True)
+    if full == "config.yaml":  # jsonargparse refuses to write through a link: its save meets the full disk
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr("cable_lightning.cli.TerseParser.save", disk_full)
+    else:
+        os.symlink("/dev/full", logs / full)  # every write to it: ENOSPC
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2, every=2),
+                                    "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                                    "--trainer.logger.save_dir", str(tmp_path / "logs"), "--trainer.logger.name",
+                                    "test", "--trainer.logger.version", "v0"], status=1)
+    assert line.startswith(f"error: could not write {what}{logs / full} (OSError: [Errno 28] No space left on "
+                           "device; "), line
 
 
 def test_a_checkpoint_folder_that_cannot_be_made_fails_before_training(tiny_corpus_dir, tmp_path, capsys):

@@ -2,6 +2,7 @@
 requested length), a few steps of MultipleNegativesRankingLoss on local triples, nDCG@10 on a local BEIR set where
 the answers are known, the Table-3 layout, and MLDR's one-line error when the hub cannot be reached."""
 
+import csv
 import json
 import os
 import shutil
@@ -65,6 +66,17 @@ def write_beir(folder, relevant: dict[str, str]) -> list[str]:
     qrels = "".join(f"{query}\t{doc}\t1\n" for query, doc in relevant.items())
     (folder / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + qrels)
     return [str(folder / name) for name in ("corpus.jsonl", "queries.jsonl", "qrels.tsv")]
+
+
+def test_qrels_separated_by_spaces_are_one_error_naming_the_line(tmp_path):
+    corpus, queries, qrels = write_beir(tmp_path, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    lines = open(qrels).read().splitlines()
+    with open(qrels, "w") as f:
+        f.write("\n".join([*lines[:2], lines[2].replace("\t", " "), *lines[3:]]) + "\n")
+    with pytest.raises(ConfigError) as error:
+        retrieval.read_beir(corpus, queries, qrels)
+    assert str(error.value) == (f"{qrels}:3: [{lines[2].replace(chr(9), ' ')!r}] is not query-id<TAB>corpus-id<TAB>"
+                                "score (columns separated by tabs, the score a number); fix that line")
 
 
 @pytest.mark.parametrize("length", [8, 24])  # 24: past the training length
@@ -190,3 +202,22 @@ def test_finetune_out_replaces_only_an_export_that_is_not_its_input(encoder_fold
     tune(other, overwrite=True)
     assert not (other / "stale.bin").exists() and (other / "model.safetensors").is_file()  # replaced, not mixed
     assert [p for p in os.listdir(tmp_path) if ".partial-" in p or ".old-" in p] == []
+
+
+def test_bm25_baseline_finds_a_shared_rare_word_only_where_the_cut_keeps_it(encoder_folder, tmp_path):
+    """The lexical baseline at a length sees what an encoder at that length sees: documents cut to its first tokens.
+    Each query's rare words are in its document only, so uncut BM25 ranks every answer first (nDCG@10 = 1); cut to
+    one token, no document holds a query word and the ranking is a tie (below 1). The command adds a bm25 column."""
+    from transformers import AutoTokenizer
+
+    folder, _ = encoder_folder
+    local = write_beir(tmp_path, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    data = retrieval.read_beir(*local)
+    assert retrieval.ndcg_bm25(*data, 64, tokenizer) == 1.0
+    assert retrieval.ndcg_bm25(*data, 1, tokenizer) < 0.9
+    retrieval.main(["evaluate", "--models", f"base={folder}", "--lengths", "1", "64", "--corpus", local[0],
+                    "--queries", local[1], "--qrels", local[2], "--bm25", "--out", str(tmp_path / "out"),
+                    "--trust_remote_code"])
+    rows = list(csv.DictReader(open(tmp_path / "out" / "table.csv")))
+    assert [row["bm25"] for row in rows][1] == "100.00" and set(rows[0]) == {"length", "bm25", "base"}

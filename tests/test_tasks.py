@@ -308,7 +308,10 @@ def test_fit_and_validate_write_task_accuracy_at_every_checkpoint(tmp_path, monk
     (dict(tasks={"associative_recall": {"pairs": 4, "queries": 5}}),
      "associative_recall needs 1 <= queries <= pairs <= 64, got pairs=4, queries=5"),
     (dict(tasks={"needle": {}}, task_fraction=0.5), "data.path is null, which only a run of tasks alone can be"),
-    (dict(tasks={}), "data.path is null, which only a run of tasks alone can be"),
+    (dict(tasks={}), "data.tasks is empty; name at least one task: associative_recall, copy, needle, passkey"),
+    (dict(tasks={"needle": {"keys": "two"}}), "task needle setting keys must be an integer, got 'two'"),
+    (dict(tasks={"needle": 2}), "task needle: settings must be a mapping ({setting: value}), got 2; its settings: "
+                                "keys, value_tokens"),
     (dict(tasks={"copy": {}}, lm_loss_weight=2.0), "lm_loss_weight must be in [0, 1], got 2.0"),
 ])
 def test_impossible_task_settings_are_refused_in_one_line(settings, message):
@@ -319,6 +322,7 @@ def test_impossible_task_settings_are_refused_in_one_line(settings, message):
 
 @pytest.mark.parametrize("extra, message", [
     (["--data.tasks", '{"needle": {}, "recall": {}}'], "unknown task 'recall'; valid tasks: associative_recall, "),
+    (["--data.tasks", '{"needle": {"keys": "two"}}'], "error: task needle setting keys must be an integer, got 'two'"),
     (["--data.eval_lengths", "[16, 48]"], "evaluation length 16 is too short for a task: task associative_recall "
      "(pairs=4, queries=4) needs a length of at least 20 tokens, got 16"),
 ])

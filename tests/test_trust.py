@@ -25,6 +25,7 @@ from cable_lightning.errors import ConfigError
 from cable_lightning.hf.export import main as export_main
 from cable_lightning.lit import CausalLM, MaskedLM
 from cable_lightning.positional.registry import available
+from cable_lightning.records import LengthRecord, TaskRecord, read_records
 
 
 class WritesMarker:
@@ -206,6 +207,23 @@ def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_
         f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]
 
 
+TASK_ROW = {**ROW, "task": "passkey", "depth": 0.5, "accuracy": 0.5}
+
+
+@pytest.mark.parametrize("kind, row, problem", [
+    (LengthRecord, {**ROW, "length": -3}, "length -3 is not a number in [1, inf]"),
+    (LengthRecord, {**ROW, "ppl": "9.5"}, "ppl '9.5' is not a number in [1, inf]"),
+    (TaskRecord, {**TASK_ROW, "accuracy": 7.5}, "accuracy 7.5 is not a number in [0, 1]"),
+], ids=["length", "ppl", "accuracy"])
+def test_a_row_with_a_value_its_measure_cannot_take_is_named(tmp_path, kind, row, problem):
+    """The report's reader: a value no run writes (an accuracy above 1, a negative length) is an error, not a row."""
+    records = tmp_path / kind.FILE
+    records.write_text(json.dumps(TASK_ROW if kind is TaskRecord else ROW) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError) as error:
+        read_records(str(records), kind)
+    assert str(error.value) == f"{records}:2: {problem}; fix or remove that line"
+
+
 # --- owned replacement: --overwrite replaces only what the tool wrote, never its own input ----------------------------
 
 def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write(tmp_path, capsys):
@@ -227,6 +245,55 @@ def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write
     line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(mine), "--overwrite"]))
     assert f"{mine} already exists and was not written by prepare" in line, line
     assert os.listdir(mine) == ["keep.txt"]
+    prepared = tmp_path / "prepared"  # its trained tokenizer.json, then given as the tokenizer of an overwrite
+    (tmp_path / "prepared.partial").mkdir()  # the user's, by a name an earlier prepare used
+    (tmp_path / "prepared.partial" / "keep.txt").write_text("not prepare's")
+    prepare_main([*base, "--out", str(prepared)])
+    assert os.listdir(tmp_path / "prepared.partial") == ["keep.txt"]
+    tokenizer = prepared / "tokenizer.json"
+    line = one_error_line(capsys, lambda: prepare_main([*base[:2], "--tokenizer", str(tokenizer), *base[4:], "--out",
+                                                        str(prepared), "--overwrite"]))
+    assert line.startswith(f"error: --out {prepared} holds this command's input {tokenizer}"), line
+    assert tokenizer.is_file()
+
+
+KILLED_WRITER = """
+import os, shutil, sys
+from cable_lightning import owned
+
+out, stage = sys.argv[1], sys.argv[2]
+staged = owned.staging_folder(out, "export")
+with open(os.path.join(staged, "model.safetensors"), "wb") as f:
+    f.write(bytes(1000))
+if stage == "swap":  # killed while removing the replaced folder
+    owned.shutil.rmtree = lambda *args, **kwargs: os.kill(os.getpid(), 9)
+    owned.swap_in(staged, out, "export")
+os.kill(os.getpid(), 9)  # killed while building
+"""
+
+
+def test_the_next_run_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
+    from cable_lightning.owned import discard, staging_folder, write_marker
+
+    out = tmp_path / "model"
+    out.mkdir()
+    write_marker(str(out), "export")
+    for stage, left in (("build", ".model.partial"), ("swap", ".model.old")):  # the second run removes the first's
+        done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(out), stage], env={**os.environ,
+                              "PYTHONPATH": ROOT}, capture_output=True, text=True)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+        assert [name.split("-")[0] for name in os.listdir(tmp_path) if name != "model"] == [left]
+    look_alike = tmp_path / ".model.partial-mine"  # unmarked: not a writer's
+    look_alike.mkdir()
+    other = tmp_path / ".model.partial-other"  # another writer's
+    other.mkdir()
+    write_marker(str(other), "prepare")
+    staged = staging_folder(str(out), "export")
+    assert sorted(os.listdir(tmp_path)) == sorted([".model.partial-mine", ".model.partial-other", "model",
+                                                   os.path.basename(staged)])
+    live = staging_folder(str(out), "export")  # a live run's folder is held: not a leftover
+    assert os.path.isdir(staged)
+    discard(live), discard(staged)
 
 
 def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
@@ -253,6 +320,14 @@ def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable
                            text=True, env=env, cwd=ROOT)
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "MissingFileError: no length_eval.jsonl" in \
         debug.stderr
+
+
+@pytest.mark.parametrize("endpoint", ["not-a-url", "ftp://store", "http://:9000", "http://store:port"])
+def test_an_endpoint_that_is_not_an_http_url_is_one_line_before_any_connection(tmp_path, capsys, endpoint):
+    line = one_error_line(capsys, lambda: run(["fit", *args("s3://bucket/prefix", str(tmp_path / "runs")),
+                                               "--data.endpoint_url", endpoint]))
+    assert line == (f"error: endpoint URL {endpoint!r} is not an http(s) URL with a host; give the store's endpoint "
+                    "(e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url or --endpoint-url")
 
 
 @pytest.mark.parametrize("stride", ["0", "-2"])
@@ -300,7 +375,7 @@ SIGTERM_SCRIPT = """
 import functools, os, sys, time
 import cable_lightning.data.prepare as prep
 
-flag = sys.argv[1]
+flag = os.environ["STARTED_FLAG"]  # spawned workers import this file again (as __mp_main__): slow is found there
 real_tokenize = prep.tokenize_work
 
 def slow(work, **kwargs):
@@ -310,23 +385,27 @@ def slow(work, **kwargs):
     time.sleep(600)  # until stopped
     yield from real_tokenize(work, **kwargs)
 
-prep.tokenize_work = slow
-prep.prepare = functools.partial(prep.prepare, start_method="fork")
-sys.exit(prep.main(sys.argv[2:]))
+if __name__ == "__main__":
+    prep.tokenize_work = slow
+    prep.prepare = functools.partial(prep.prepare, start_method=sys.argv[1])
+    sys.exit(prep.main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plus_the_signal(tmp_path, stop):
+@pytest.mark.parametrize("stop, start_method", [(signal.SIGTERM, "fork"), (signal.SIGINT, "fork"),
+                                                (signal.SIGTERM, "spawn")], ids=["SIGTERM", "Ctrl-C", "spawn"])
+def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plus_the_signal(tmp_path, stop,
+                                                                                            start_method):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(4):
         (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
     out, flag = tmp_path / "out", str(tmp_path / "started")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    child = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, flag, "--source", str(corpus), "--tokenizer",
-                              "bpe:300", "--out", str(out), "--val-tokens", "20", "--num-workers", "2", "--quiet"],
-                             env=env, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": ROOT, "STARTED_FLAG": flag}
+    (tmp_path / "slow_prepare.py").write_text(SIGTERM_SCRIPT)
+    child = subprocess.Popen([sys.executable, str(tmp_path / "slow_prepare.py"), start_method, "--source",
+                              str(corpus), "--tokenizer", "bpe:300", "--out", str(out), "--val-tokens", "20",
+                              "--num-workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
     def started() -> int:
         return len(open(flag + ".workers").read().split()) if os.path.exists(flag + ".workers") else 0
 
@@ -340,9 +419,10 @@ def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plu
     child.send_signal(stop)
     _, err = child.communicate(timeout=120)
     assert child.returncode == 128 + stop, err
+    assert "Traceback" not in err and "resource_tracker" not in err, err  # the tracker is not ended with the workers
     assert err.strip().splitlines()[-1] == (f"error: stopped by {stop.name}; the workers were stopped and nothing was "
                                             f"written to {out}; run the same command again")
-    assert not out.exists() and not os.path.exists(f"{out}.partial")
+    assert not out.exists() and not glob.glob(f"{tmp_path}/.out.*")
     for pid in map(int, open(flag + ".workers").read().split()):
         for _ in range(100):  # a stopped worker is gone (reaped) within 10 s
             try:

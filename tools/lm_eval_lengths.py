@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import json
 import math
 import os
+
+from cable_lightning.errors import ConfigError, MissingFileError
 
 
 def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_path: str | None = None,
@@ -34,9 +37,12 @@ def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_pa
 
     from cable_lightning.hf.export import check_remote_code
 
-    check_remote_code(model, trust_remote_code)
-
+    if include_path is not None and not os.path.isdir(include_path):
+        raise MissingFileError(f"--include_path {include_path} is not a folder; give the folder of your task YAMLs")
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    check_tasks(tasks, manager, include_path, include_defaults)
+    check_remote_code(model, trust_remote_code)
+    check_model(model, trust_remote_code)
     scores = {}
     for length in lengths:
         model_args = {"pretrained": model, "trust_remote_code": trust_remote_code}
@@ -50,6 +56,40 @@ def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_pa
                                  if "," in name and "_stderr" not in name and isinstance(value, (int, float))}
                           for task, metrics in results["results"].items()}
     return scores
+
+
+def check_tasks(tasks: list[str], manager, include_path: str | None, include_defaults: bool) -> None:
+    """Every task is one the harness indexed (or a task YAML's path), before the model is loaded; the harness skips a
+    task YAML it cannot read without a word, so such files under ``include_path`` are named."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # the loader the harness indexes with
+
+    unknown = [task for task in tasks if not manager.match_tasks([task]) and not os.path.isfile(task)]
+    if not unknown:
+        return
+    broken = []
+    for path in sorted(glob.glob(os.path.join(include_path, "**", "*.yaml"), recursive=True)) if include_path else ():
+        try:
+            load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as exc:  # noqa: BLE001 - yaml and the harness raise their own types
+            broken.append(f"{path} does not load ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
+    where = (f"the tasks of --include_path {include_path}: {', '.join(manager.all_tasks) or 'none'}"
+             if include_path and not include_defaults else "`lm_eval ls tasks` lists the harness's tasks")
+    raise ConfigError(f"unknown lm-eval task {', '.join(map(repr, unknown))}; "
+                      + ("; ".join(broken) + "; fix it" if broken else f"valid: {where}"))
+
+
+def check_model(model: str, trust_remote_code: bool) -> None:
+    """A model that is not a folder is a hub id: its config must load (offline, a missing folder fails here)."""
+    if os.path.isdir(model):
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise MissingFileError(f"--model {model} is not a folder and does not load from the hub "
+                               f"({(str(exc).strip().splitlines() or [''])[0]}); give a folder written by "
+                               "`python -m cable_lightning export`") from None
 
 
 def table(scores: dict[int | None, dict]) -> tuple[list[str], list[list[str]]]:

@@ -5,7 +5,8 @@
 #                               run `ruff check .` and the whole suite there, and print how they differ from
 #                               tools/requirements.lock. Changes nothing in the repository.
 #   bash tools/lock.sh update   the same, and when the suite passes, write tools/requirements.lock from that
-#                               environment (exact versions of everything installed; torch without its +cpu tag).
+#                               environment (exact versions of everything installed, setuptools included, pip
+#                               not; torch without its +cpu tag).
 #
 # PYTHON picks the interpreter for the virtualenv (default: python3); the lock is only as general as that Python
 # and platform (the header says which).
@@ -22,7 +23,8 @@ trap 'rm -rf "$work"' EXIT
 # shellcheck disable=SC1091
 . "$work/venv/bin/activate"
 CABLE_LOCK=none bash tools/install.sh
-python -m pip freeze --exclude-editable | sed -e 's/^torch==\([^+]*\)+.*/torch==\1/' | sort -f > "$work/newest"
+python -m pip freeze --all --exclude-editable | grep -v '^pip==' | sed -e 's/^torch==\([^+]*\)+.*/torch==\1/' \
+    | sort -f > "$work/newest"
 echo "newest releases allowed (differences from tools/requirements.lock; < locked, > newest):"
 diff <(grep -v '^#' tools/requirements.lock 2>/dev/null | sort -f) "$work/newest" || true
 ruff check .

@@ -40,7 +40,7 @@ from cable_lightning.callbacks.length_eval import ppl_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
 from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
-from cable_lightning.records import LengthRecord, PositionRecord, Record, TaskRecord, read_records
+from cable_lightning.records import LengthRecord, PositionRecord, Record, TaskRecord, format_value, read_records
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -236,8 +236,9 @@ def format_cell(estimate: Optional[Estimate], digits: int) -> str:
     if estimate is None:
         return "-"
     if estimate.low is None:
-        return f"{estimate.mean:.{digits}f}"
-    return f"{estimate.mean:.{digits}f} [{estimate.low:.{digits}f}, {estimate.high:.{digits}f}]"
+        return format_value(estimate.mean, digits)
+    return (f"{format_value(estimate.mean, digits)} [{format_value(estimate.low, digits)}, "
+            f"{format_value(estimate.high, digits)}]")
 
 
 def markdown(columns, table, best=min, digits: int = 2, header: str = "length") -> str:

@@ -26,8 +26,8 @@ import os
 import shutil
 import sys
 
-from cable_lightning.errors import ConfigError, error_boundary
-from cable_lightning.owned import check_replaceable, staging_folder, swap_in
+from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
 from cable_lightning.records import read_jsonl
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
@@ -95,13 +95,13 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
         SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
                                    loss=MultipleNegativesRankingLoss(st_model)).train()
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
-    staged = staging_folder(out)
+    staged = staging_folder(out, "export")
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
         swap_in(staged, out, "export")
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        discard(staged)
     return out
 
 
@@ -115,12 +115,20 @@ def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
     docs = {str(r["_id"]): (r.get("title", "") + " " + r["text"]).strip() for r in read_jsonl(corpus, ("_id", "text"))}
     questions = {str(r["_id"]): r["text"] for r in read_jsonl(queries, ("_id", "text"))}
     relevant: dict[str, set] = {}
-    with open(qrels, encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t")
-        next(reader, None)
-        for query_id, doc_id, score in reader:
-            if float(score) > 0:
-                relevant.setdefault(query_id, set()).add(doc_id)
+    try:
+        with open(qrels, encoding="utf-8") as f:
+            rows = list(csv.reader(f, delimiter="\t"))
+    except FileNotFoundError:
+        raise MissingFileError(f"{qrels} does not exist") from None
+    for number, row in enumerate(rows[1:], 2):  # after the header
+        try:
+            query_id, doc_id, score = row
+            score = float(score)
+        except ValueError:
+            raise ConfigError(f"{qrels}:{number}: {row!r} is not query-id<TAB>corpus-id<TAB>score (columns "
+                              "separated by tabs, the score a number); fix that line") from None
+        if score > 0:
+            relevant.setdefault(query_id, set()).add(doc_id)
     return docs, questions, relevant
 
 
@@ -130,6 +138,25 @@ def ndcg_local(st_model, docs: dict, questions: dict, relevant: dict, batch_size
     evaluator = InformationRetrievalEvaluator(questions, docs, relevant, ndcg_at_k=[10], name="local",
                                               batch_size=batch_size, show_progress_bar=False)
     return float(evaluator(st_model)[evaluator.primary_metric])
+
+
+def ndcg_bm25(docs: dict, questions: dict, relevant: dict, length: int, tokenizer) -> float:
+    """nDCG@10 of BM25 (bm25s, English stopwords) over each document cut to its first ``length`` tokens of
+    ``tokenizer``, as the encoders see it: the lexical baseline at that length, for scale."""
+    import bm25s
+    import numpy as np
+    from sklearn.metrics import ndcg_score
+
+    doc_ids = list(docs)
+    cut = [tokenizer.decode(ids[:length]) for ids in tokenizer([docs[i] for i in doc_ids],
+                                                                add_special_tokens=False).input_ids]
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize(cut, stopwords="en", show_progress=False), show_progress=False)
+    query_ids = [q for q in questions if q in relevant]
+    words = bm25s.tokenize([questions[q] for q in query_ids], stopwords="en", return_ids=False, show_progress=False)
+    scores = np.stack([retriever.get_scores(w) for w in words])
+    truth = np.array([[doc in relevant[q] for doc in doc_ids] for q in query_ids], dtype=float)
+    return float(ndcg_score(truth, scores, k=10))
 
 
 def ndcg_mldr(st_model, batch_size: int = 16) -> float:
@@ -148,10 +175,17 @@ def ndcg_mldr(st_model, batch_size: int = 16) -> float:
 
 
 def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, str] | None = None,
-             batch_size: int = 16, trust_remote_code: bool = False) -> dict[int, dict[str, float]]:
-    """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length."""
+             batch_size: int = 16, trust_remote_code: bool = False, bm25: bool = False) -> dict[int, dict[str, float]]:
+    """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length; ``bm25``
+    adds BM25 on the same local set, its documents cut with the first model's tokenizer."""
     data = read_beir(*local) if local else None
     scores: dict[int, dict[str, float]] = {length: {} for length in lengths}
+    if bm25:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())), trust_remote_code=trust_remote_code)
+        for length in lengths:
+            scores[length]["bm25"] = ndcg_bm25(*data, length, tokenizer)
     for name, folder in models.items():
         for length in lengths:
             st_model = encoder(folder, length, trust_remote_code=trust_remote_code)
@@ -212,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--corpus", help="a local BEIR corpus.jsonl (with --queries and --qrels)")
     ev.add_argument("--queries")
     ev.add_argument("--qrels")
+    ev.add_argument("--bm25", action="store_true", help="add BM25 on the local set at each length (a lexical "
+                    "baseline; documents cut with the first model's tokenizer)")
     ev.add_argument("--batch_size", type=int, default=16)
     ev.add_argument("--out", required=True)
     for command in (tune, ev):
@@ -228,8 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.corpus and not (args.queries and args.qrels):
         parser.error("--corpus needs --queries and --qrels")
     local = (args.corpus, args.queries, args.qrels) if args.corpus else None
+    if args.bm25 and not local:
+        parser.error("--bm25 needs a local set (--corpus, --queries, --qrels); MLDR's own BM25 is in its paper")
     print(write_table(evaluate(_named_models(args.models), args.lengths, local, args.batch_size,
-                               args.trust_remote_code), args.out), end="")
+                               args.trust_remote_code, args.bm25), args.out), end="")
 
 
 if __name__ == "__main__":

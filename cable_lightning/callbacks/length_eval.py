@@ -11,10 +11,11 @@ window mode, DDP-reduced by torchmetrics); this callback only writes them down o
 from __future__ import annotations
 
 import math
+import sys
 
 import lightning as L
 
-from ..records import LengthRecord, PositionRecord, append_records
+from ..records import LengthRecord, PositionRecord, append_records, format_value
 
 
 def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_length: int | None, xlabel: str,
@@ -73,7 +74,7 @@ def format_table(rows: list[LengthRecord], train_length: int) -> str:
         cells = []
         for m in modes:
             r = by_key.get((length, m))
-            cells.append(f"{'-' if r is None or r.ppl is None else format(r.ppl, '.2f'):>12}")
+            cells.append(f"{'-' if r is None or r.ppl is None else format_value(r.ppl):>12}")
         lines.append(f"{length:>6}  {length / train_length:>8g}x  " + "  ".join(cells))
     return "\n".join(lines)
 
@@ -108,3 +109,10 @@ class LengthEvalRecorder(L.Callback):
         if self.print_table:
             print(f"validation perplexity by length ({first.pe}, trained at {first.train_length} tokens, "
                   f"step {first.step}):\n{format_table(rows, first.train_length)}", flush=True)
+        vocab = pl_module.config.vocab_size
+        for r in rows:  # past the training length a high perplexity is the measurement; at it, a broken run
+            if r.length == r.train_length and r.ppl is not None and r.ppl > vocab:
+                print(f"warning: perplexity {format_value(r.ppl)} at the training length {r.length} (step {r.step}) "
+                      f"is above the vocabulary size {vocab}, worse than guessing every token: the model is not "
+                      "learning; lower the learning rate (--model.init_args.lr)", file=sys.stderr, flush=True)
+                break

@@ -111,6 +111,7 @@ class TokenDataModule(L.LightningDataModule):
         for name, value in (("task_fraction", task_fraction), ("lm_loss_weight", lm_loss_weight)):
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
+        task_mix = TaskMix(tasks) if tasks is not None else None  # an empty, unknown or bad task: one line, now
         if path is None and (not tasks or task_fraction < 1 or source is not None):
             raise ConfigError("data.path is null, which only a run of tasks alone can be (data.tasks set, "
                               f"task_fraction 1, no source); got tasks={tasks}, task_fraction={task_fraction}; "
@@ -134,7 +135,7 @@ class TokenDataModule(L.LightningDataModule):
         self.store = Store(self.path, endpoint_url) if is_remote(self.path) else None  # a bad URL fails here
         self.folder = None if self.store else self.path  # local: the path; remote: its fetched small files
         self.task_settings, self.task_fraction, self.lm_loss_weight = tasks, float(task_fraction), float(lm_loss_weight)
-        self.tasks = TaskMix(tasks) if tasks else None  # an unknown task or setting: one line, now
+        self.tasks = task_mix
         if self.tasks is not None:
             if path is None:
                 self.tasks.vocab = TaskVocabulary.own()  # a text task (passkey) is refused here, by check_tasks

@@ -8,8 +8,8 @@ Each document's tokens are followed by the end-of-text id (``doc1 <eot> doc2 <eo
 of the stream: whole documents until ``--val-fraction`` of the characters or ``--val-tokens`` tokens, tokenized
 once, in this process (the tokenizers' batch encoders use every core), into one flat array; training is the rest,
 tokenized by litdata workers from where the head stopped. Sources with their own splits (wikitext-103) keep them.
-Work happens in ``<out>.partial`` under a lock on ``<out>.lock`` and is renamed to ``<out>`` at the end, so an
-``<out>`` folder is always complete and concurrent prepares of one ``<out>`` run one after the other. An
+Work happens in a private ``.<out>.partial-*`` folder under a lock on ``<out>.lock`` and is renamed to ``<out>`` at
+the end, so an ``<out>`` folder is always complete and concurrent prepares of one ``<out>`` run one after the other. An
 ``s3://bucket/prefix`` ``<out>`` is prepared the same way in a local temporary folder, then published there with its
 manifest last, under a lock object in the store (:mod:`cable_lightning.data.remote`).
 """
@@ -22,6 +22,7 @@ import functools
 import itertools
 import json
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -45,10 +46,11 @@ from cable_lightning.data.tokenizers import (
     Tokenizer,
     get_tokenizer,
     parse_bpe_spec,
+    tokenizer_file,
     train_bpe,
 )
 from cable_lightning.errors import ConfigError, RunFailedError, TargetExistsError, error_boundary
-from cable_lightning.owned import MARKER, check_replaceable, swap_in
+from cable_lightning.owned import MARKER, check_replaceable, discard, staging_folder, swap_in
 
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
@@ -172,7 +174,7 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
         # A second prepare of this out waits here, then finds it done. A POSIX lock belongs to this process alone:
         # forked litdata helpers that outlive a killed worker cannot keep it (an flock would stay held by them).
         fcntl.lockf(lock, fcntl.LOCK_EX)
-        if (done := _existing(out, request, overwrite, src.files or ())) is not None:
+        if (done := _existing(out, request, overwrite, [*(src.files or ()), tokenizer_file(tokenizer)])) is not None:
             (log or _silent)(f"{out} is already prepared for this request "
                              f"({done['splits']['train']['tokens']} train tokens); nothing to do")
             return done
@@ -182,16 +184,17 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
 
 def _stoppable(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None,
                log: Any) -> dict[str, Any]:
-    """:func:`_prepare` with SIGTERM and Ctrl-C turned into :class:`PrepareStopped` (main thread only)."""
+    """:func:`_prepare` in a private folder beside ``out`` (:func:`staging_folder`), with SIGTERM and Ctrl-C turned
+    into :class:`PrepareStopped` (main thread only). What a failed or stopped run wrote is removed (the watchdog has
+    ended the workers: finally in _optimize)."""
+    staged = staging_folder(out, "prepare")
     stop = functools.partial(_stop, main_pid=os.getpid())
     previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
                 if threading.current_thread() is threading.main_thread() else {})
     try:
-        return _prepare(src, request, out, num_workers, start_method, log)
-    except PrepareStopped:  # the watchdog has ended the workers (finally in _optimize); drop what they wrote
-        shutil.rmtree(out + ".partial", ignore_errors=True)
-        raise
+        return _prepare(src, request, out, staged, num_workers, start_method, log)
     finally:
+        discard(staged)  # already renamed to out after a success
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -274,12 +277,10 @@ def _silent(*_: Any) -> None:
     pass
 
 
-def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | None, start_method: str | None,
-             printer: Any) -> dict:
+def _prepare(src: DatasetSource, request: dict, out: str, partial: str, num_workers: int | None,
+             start_method: str | None, printer: Any) -> dict:
     log, tokenizer, bpe_size = printer or _silent, request["tokenizer"], parse_bpe_spec(request["tokenizer"])
-    started, partial = time.time(), out + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    started = time.time()
     if bpe_size:
         chars = request["bpe_train_chars"]
         log(f"training {tokenizer} on up to {chars} characters of {src.name}")
@@ -339,7 +340,8 @@ def _prepare(src: DatasetSource, request: dict, out: str, num_workers: int | Non
 
 def _existing(out: str, request: dict[str, Any], overwrite: bool, inputs: Iterable[str]) -> dict[str, Any] | None:
     """The finished manifest when ``out`` already holds this exact request; errors on a conflicting one. ``out`` is
-    replaced only when prepare wrote it (its marker or manifest) and it holds none of the source's files."""
+    replaced only when prepare wrote it (its marker or manifest) and it holds none of its inputs (the source's files,
+    the tokenizer file)."""
     check_replaceable(out, "prepare", True, inputs)  # ownership and inputs; --overwrite is looked at below
     if overwrite or not os.path.exists(out) or (os.path.isdir(out) and not os.listdir(out)):
         return None
@@ -410,6 +412,7 @@ class _Watchdog(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(name="prepare-watchdog", daemon=True)
+        _start_resource_tracker()
         self.before = set(_started_children())
         self.before_pids = set(_children(os.getpid()))
         self.workers: dict[int, Any] = {}  # pid -> Process, every child started while watching
@@ -455,6 +458,19 @@ class _Watchdog(threading.Thread):
         self.join()
         self.look()
         self.end()
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's resource tracker is a child of this process too, started on first use. Started before the
+    watchdog looks, it is never taken for a worker and ended (a tracker ended mid-run is relaunched without its
+    records and prints a traceback for every resource released after). It runs without its warning about the
+    semaphores of stopped workers, which it removes: after a stop, the run's last line is its error."""
+    flags = list(sys.warnoptions)  # the tracker's interpreter gets this process's -W options
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions[:] = flags
 
 
 def _started_children() -> list:

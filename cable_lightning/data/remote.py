@@ -26,6 +26,7 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,6 +71,15 @@ class Store:
                               "root of a bucket)")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url, self.endpoint_url = f"{SCHEME}{bucket}/{self.prefix}", endpoint_url or None
+        try:
+            endpoint = urllib.parse.urlsplit(self.endpoint_url or "http://default")
+            valid = endpoint.scheme in ("http", "https") and bool(endpoint.hostname) and endpoint.port != 0
+        except ValueError:  # a bad port or IPv6 address
+            valid = False
+        if not valid:
+            raise ConfigError(f"endpoint URL {endpoint_url!r} is not an http(s) URL with a host; give the store's "
+                              "endpoint (e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url "
+                              "or --endpoint-url")
         self._client: Any = None
 
     def __getstate__(self) -> dict[str, Any]:  # a boto3 client is neither picklable nor fork-safe: made again

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -324,9 +325,18 @@ def build_task(name: str, settings: Optional[dict] = None) -> Task:
         raise ConfigError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(Task.registry))}")
     cls = Task.registry[name]
     valid = [f.name for f in dataclasses.fields(cls)]
+    if settings is not None and not isinstance(settings, dict):
+        raise ConfigError(f"task {name}: settings must be a mapping ({{setting: value}}), got {settings!r}; its "
+                          f"settings: {', '.join(valid) or 'none'}")
     unknown = sorted(set(settings or {}) - set(valid))
     if unknown:
         raise ConfigError(f"task {name} has no setting {unknown[0]!r} (its settings: {', '.join(valid) or 'none'})")
+    types = typing.get_type_hints(cls)
+    for setting, value in (settings or {}).items():  # every setting is a number: a string would fail in a comparison
+        number = int if types[setting] is int else (int, float)
+        if types[setting] in (int, float) and (isinstance(value, bool) or not isinstance(value, number)):
+            raise ConfigError(f"task {name} setting {setting} must be {'an integer' if number is int else 'a number'}"
+                              f", got {value!r}")
     return cls(**(settings or {}))
 
 

@@ -110,6 +110,15 @@ def _offline(what: str, exc: Exception, instead: str) -> RuntimeError:
     return RuntimeError(f"cannot download {what} (offline? {type(exc).__name__}); use {instead}")
 
 
+def tokenizer_file(spec: str) -> str | None:
+    """The local file a spec reads (``gpt2:PATH``, ``bert:PATH``, a tokenizer.json path), or None (downloaded or
+    trained): an input an overwrite must never delete."""
+    spec = str(spec)
+    if spec.startswith(("gpt2:", "bert:")):
+        return spec.partition(":")[2]
+    return spec if spec.endswith(".json") else None
+
+
 def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
     """Build a tokenizer from a spec (see the module docstring); ``name`` overrides the recorded name."""
     import tiktoken
@@ -132,8 +141,9 @@ def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
         raise ConfigError(f"{spec} is trained on a corpus by "
                           f"`python -m cable_lightning.data.prepare --tokenizer {spec}`; "
                           "to load a trained one pass its tokenizer.json path")
-    kind, _, path = spec.partition(":") if spec.startswith(("gpt2:", "bert:")) else ("json", "", spec)
-    if not spec.endswith(".json") and kind == "json":
+    path = tokenizer_file(spec)
+    kind = spec.partition(":")[0] if spec.startswith(("gpt2:", "bert:")) else "json"
+    if path is None:
         raise ConfigError(f"unknown tokenizer {spec!r}; valid: {VALID_SPECS}")
     if not os.path.isfile(path):
         raise MissingFileError(f"tokenizer file not found: {path}; valid tokenizers: {VALID_SPECS}")

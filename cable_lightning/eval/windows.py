@@ -49,7 +49,7 @@ class EvalWindows(Dataset):
 
     def __getitem__(self, i):
         start, first_scored = self.plan[i]
-        return {"tokens": self.tokens[start : start + self.length + 1], "first_scored": first_scored}
+        return {"tokens": self.tokens[start : start + self.length + 1], "first_scored": first_scored, "start": start}
 
 
 def scored_targets(targets: torch.Tensor, first_scored: torch.Tensor) -> torch.Tensor:

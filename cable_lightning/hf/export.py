@@ -19,15 +19,17 @@ import os
 import shutil
 import tempfile
 
-from ..checkpoints import package_model_class, read_checkpoint
+from safetensors import SafetensorError
+
+from ..checkpoints import check_exists, package_model_class, read_checkpoint
 from ..data.manifest import read_manifest
 from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
-from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary
+from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary, space_left
 from ..lit.modules import saved_weights
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
-from ..owned import check_replaceable, staging_folder, swap_in
+from ..owned import check_replaceable, discard, staging_folder, swap_in
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
@@ -79,7 +81,8 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict]:
 
 def run_data_path(ckpt_path: str) -> str | None:
     """``data.path`` of the run that wrote ``ckpt_path`` (the ``config.yaml`` LightningCLI saved in the newest
-    ``version_*`` folder beside its checkpoints folder), or None."""
+    ``version_*`` folder beside its checkpoints folder), or None; an error when that folder is not there (a path
+    relative to another folder, say)."""
     import yaml
 
     run = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))
@@ -87,6 +90,10 @@ def run_data_path(ckpt_path: str) -> str | None:
     for config in reversed(configs):
         with open(config, encoding="utf-8") as f:
             path = ((yaml.safe_load(f) or {}).get("data") or {}).get("path")
+        if path and not is_remote(str(path)) and not os.path.isdir(path):  # relative to where the run started?
+            raise MissingFileError(f"the run's data.path {path} (from {config}) is not there from {os.getcwd()}; "
+                                   "pass --data_path <the prepared folder the run trained on> (its tokenizer is "
+                                   "exported)")
         if path:
             return str(path)
     return None
@@ -167,7 +174,7 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
     config = backbone.config
     partial = None
     try:
-        partial = staging_folder(out)
+        partial = staging_folder(out, "export")
         core_files = copy_core(partial)
         for name in REMOTE_FILES:
             shutil.copyfile(os.path.join(REMOTE, name), os.path.join(partial, name))
@@ -191,17 +198,18 @@ def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: boo
         if tokenizer is not None:
             hf_tokenizer(tokenizer, training_length(config)).save_pretrained(partial)
         swap_in(partial, out, "export")
-    except OSError as exc:
-        raise RunFailedError(f"could not write the export {out} ({type(exc).__name__}: {exc}); nothing was "
-                             "replaced") from exc
+    except (OSError, SafetensorError) as exc:  # safetensors has its own error for a failed write
+        raise RunFailedError(f"could not write the export {out} ({type(exc).__name__}: {exc}; "
+                             f"{space_left(out)}); nothing was replaced") from exc
     finally:
         if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
+            discard(partial)
     return out
 
 
 def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, overwrite: bool = False) -> str:
     """Export a fit checkpoint with its data's tokenizer (``data_path``, or the run's own ``data.path``)."""
+    check_exists(ckpt_path)  # before advice about the data that only matters for a checkpoint that is there
     data_path = data_path or run_data_path(ckpt_path)
     if data_path is None:
         raise MissingFileError(f"no run config.yaml beside {ckpt_path} names the prepared data; pass --data_path "

@@ -18,34 +18,54 @@ def mask_tokens(
     probability: float = 0.15,
     generator: torch.Generator | None = None,
     special_ids: Iterable[int] = (),
+    draws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose ``probability`` of the non-special tokens; of those 80% become ``mask_id``, 10% a random token,
     10% stay. Returns ``(input_ids, labels)`` with ``labels`` = the original id where chosen, else -100.
 
+    Every decision comes from three uniform draws per token, ``draws`` of shape ``(3, *ids.shape)`` (chosen, what
+    to do, which random token): drawn from ``generator`` when not given, or given by :func:`position_draws` so
+    that a token's masking depends on its place in a stream, not on the window that holds it.
     Random replacements are drawn uniformly from ``[0, vocab_size)`` minus the special ids and ``mask_id``, so
     they never forge a document separator. ``ids`` is left untouched.
     """
     if not 0.0 <= probability <= 1.0:
         raise ConfigError(f"masking probability must be in [0, 1], got {probability}")
     device = ids.device
+    if draws is None:
+        draws = torch.rand((3, *ids.shape), generator=generator, device=device)
     specials = torch.tensor(sorted({int(i) for i in special_ids}), dtype=ids.dtype, device=device)
     candidates = ~torch.isin(ids, specials) if specials.numel() else torch.ones_like(ids, dtype=torch.bool)
 
-    def uniform() -> torch.Tensor:
-        return torch.rand(ids.shape, generator=generator, device=device)
-
-    chosen = (uniform() < probability) & candidates
+    chosen = (draws[0] < probability) & candidates
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
-    action = uniform()
-    to_mask = chosen & (action < 0.8)
-    to_random = chosen & (action >= 0.8) & (action < 0.9)
+    to_mask = chosen & (draws[1] < 0.8)
+    to_random = chosen & (draws[1] >= 0.8) & (draws[1] < 0.9)
 
     allowed = torch.ones(vocab_size, dtype=torch.bool, device=device)
     banned = torch.cat([specials.long(), torch.tensor([mask_id], device=device)])
     allowed[banned[(banned >= 0) & (banned < vocab_size)]] = False
     pool = allowed.nonzero().squeeze(1).to(ids.dtype)
-    random_ids = pool[torch.randint(len(pool), ids.shape, generator=generator, device=device)]
+    random_ids = pool[(draws[2] * len(pool)).long().clamp(max=len(pool) - 1)]
 
     inputs = torch.where(to_mask, torch.full_like(ids, mask_id), ids)
     inputs = torch.where(to_random, random_ids, inputs)
     return inputs, labels
+
+
+DRAW_BLOCK = 4096  # stream positions per seeded block of position_draws
+
+
+def position_draws(positions: torch.Tensor, seed: int) -> torch.Tensor:
+    """The ``(3, *positions.shape)`` uniform draws of :func:`mask_tokens` as a function of each token's position in
+    a stream (and ``seed``) alone. Evaluation masks this way, so every evaluation length and window mode masks the
+    same tokens of the validation stream and MLM perplexities compare across lengths on the same targets. Draws are
+    made on the CPU in blocks of :data:`DRAW_BLOCK` positions, each from a generator seeded by (seed, block)."""
+    flat = positions.reshape(-1).cpu()
+    blocks = flat.div(DRAW_BLOCK, rounding_mode="floor")
+    out = torch.empty(3, flat.numel())
+    for block in blocks.unique().tolist():
+        table = torch.rand(3, DRAW_BLOCK, generator=torch.Generator().manual_seed(seed * 1_000_003 + block))
+        where = blocks == block
+        out[:, where] = table[:, flat[where] - block * DRAW_BLOCK]
+    return out.reshape(3, *positions.shape).to(positions.device)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
+from ..checkpoints import shown_name
 from ..data.manifest import DataInfo
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL, scored_targets
@@ -23,7 +24,7 @@ from ..models import BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
 from ..positional import UnsupportedLengthError
 from ..records import LengthRecord, PositionRecord
-from .masking import mask_tokens
+from .masking import mask_tokens, position_draws
 from .optim import build_optimizer
 
 MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
@@ -71,7 +72,8 @@ class LanguageModel(L.LightningModule):
         return self.backbone.training_flops_per_token(self.config.block_size)
 
     # --- batches -------------------------------------------------------------------------------
-    def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0):
+    def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0, start: Optional[torch.Tensor] = None):
+        """(inputs, targets) of a (B, L + 1) batch; ``start``: in evaluation, each window's first stream position."""
         raise NotImplementedError
 
     def on_fit_start(self) -> None:
@@ -217,7 +219,7 @@ class LanguageModel(L.LightningModule):
         key = self.spec_key(length, stride)
         if length in self.unsupported_lengths:
             return None
-        inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx)
+        inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx, start=batch["start"])
         targets = scored_targets(targets, batch["first_scored"])
         start = time.perf_counter()
         try:
@@ -243,7 +245,7 @@ class LanguageModel(L.LightningModule):
         # fit, and the validation after fit, at the trainer's.
         loaded = self.trainer.state.fn != "fit" and self.trainer.ckpt_path and self.loaded_step is not None
         step = self.loaded_step if loaded else self.global_step
-        checkpoint = os.path.abspath(self.trainer.ckpt_path) if loaded else None
+        checkpoint = shown_name(os.path.abspath(self.trainer.ckpt_path)) if loaded else None  # a URL, not its copy
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
@@ -359,8 +361,11 @@ def saved_weights(checkpoint: dict) -> dict:
 class CausalLM(LanguageModel):
     """Next-token prediction; a batch is (B, block + 1) tokens. Default recipe: the paper's GPT-2 one."""
 
-    def split_batch(self, batch, train, batch_idx=0):
+    def split_batch(self, batch, train, batch_idx=0, start=None):
         return batch[:, :-1], batch[:, 1:]
+
+
+EVAL_MASK_SEED = 1_000_003  # the validation stream's fixed masking (position_draws)
 
 
 class MaskedLM(LanguageModel):
@@ -390,11 +395,16 @@ class MaskedLM(LanguageModel):
                               "tokenizer that has [MASK] or <|mask|> (bpe:N, bert-base-uncased, gpt2) "
                               "or pass model.mask_id")
 
-    def split_batch(self, batch, train, batch_idx=0):
+    def split_batch(self, batch, train, batch_idx=0, start=None):
+        """Training masks come from a generator seeded by (step, batch, rank): resuming replays the same masks.
+        Evaluation masks each token by its position in the validation stream (``start``: each window's first
+        position), so every length and checkpoint scores the same masked tokens and MLM perplexities compare."""
         ids = batch[:, :-1]
-        # Masks come from a generator seeded by (step, batch, rank) in training and by batch in
-        # validation: resuming replays the same masks, and validation losses compare across checkpoints.
-        seed = hash((self.global_step, batch_idx, self.global_rank)) if train else 1_000_003 + batch_idx
-        generator = torch.Generator(device=ids.device).manual_seed(seed)
+        if train:
+            generator = torch.Generator(ids.device).manual_seed(hash((self.global_step, batch_idx, self.global_rank)))
+            draws = torch.rand((3, *ids.shape), generator=generator, device=ids.device)
+        else:
+            positions = start.to(ids.device)[:, None] + torch.arange(ids.shape[1], device=ids.device)
+            draws = position_draws(positions, EVAL_MASK_SEED)
         return mask_tokens(ids, self.mask_id, self.config.vocab_size, self.hparams.mask_probability,
-                           generator=generator, special_ids=self.special_ids)
+                           special_ids=self.special_ids, draws=draws)

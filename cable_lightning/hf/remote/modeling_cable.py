@@ -132,6 +132,22 @@ class CablePreTrainedModel(PreTrainedModel):
     def _core(self):
         return sys.modules[self._core_name]
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' load, refusing weights that do not fit ``config.json`` (an edited ``n_layer``, say):
+        transformers would leave the missing ones uninitialised (NaN logits) and drop the extra ones, with a warning
+        at most."""
+        wanted = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        wrong = [f"{what.replace('_', ' ')} {', '.join(sorted(map(str, info[what]))[:3])}"
+                 + (" ..." if len(info[what]) > 3 else "")
+                 for what in ("missing_keys", "unexpected_keys") if info[what]]
+        if wrong:
+            folder = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            raise ValueError(f"the weights in {folder} do not fit its config.json ({'; '.join(wrong)}); undo the edit "
+                             "to config.json or export the checkpoint again")
+        return (model, info) if wanted else model
+
     def _init_weights(self, module):
         """Weights come from the file (the backbone initialises its own when built from a config); only the
         positional encoding's non-persistent buffers (RoPE frequencies, ALiBi slopes), which transformers leaves

@@ -1,0 +1,206 @@
+"""A long-document retrieval set made offline, where the evaluation length decides what an encoder can see (MLDR's
+situation: the passage a query asks about may lie deep in a long document).
+
+How it is made, from any text source (default: the offline python-docs corpus) and the run's own tokenizer:
+
+- Source documents are split into paragraphs. A prose paragraph with a first sentence of 6-40 words and at least
+  12 more words (and at most half a document's tokens) is a *key passage*: its first sentence becomes a query, the
+  rest of the paragraph goes into a document. The query's own words are not in the document: what links them is
+  that they were written one after the other about one thing (the same function, the same concept), so a match
+  needs the content, not a copied sentence.
+- Each document is ``doc_tokens`` tokens of *filler* paragraphs (prose, code, tables) drawn from other source
+  documents (each used once, so no filler links two documents), with one key passage's rest placed at a depth
+  drawn uniformly from where it fits. A window of W tokens therefore holds the passage a query asks about for
+  about W / doc_tokens of the queries: at the training length it is mostly hidden, at 16x it is always in view, and
+  what else the window holds is unrelated text, so an encoder must find one passage's signal among many.
+- Source documents are split in two by a seeded draw: the evaluation set uses one part; the contrastive training
+  pairs (``train_pairs.jsonl``: a query, its passage's rest as the positive, another passage's rest as the negative)
+  come from the other part, so no evaluation text is trained on in the fine-tuning step.
+
+Written in the BEIR layout ``tools/retrieval.py evaluate`` reads: ``corpus.jsonl`` (``_id``, ``text``),
+``queries.jsonl`` (``_id``, ``text``, plus ``depth`` and ``end``: the token offsets where its passage starts and
+ends, and ``doc``),
+``qrels.tsv``; and ``manifest.json`` with the settings, the tokenizer and the counts. The same settings, source and
+tokenizer give the same files. A lexical baseline (BM25 on the same set, truncated to each length) comes with
+``tools/retrieval.py evaluate --bm25``: lexical overlap helps where the passage shares rare words with its first
+sentence, and cannot help at all where the window hides the passage.
+
+    python -m cable_lightning.data.retrieval_set --tokenizer data/quickstart/tokenizer.json --doc_tokens 2048 \
+        --queries 200 --out data/retrieval-2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..errors import ConfigError, error_boundary
+from ..owned import check_replaceable, staging_folder, swap_in
+
+FORMAT = 1
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`'\"(])")
+
+
+@dataclass(frozen=True)
+class Passage:
+    source_doc: int  # which source document it came from (the train/evaluation split is by source document)
+    text: str
+    query: str | None  # its first sentence, when it qualifies as a key passage
+    rest: str | None  # the paragraph without that sentence
+
+
+def prose(paragraph: str) -> bool:
+    """Running text, not code, a table or a signature list: mostly letters, no interpreter prompts."""
+    letters = sum(c.isalpha() or c.isspace() for c in paragraph)
+    return ">>>" not in paragraph and letters >= 0.85 * len(paragraph)
+
+
+def passages(documents, min_words: int = 12) -> list[Passage]:
+    """Every paragraph of every document, in order (code and tables included: they serve as filler); prose
+    paragraphs that qualify as key passages carry their query and rest."""
+    out = []
+    for index, document in enumerate(documents):
+        for paragraph in re.split(r"\n\s*\n", document):
+            text = paragraph.strip()
+            if not text:
+                continue
+            first, rest = (SENTENCE_END.split(" ".join(text.split()), maxsplit=1) + [""])[:2]
+            key = prose(text) and 6 <= len(first.split()) <= 40 and len(rest.split()) >= min_words
+            out.append(Passage(index, text, first if key else None, rest if key else None))
+    return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    doc_tokens: int = 2048
+    queries: int = 200
+    train_pairs: int = 2000
+    eval_fraction: float = 0.7  # of the source documents, by a seeded draw
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.doc_tokens < 64:
+            raise ConfigError(f"doc_tokens must be >= 64, got {self.doc_tokens}")
+        if self.queries < 1 or self.train_pairs < 0:
+            raise ConfigError(f"need queries >= 1 and train_pairs >= 0, got {self.queries} and {self.train_pairs}")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+
+
+def build(documents: list[str], tokenizer, settings: Settings) -> dict:
+    """The set as rows: ``{"corpus", "queries", "qrels", "train_pairs"}`` (see the module docstring)."""
+    rng = np.random.default_rng(settings.seed)
+    found = passages(documents)
+    evaluation = rng.random(len(documents)) < settings.eval_fraction
+    held = [p for p in found if evaluation[p.source_doc]]
+    trained = [p for p in found if not evaluation[p.source_doc]]
+    candidates = [p for p in held if p.query is not None]
+    rest_lengths = dict(zip(map(id, candidates), map(len, tokenizer.encode_batch([p.rest for p in candidates]))))
+    # A key passage takes at most half a document, so it always fits with room to place it at many depths.
+    keys = [candidates[i] for i in rng.permutation(len(candidates))
+            if rest_lengths[id(candidates[i])] <= settings.doc_tokens // 2][: settings.queries]
+    key_ids = {id(p) for p in keys}
+    lengths = dict(zip((id(p) for p in held), map(len, tokenizer.encode_batch([p.text + "\n\n" for p in held]))))
+    longest = settings.doc_tokens // 8  # fillers stay short, so a document overshoots doc_tokens by at most this
+    fillers = [held[i] for i in rng.permutation(len(held))
+               if id(held[i]) not in key_ids and lengths[id(held[i])] <= longest]
+
+    corpus, queries, qrels = [], [], []
+    next_filler = 0
+    for number, key in enumerate(keys):
+        # The passage lies within the first doc_tokens tokens: "before" overshoots its target by one filler at most
+        # (and tokens merge differently across paragraph joins: a margin of 1/32).
+        room = settings.doc_tokens - rest_lengths[id(key)] - longest - settings.doc_tokens // 32
+        target_depth = int(rng.integers(0, room + 1))
+        before, after, size = [], [], rest_lengths[id(key)]
+        while size < settings.doc_tokens:
+            if next_filler == len(fillers):
+                raise ConfigError(f"the source has filler text for {number} documents of {settings.doc_tokens} "
+                                  f"tokens, {settings.queries} were asked for; ask for fewer --queries, shorter "
+                                  "--doc_tokens or a larger --eval_fraction, or use a larger source")
+            filler = fillers[next_filler]
+            next_filler += 1
+            (before if sum(lengths[id(p)] for p in before) < target_depth else after).append(filler)
+            size += lengths[id(filler)]
+        prefix = "\n\n".join(p.text for p in before)
+        text = "\n\n".join([*(p.text for p in before), key.rest, *(p.text for p in after)])
+        depth = len(tokenizer.encode_batch([prefix + "\n\n"])[0]) if before else 0
+        end = len(tokenizer.encode_batch([prefix + "\n\n" + key.rest if before else key.rest])[0])
+        doc_id, query_id = f"d{number}", f"q{number}"
+        corpus.append({"_id": doc_id, "text": text})
+        queries.append({"_id": query_id, "text": key.query, "depth": depth, "end": end, "doc": doc_id})
+        qrels.append((query_id, doc_id, 1))
+
+    candidates = [p for p in trained if p.query is not None]
+    order = rng.permutation(len(candidates))[: settings.train_pairs]
+    pairs = []
+    for i in order:
+        negative = candidates[int(rng.integers(0, len(candidates)))]
+        while negative is candidates[i] and len(candidates) > 1:
+            negative = candidates[int(rng.integers(0, len(candidates)))]
+        pairs.append({"query": candidates[i].query, "positive": candidates[i].rest, "negative": negative.rest})
+    return {"corpus": corpus, "queries": queries, "qrels": qrels, "train_pairs": pairs}
+
+
+def write(rows: dict, out: str, manifest: dict, overwrite: bool = False, inputs: tuple = ()) -> str:
+    """The files, staged and swapped in whole: a failed or killed build leaves no half-written set."""
+    check_replaceable(out, "retrieval set", overwrite, inputs)
+    staged = staging_folder(out, "retrieval set")
+    try:
+        for name in ("corpus", "queries", "train_pairs"):
+            with open(os.path.join(staged, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows[name])
+        with open(os.path.join(staged, "qrels.tsv"), "w", encoding="utf-8") as f:
+            f.write("query-id\tcorpus-id\tscore\n")
+            f.writelines(f"{q}\t{d}\t{s}\n" for q, d, s in rows["qrels"])
+        with open(os.path.join(staged, "manifest.json"), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+        swap_in(staged, out, "retrieval set")
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .sources import VALID_SOURCES, get_source
+    from .tokenizers import get_tokenizer
+
+    defaults = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default="python-docs", help=f"the text: {VALID_SOURCES}")
+    parser.add_argument("--tokenizer", required=True,
+                        help="the run's tokenizer (a prepared folder's tokenizer.json, gpt2, bert-base-uncased)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--doc_tokens", type=int, default=defaults.doc_tokens,
+                        help="each document's length in tokens (16x the training length evaluates it whole)")
+    parser.add_argument("--queries", type=int, default=defaults.queries, help="queries = documents")
+    parser.add_argument("--train_pairs", type=int, default=defaults.train_pairs)
+    parser.add_argument("--eval_fraction", type=float, default=defaults.eval_fraction)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--overwrite", action="store_true", help="replace a retrieval set this command wrote")
+    args = parser.parse_args(argv)
+    settings = Settings(args.doc_tokens, args.queries, args.train_pairs, args.eval_fraction, args.seed)
+    inputs = (args.tokenizer if os.path.exists(args.tokenizer) else None, args.source)
+    check_replaceable(args.out, "retrieval set", args.overwrite, inputs)  # before reading the source
+    tokenizer = get_tokenizer(args.tokenizer)
+    source = get_source(args.source)
+    rows = build(list(source.documents()), tokenizer, settings)
+    manifest = {"format": FORMAT, "kind": "retrieval set", "source": source.describe(),
+                "tokenizer": args.tokenizer, **asdict(settings),
+                "counts": {name: len(rows[name]) for name in ("corpus", "queries", "train_pairs")}}
+    write(rows, args.out, manifest, args.overwrite, inputs)
+    depths = np.array([q["depth"] for q in rows["queries"]])
+    print(f"wrote {args.out}: {len(rows['corpus'])} documents of about {settings.doc_tokens} tokens, "
+          f"{len(rows['queries'])} queries (passage depth median {int(np.median(depths))} tokens), "
+          f"{len(rows['train_pairs'])} training pairs")
+
+
+if __name__ == "__main__":
+    with error_boundary():
+        main()
