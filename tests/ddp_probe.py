@@ -1,6 +1,7 @@
-"""Test-only callback for the 2-process DDP test: saves the initial weights, each rank's first batch,
-and each rank's weights after the first and the last optimizer step."""
+"""Test-only callbacks for the 2-process tests: for DDP, the initial weights, each rank's first batch, and each rank's
+weights after the first and the last optimizer step; for FSDP, each step's loss."""
 
+import json
 import os
 
 import lightning as L
@@ -31,3 +32,17 @@ class Probe(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self._save(self._weights(pl_module), "final", trainer)
+
+
+class Losses(L.Callback):
+    """Writes each optimizer step's training loss (rank 0) to ``<out_dir>/losses.jsonl``, one line per step."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.is_global_zero:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, "losses.jsonl"), "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+

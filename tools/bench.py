@@ -5,6 +5,12 @@ seconds and peak memory at longer lengths, each with its ratio to ``nope`` measu
 process. On CPU, peak memory is the peak RSS of a fresh spawned process that runs one evaluation
 (so one PE's allocations cannot hide another's); on CUDA it is ``max_memory_allocated``.
 
+MFU (model FLOPs utilisation) of each training step: its model FLOPs (``Backbone.training_flops_per_token``, 6 per
+parameter plus the attention matmuls) per second over a peak: on CUDA the device's datasheet dense bf16 peak
+(Lightning's table), on CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype measured in this process
+with its threads, before and after the PEs (a CPU has no datasheet figure that its threads reach; on a machine
+shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s).
+
     python tools/bench.py --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
 """
 
@@ -19,6 +25,7 @@ import time
 
 import torch
 
+from cable_lightning.errors import ConfigError
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available, from_label
 
@@ -70,6 +77,31 @@ def timed(fn, device, repeats):
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def measured_matmul_peak(dtype, size: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of the fastest of ``repeats`` (size x size) @ (size x size) matmuls on the CPU, in ``dtype``."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device, dtype) -> tuple[float, str]:
+    """(FLOP/s, where it comes from) that MFU divides by."""
+    if device.type == "cuda":
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        peak = get_available_flops(device, torch.bfloat16)
+        if peak is None:
+            raise ConfigError(f"no datasheet bf16 peak for {torch.cuda.get_device_name(device)} in Lightning's table; "
+                              "MFU needs one (run on a listed GPU, or --device cpu)")
+        return float(peak), f"datasheet dense bf16 peak of {torch.cuda.get_device_name(device)}"
+    return measured_matmul_peak(dtype), f"{dtype} 1024x1024 matmul measured in this process"
 
 
 def train_tokens_per_second(model, t, tokens_per_step, device, dtype, repeats):
@@ -175,6 +207,7 @@ def run(args) -> dict:
     pes = args.pes or default_variants(device)
     if "nope" not in pes:
         pes = ["nope"] + pes
+    peak, peak_source = peak_flops(device, dtype)
     rows = []
     for pe in pes:
         torch.manual_seed(0)
@@ -186,6 +219,7 @@ def run(args) -> dict:
         model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
         for t in args.train_lengths:
             row["train_tok_s"][t] = train_tokens_per_second(model, t, args.tokens_per_step, device, dtype, args.repeats)
+        row["train_flops_per_token"] = {t: model.training_flops_per_token(t) for t in args.train_lengths}
         model.eval()
         for t in args.eval_lengths:
             longest = model.config.pos_encoding.longest_length(model.config.block_size)
@@ -206,6 +240,10 @@ def run(args) -> dict:
                     torch.cuda.empty_cache()
         rows.append(row)
         print(f"measured {pe}", flush=True)
+    if device.type == "cpu":  # the better of two measurements, before and after: other load lowers either
+        peak = max(peak, measured_matmul_peak(dtype))
+    for row in rows:
+        row["train_mfu"] = {t: v * row["train_flops_per_token"][t] / peak for t, v in row["train_tok_s"].items()}
     base = next(r for r in rows if r["pe"] == "nope")
     for row in rows:
         row["train_ratio_to_nope"] = {t: base["train_tok_s"][t] / v for t, v in row["train_tok_s"].items()}
@@ -218,7 +256,7 @@ def run(args) -> dict:
                    else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads"),
         "torch": torch.__version__, "dtype": args.dtype,
         "shape": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
-        "tokens_per_step": args.tokens_per_step,
+        "tokens_per_step": args.tokens_per_step, "peak_flops": peak, "peak_source": peak_source,
     }
     return {"meta": meta, "rows": rows}
 
@@ -235,7 +273,8 @@ def table(result) -> str:
     rows = result["rows"]
     train_ts = list(rows[0]["train_tok_s"])
     eval_ts = list(rows[0]["eval_s"])
-    head = (["pe"] + [f"train tok/s @{t} (x nope)" for t in train_ts] + [f"eval s @{t} (x nope)" for t in eval_ts]
+    head = (["pe"] + [f"train tok/s @{t} (x nope)" for t in train_ts] + [f"MFU @{t}" for t in train_ts]
+            + [f"eval s @{t} (x nope)" for t in eval_ts]
             + [f"eval peak MiB @{t}" for t in eval_ts])
     padded = "padded_step_s" in rows[0]
     if padded:
@@ -244,6 +283,7 @@ def table(result) -> str:
     for r in rows:
         cells = [r["pe"]]
         cells += [f"{r['train_tok_s'][t]:.0f} ({r['train_ratio_to_nope'][t]:.2f})" for t in train_ts]
+        cells += [f"{r['train_mfu'][t]:.1%}" for t in train_ts]
         cells += [fmt(r["eval_s"].get(t), ".3f", r["eval_ratio_to_nope"].get(t)) for t in eval_ts]
         cells += [fmt(r["eval_peak_mib"].get(t), ".0f") for t in eval_ts]
         if padded:
@@ -282,6 +322,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     result = run(args)
     print(json.dumps(result["meta"]))
+    print(f"MFU against {result['meta']['peak_source']}: {result['meta']['peak_flops'] / 1e9:.1f} GFLOP/s")
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -12,6 +12,7 @@ import math
 
 import lightning as L
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..positional import ScoreBias
 
@@ -23,7 +24,8 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
     block = backbone.blocks[-1]
     handle = block.ln_attn.register_forward_hook(lambda m, i, out: captured.__setitem__("h", out))
     try:
-        backbone.hidden_states(tokens)
+        with torch.compiler.set_stance("force_eager"):  # a compiled block (compile: true) would not run the hook
+            backbone.hidden_states(tokens)
     finally:
         handle.remove()
     h = captured["h"]
@@ -83,8 +85,10 @@ class BiasPictures(L.Callback):
 
     def on_validation_end(self, trainer, pl_module):
         experiment = getattr(trainer.logger, "experiment", None)
+        # A sharded (FSDP2) model's weights are on no one rank, and rank 0 alone cannot gather them: no pictures
+        # there (a checkpoint's can be drawn in one process).
         if (trainer.sanity_checking or self.text is None or not trainer.is_global_zero
-                or not hasattr(experiment, "add_figure")):
+                or not hasattr(experiment, "add_figure") or isinstance(pl_module.backbone, FSDPModule)):
             return
         maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
         title = f"{pl_module.config.pos_encoding.label()}: last layer {what}, step {trainer.global_step}"

@@ -27,12 +27,7 @@ Predict = Callable[[torch.Tensor], torch.Tensor]  # inputs (B, T) -> the predict
 def argmax_predictions(backbone, chunk: int = 512) -> Predict:
     """The backbone's most likely next token at every position; the head runs ``chunk`` positions at a time."""
 
-    def predict(inputs: torch.Tensor) -> torch.Tensor:
-        hidden = backbone.hidden_states(inputs)
-        return torch.cat([backbone.logits(hidden[:, s:s + chunk]).argmax(-1)
-                          for s in range(0, hidden.shape[1], chunk)], dim=1)
-
-    return predict
+    return lambda inputs: backbone.argmax_tokens(inputs, chunk)
 
 
 def exact_match(predicted: torch.Tensor, targets: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """LightningModules and the optimisation recipe."""
 
 from .modules import CausalLM, LanguageModel, MaskedLM
+from .strategy import FSDP2Strategy
 
-__all__ = ["CausalLM", "LanguageModel", "MaskedLM"]
+__all__ = ["CausalLM", "FSDP2Strategy", "LanguageModel", "MaskedLM"]

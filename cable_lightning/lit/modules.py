@@ -11,7 +11,9 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import grad_norm
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import shown_name
@@ -67,10 +69,7 @@ class LanguageModel(L.LightningModule):
 
     @cached_property
     def _flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward): 6 per parameter plus the attention matmuls,
-        12 x layers x width x length (PaLM's estimate)."""
-        c = self.config
-        return 6 * sum(p.numel() for p in self.backbone.parameters()) + 12 * c.n_layer * c.n_embd * c.block_size
+        return self.backbone.training_flops_per_token(self.config.block_size)
 
     # --- batches -------------------------------------------------------------------------------
     def split_batch(self, batch: torch.Tensor, train: bool, batch_idx: int = 0, start: Optional[torch.Tensor] = None):
@@ -97,10 +96,34 @@ class LanguageModel(L.LightningModule):
 
     def configure_model(self):
         # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
-        # kernels are compiled on CUDA either way.
+        # kernels are compiled on CUDA either way. Lightning calls this once per fit/validate: it must be idempotent.
         if self.hparams.compile:
+            # Dynamo compiles each block for its layer number (the encoding indexes its per-layer weights by it); at its
+            # default limit of 8 compilations per function, the blocks past the 8th would run eager (with a warning).
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, self.config.n_layer)
             for block in self.backbone.blocks:
                 block.compile()
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, ModelParallelStrategy) and not isinstance(self.backbone, FSDPModule):
+            self.shard(self.device_mesh["data_parallel"], self.trainer.precision)
+
+    def shard(self, mesh, precision: str) -> None:
+        """FSDP2 (``fully_shard``): each block is one unit (its parameters gathered for its forward and backward,
+        then freed), the rest (embedding, final norm, the encoding's own weights) the root unit. Under
+        ``bf16-mixed`` the gathered parameters and the computation are bf16 while the sharded master weights,
+        optimizer state and gradient reduction stay fp32 (FSDP2's ``MixedPrecisionPolicy``)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if precision == "bf16-mixed" else MixedPrecisionPolicy())
+        for block in self.backbone.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(self.backbone, mesh=mesh, mp_policy=policy)
+        # Training and validation call token_nll (through loss), the task evaluation argmax_tokens, not forward:
+        # they must gather the root's parameters. (Neither calls the other: the root would reshard in between.)
+        for method in ("token_nll", "argmax_tokens"):
+            register_fsdp_forward_method(self.backbone, method)
 
     # --- training ------------------------------------------------------------------------------
     def batch_loss(self, batch, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +153,10 @@ class LanguageModel(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer):
-        norm = grad_norm(self.backbone, norm_type=2).get("grad_2.0_norm_total", torch.zeros(()))
+        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        if isinstance(norm, DTensor):  # sharded (FSDP2): the norm of every rank's shard
+            norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         self.stop_if_diverged(norm)
 
@@ -153,10 +179,12 @@ class LanguageModel(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint):
         # A checkpoint must never hold non-finite weights (a finite but huge update can overflow them).
-        bad = [name for name, p in self.backbone.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise RunFailedError(f"weights at step {self.global_step} are not finite "
-                                 f"({bad[0]} and {len(bad) - 1} more); "
+        # Sharded (FSDP2), each rank checks its shard and all decide together.
+        bad = [name for name, p in self.backbone.named_parameters()
+               if not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()]
+        if self.trainer.strategy.reduce_boolean_decision(bool(bad), all=False):
+            where = f"{bad[0]} and {len(bad) - 1} more" if bad else "on another rank"
+            raise RunFailedError(f"weights at step {self.global_step} are not finite ({where}); "
                                  "not saving them; the checkpoints already written are finite")
         checkpoint["run_seed"] = self.run_seed  # a validation of these weights is recorded as the same run
 
@@ -287,7 +315,8 @@ class LanguageModel(L.LightningModule):
         self.check_same_model(checkpoint, "the checkpoint's model differs from the configured one in settings that "
                               "define the weights: ", "; remove them from the command line and the config files to "
                               "use the checkpoint's")
-        checkpoint["state_dict"] = saved_weights(checkpoint)
+        if "state_dict" in checkpoint:  # FSDP2 (ModelParallelStrategy) has loaded the weights itself and taken them
+            checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")

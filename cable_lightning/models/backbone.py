@@ -214,6 +214,19 @@ class Backbone(nn.Module):
             pieces.append(nll.view_as(tgt))
         return torch.cat(pieces, dim=1)
 
+    def training_flops_per_token(self, length: int) -> float:
+        """Model FLOPs of a training step (forward + backward) per token at ``length``: 6 per parameter plus the
+        attention matmuls, 12 x layers x width x length (PaLM's estimate; what MFU divides by the peak)."""
+        c = self.config
+        return 6 * sum(p.numel() for p in self.parameters()) + 12 * c.n_layer * c.n_embd * length
+
+    def argmax_tokens(self, input_ids: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:
+        """The most likely next token at every position (B, T); the head runs ``chunk`` positions at a time. One
+        method, not hidden_states then logits, so that a sharded (FSDP2) backbone can gather its weights for it."""
+        hidden = self.hidden_states(input_ids)
+        return torch.cat([self.logits(hidden[:, s:s + chunk]).argmax(-1) for s in range(0, hidden.shape[1], chunk)],
+                         dim=1)
+
     def loss(self, input_ids: Tensor, targets: Tensor) -> Tensor:
         """Mean token NLL over targets != -100."""
         nll = self.token_nll(input_ids, targets)
