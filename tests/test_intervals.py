@@ -1,6 +1,7 @@
 """Results over seeds: interval and test arithmetic, the best-marking rule, seeds as runs through sweep, fit and
 report, the one-seed bootstrap, the extrapolation ratio table."""
 
+import argparse
 import csv
 import math
 import os
@@ -101,7 +102,7 @@ def sweep_args(data, runs, seeds):
     tiny = tiny_args(data, runs, steps=4, every=2)
     extra = [a for i, a in enumerate(tiny) if a not in drop and (i == 0 or tiny[i - 1] not in drop)]
     namespace = type("Args", (), dict(config=[], pes=["cable"], seeds=seeds, train_lengths=None, experiment="seeds",
-                                      runs_dir=runs, extra=extra))
+                                      runs_dir=runs, extra=extra, stage="fit"))
     return [cmd[3:] for _, cmd in sweep.commands(namespace)]  # after python -m cable_lightning
 
 
@@ -143,6 +144,50 @@ def test_two_seeds_are_two_run_folders_and_both_reach_the_report(two_seeds, tmp_
     assert float(lines[0]["mean"]) == pytest.approx(sum(ppls) / 2)
     assert (tmp_path / "r_nonoverlap_training.png").stat().st_size > 1000  # evaluated at steps 2 and 4
     assert "position" in tables
+
+
+def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_interval(two_seeds, tiny_corpus_docs,
+                                                                                      tiny_corpus_dir, tmp_path):
+    """--stage retrieval: per seed folder, export its last checkpoint, fine-tune (its loss curve kept), evaluate
+    (rows recorded as that seed's run); the report aggregates the seeds. Run in this process (the commands' argv)."""
+    from test_retrieval import retrieval
+
+    from cable_lightning.data import retrieval_set
+    from cable_lightning.hf.export import main as export
+    from cable_lightning.records import RetrievalRecord
+
+    runs, _, _ = two_seeds
+    retrieval_set.main(["--source", tiny_corpus_docs[0], "--tokenizer", os.path.join(tiny_corpus_dir, "tokenizer.json"),
+                        "--out", str(tmp_path / "set"), "--doc_tokens", "256", "--queries", "8",
+                        "--train_pairs", "16"])
+    cmds = [cmd for _, cmd in sweep.commands(argparse.Namespace(
+        config=["c.yaml"], pes=["cable"], seeds=[0, 1], train_lengths=None, experiment="seeds", runs_dir=runs,
+        extra=[], stage="retrieval", retrieval_set=str(tmp_path / "set"), retrieval_lengths=[32, 256],
+        finetune_steps=2, finetune_batch=4))]
+    assert [cmd[1:4] if cmd[1] == "-m" else [cmd[2]] for cmd in cmds] == [["-m", "cable_lightning", "export"],
+                                                                         ["finetune"], ["evaluate"]] * 2
+    for cmd in cmds:
+        export(cmd[4:]) if cmd[1] == "-m" else retrieval.main(cmd[2:])
+    rows = []
+    for seed in (0, 1):
+        folder = os.path.join(runs, "seeds", "cable", f"seed{seed}")
+        rows += read_records(os.path.join(folder, RetrievalRecord.FILE), RetrievalRecord)
+        assert open(os.path.join(folder, "export-tuned", retrieval.LOSS_LOG)).read().count("loss") >= 1
+    assert sorted((r.run_seed, r.length) for r in rows) == [(0, 32), (0, 256), (1, 32), (1, 256)]
+    assert all(r.pe == "cable" and r.train_length == 32 and r.step == 4 and r.queries == 8 for r in rows)
+    visible = {r.length: r.visible for r in rows}
+    assert visible[256] == 1.0 and visible[32] < 0.5  # 256-token documents: whole at 256, mostly hidden at 32
+    tables = report.report([os.path.join(runs, "seeds")], str(tmp_path / "r"))
+    assert "mean over n=2 seeds [95% Student-t interval]" in tables["retrieval set"]
+    assert (tmp_path / "r_retrieval_set.png").exists()
+
+
+def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval-set", str(tmp_path),
+                    "--retrieval-lengths", "64", "--print-only"])
+    assert f"--stage retrieval needs --retrieval-set, a folder from python -m cable_lightning.data.retrieval_set; " \
+           f"got '{tmp_path}'" in capsys.readouterr().err
 
 
 def test_an_interrupted_seed_resumes_in_its_own_folder(two_seeds):
