@@ -66,6 +66,6 @@ def test_fsdp2_two_processes_resume_equals_uninterrupted_and_the_checkpoint_vali
     assert torch.isfinite(torch.tensor(rows[128].loss)) and rows[128].tokens == 128
     out = tmp_path / "hf"
     export(["--ckpt_path", str(ckpt), "--out", str(out)])
-    trained, _ = checkpoint_backbone(str(ckpt))
+    trained, _, _ = checkpoint_backbone(str(ckpt))
     exported = load_backbone(str(out))
     assert all(torch.equal(v, exported.state_dict()[k]) for k, v in trained.state_dict().items())

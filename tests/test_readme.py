@@ -2,6 +2,7 @@
 ``--print_config`` or ``--help`` form exits 0) or named in ``NOT_CHECKED`` with the reason."""
 
 import contextlib
+import importlib
 import io
 import os
 import re
@@ -45,8 +46,8 @@ def checked_form(line: str) -> tuple[str, list[str]]:
     argv = argv[:cut] + ["--help"] + argv[cut:]
     if argv[:3] == ["python", "-m", "cable_lightning"] and argv[3] == "export":
         return "export", argv[4:]
-    if argv[:3] == ["python", "-m", "cable_lightning.data.prepare"]:
-        return "prepare", argv[3:]
+    if argv[:2] == ["python", "-m"] and argv[2].startswith("cable_lightning.data."):  # prepare, retrieval_set
+        return "module", argv[2:]
     if argv[0] == "python" and argv[1].startswith("tools/") and argv[1].endswith(".py"):
         return "tool", argv[1:]
     return "unknown", argv
@@ -66,10 +67,8 @@ def exit_code(kind: str, argv: list[str]) -> int:
                 from cable_lightning.hf.export import main
 
                 main(argv)
-            elif kind == "prepare":
-                from cable_lightning.data.prepare import main
-
-                main(argv)
+            elif kind == "module":
+                importlib.import_module(argv[0]).main(argv[1:])
             else:
                 runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
     except SystemExit as stop:

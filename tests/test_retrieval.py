@@ -208,11 +208,11 @@ def test_bm25_baseline_finds_a_shared_rare_word_only_where_the_cut_keeps_it(enco
     """The lexical baseline at a length sees what an encoder at that length sees: documents cut to its first tokens.
     Each query's rare words are in its document only, so uncut BM25 ranks every answer first (nDCG@10 = 1); cut to
     one token, no document holds a query word and the ranking is a tie (below 1). The command adds a bm25 column."""
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     folder, _ = encoder_folder
     local = write_beir(tmp_path, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     data = retrieval.read_beir(*local)
     assert retrieval.ndcg_bm25(*data, 64, tokenizer) == 1.0
     assert retrieval.ndcg_bm25(*data, 1, tokenizer) < 0.9

@@ -187,9 +187,9 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
     data = read_beir(*local) if local else None
     scores: dict[int, dict[str, float]] = {length: {} for length in lengths}
     if bm25:
-        from transformers import AutoTokenizer
+        from transformers import PreTrainedTokenizerFast  # what an export's tokenizer is: no model code runs
 
-        tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())), trust_remote_code=trust_remote_code)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(next(iter(models.values())))
         for length in lengths:
             scores[length]["bm25"] = ndcg_bm25(*data, length, tokenizer)
     for name, folder in models.items():

@@ -25,8 +25,8 @@ tokenizer give the same files. A lexical baseline (BM25 on the same set, truncat
 ``tools/retrieval.py evaluate --bm25``: lexical overlap helps where the passage shares rare words with its first
 sentence, and cannot help at all where the window hides the passage.
 
-    python -m cable_lightning.data.retrieval_set --tokenizer data/quickstart/tokenizer.json --doc_tokens 2048 \
-        --queries 200 --out data/retrieval-2048
+    python -m cable_lightning.data.retrieval_set --tokenizer data/pydocs-bpe4096/tokenizer.json --doc_tokens 1024 \
+        --queries 200 --out data/retrieval-1024
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def passages(documents, min_words: int = 12) -> list[Passage]:
 
 @dataclass(frozen=True)
 class Settings:
-    doc_tokens: int = 2048
+    doc_tokens: int = 1024  # 16x the encoder config's 64-token training length
     queries: int = 200
     train_pairs: int = 2000
     eval_fraction: float = 0.7  # of the source documents, by a seeded draw
