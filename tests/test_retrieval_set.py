@@ -68,8 +68,10 @@ def test_the_same_settings_give_the_same_set_and_another_seed_another(made):
 
 def test_too_small_a_source_is_one_error_naming_what_fits(made):
     documents, tokenizer, _, _ = made
-    with pytest.raises(ValueError, match=r"filler text for \d+ documents of 4096 tokens, 500 were asked for"):
-        build(documents, tokenizer, Settings(doc_tokens=4096, queries=500))
+    with pytest.raises(ValueError, match=r"filler text for \d+ documents of 4096 tokens, 100 were asked for"):
+        build(documents, tokenizer, Settings(doc_tokens=4096, queries=100))
+    with pytest.raises(ValueError, match=r"the source has \d+ key passages that fit documents of 256 tokens, 5000 "):
+        build(documents, tokenizer, Settings(doc_tokens=256, queries=5000))
     with pytest.raises(ValueError, match="eval_fraction must be in"):
         Settings(eval_fraction=1.5)
 

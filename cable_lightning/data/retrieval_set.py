@@ -105,6 +105,10 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
     # A key passage takes at most half a document, so it always fits with room to place it at many depths.
     keys = [candidates[i] for i in rng.permutation(len(candidates))
             if rest_lengths[id(candidates[i])] <= settings.doc_tokens // 2][: settings.queries]
+    if len(keys) < settings.queries:
+        raise ConfigError(f"the source has {len(keys)} key passages that fit documents of {settings.doc_tokens} "
+                          f"tokens, {settings.queries} queries were asked for; ask for fewer --queries or a larger "
+                          "--eval_fraction, or use a larger source")
     key_ids = {id(p) for p in keys}
     lengths = dict(zip((id(p) for p in held), map(len, tokenizer.encode_batch([p.text + "\n\n" for p in held]))))
     longest = settings.doc_tokens // 8  # fillers stay short, so a document overshoots doc_tokens by at most this
@@ -118,7 +122,7 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
         # (and tokens merge differently across paragraph joins: a margin of 1/32).
         room = settings.doc_tokens - rest_lengths[id(key)] - longest - settings.doc_tokens // 32
         target_depth = int(rng.integers(0, room + 1))
-        before, after, size = [], [], rest_lengths[id(key)]
+        before, after, size, before_size = [], [], rest_lengths[id(key)], 0
         while size < settings.doc_tokens:
             if next_filler == len(fillers):
                 raise ConfigError(f"the source has filler text for {number} documents of {settings.doc_tokens} "
@@ -126,7 +130,11 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
                                   "--doc_tokens or a larger --eval_fraction, or use a larger source")
             filler = fillers[next_filler]
             next_filler += 1
-            (before if sum(lengths[id(p)] for p in before) < target_depth else after).append(filler)
+            if before_size < target_depth:
+                before.append(filler)
+                before_size += lengths[id(filler)]
+            else:
+                after.append(filler)
             size += lengths[id(filler)]
         prefix = "\n\n".join(p.text for p in before)
         text = "\n\n".join([*(p.text for p in before), key.rest, *(p.text for p in after)])
