@@ -163,9 +163,10 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     cmds = [cmd for _, cmd in sweep.commands(argparse.Namespace(
         config=["c.yaml"], pes=["cable"], seeds=[0, 1], train_lengths=None, experiment="seeds", runs_dir=runs,
         extra=[], stage="retrieval", retrieval_set=str(tmp_path / "set"), retrieval_lengths=[32, 256],
-        finetune_steps=2, finetune_batch=4))]
+        finetune_steps=2, finetune_batch=4, finetune_lr=1e-4))]
     assert [cmd[1:4] if cmd[1] == "-m" else [cmd[2]] for cmd in cmds] == [["-m", "cable_lightning", "export"],
                                                                          ["finetune"], ["evaluate"]] * 2
+    assert cmds[1][cmds[1].index("--lr") + 1] == "0.0001"
     for cmd in cmds:
         export(cmd[4:]) if cmd[1] == "-m" else retrieval.main(cmd[2:])
     rows = []

@@ -48,8 +48,8 @@ def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
         [sys.executable, "-m", "cable_lightning", "export", "--ckpt_path", checkpoint, "--out", export, "--overwrite"],
         [sys.executable, RETRIEVAL, "finetune", "--model", export, "--triples", data["train_pairs"], "--out", tuned,
          "--max_seq_length", str(args.retrieval_lengths[0]), "--max_steps", str(args.finetune_steps),
-         "--batch_size", str(args.finetune_batch), "--seed", str(0 if seed is None else seed), "--overwrite",
-         "--trust_remote_code"],
+         "--batch_size", str(args.finetune_batch), "--lr", str(args.finetune_lr), "--seed",
+         str(0 if seed is None else seed), "--overwrite", "--trust_remote_code"],
         [sys.executable, RETRIEVAL, "evaluate", "--models", f"{pe}={tuned}", "--lengths",
          *map(str, args.retrieval_lengths), "--corpus", data["corpus"], "--queries", data["queries"], "--qrels",
          data["qrels"], "--records", run, "--out", os.path.join(run, "retrieval"), "--trust_remote_code"],
@@ -108,6 +108,7 @@ def main(argv=None):
                         help="evaluation lengths; the first is the fine-tuning length (the training length)")
     parser.add_argument("--finetune-steps", type=int, default=200)
     parser.add_argument("--finetune-batch", type=int, default=32)
+    parser.add_argument("--finetune-lr", type=float, default=2e-5, help="the contrastive fine-tuning's learning rate")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
     args = parser.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
