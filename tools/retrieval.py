@@ -200,18 +200,25 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
     return scores
 
 
-def retrieval_records(folder: str, scores: dict[int, float], local: tuple[str, str, str] | None) -> list:
+def passage_ends(local: tuple[str, str, str] | None) -> tuple[str, list]:
+    """(the set's name, each query's passage end in tokens): ``end`` as ``cable_lightning.data.retrieval_set`` writes
+    it in ``queries.jsonl``, None for a set that does not record it (MLDR: no queries read)."""
+    if not local:
+        return MLDR, []
+    ends = [row.get("end") for row in read_jsonl(local[1], ("_id", "text"))]
+    return os.path.basename(os.path.dirname(os.path.abspath(local[0]))), ends
+
+
+def retrieval_records(folder: str, scores: dict[int, float], dataset: str, ends: list) -> list:
     """One :class:`RetrievalRecord` per length for the export ``folder``: its encoding and training length from its
-    config, the step and run seed of the checkpoint it came from (``provenance``), and for a set that records where
-    its passages end (``cable_lightning.data.retrieval_set``), the share of queries whose passage fits the length."""
+    config, the step and run seed of the checkpoint it came from (``provenance``), and where the set records where
+    its passages end (:func:`passage_ends`), the share of queries whose passage fits the length."""
     from cable_lightning.hf.export import read_export_config
     from cable_lightning.models import BackboneConfig
 
     config = read_export_config(folder)
     provenance = config.get("provenance") or {}
     pe = BackboneConfig.from_dict(config["backbone"]).pos_encoding.label()
-    ends = [row.get("end") for row in read_jsonl(local[1], ("_id", "text"))] if local else []
-    dataset = os.path.basename(os.path.dirname(os.path.abspath(local[0]))) if local else MLDR
     return [RetrievalRecord(pe=pe, train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
                             run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),
                             dataset=dataset, length=length, ndcg=ndcg, queries=len(ends),
@@ -298,9 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     scores = evaluate(models, args.lengths, local, args.batch_size, args.trust_remote_code, args.bm25)
     print(write_table(scores, args.out), end="")
     if args.records:
+        dataset, ends = passage_ends(local)  # read once for every model
         append_records(args.records, [record for name, folder in models.items()
                                       for record in retrieval_records(folder, {n: row[name] for n, row in
-                                                                               scores.items()}, local)])
+                                                                               scores.items()}, dataset, ends)])
 
 
 if __name__ == "__main__":
