@@ -3,6 +3,7 @@ report, the one-seed bootstrap, the extrapolation ratio table."""
 
 import argparse
 import csv
+import json
 import math
 import os
 import sys
@@ -181,6 +182,15 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     tables = report.report([os.path.join(runs, "seeds")], str(tmp_path / "r"))
     assert "mean over n=2 seeds [95% Student-t interval]" in tables["retrieval set"]
     assert (tmp_path / "r_retrieval_set.png").exists()
+    curves = report.loss_curves([os.path.join(runs, "seeds")])
+    contrastive = [[json.loads(line)["loss"] for line in open(os.path.join(runs, "seeds", "cable", f"seed{seed}",
+                                                                            "export-tuned", retrieval.LOSS_LOG))]
+                   for seed in (0, 1)]
+    assert [sorted(v) for v in curves["contrastive loss"]["cable"].values()] == [sorted(pair) for pair in
+                                                                                 zip(*contrastive)]
+    pretraining = curves["pre-training loss"]["cable"]  # seed 1 was stopped at step 2 and resumed: still one curve
+    assert sorted(pretraining) == list(range(4)) and all(len(v) == 2 and min(v) > 0 for v in pretraining.values())
+    assert (tmp_path / "r_loss_curves.png").exists()
 
 
 def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):

@@ -23,7 +23,9 @@ per task and encoding (``<out>_effective.md``): the longest evaluated length, fr
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
 brackets; "-" where the training length falls short. Encoders' retrieval rows (``retrieval.jsonl``, from
 ``tools/retrieval.py evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval set, aggregated and
-tested the same way (``<out>_retrieval_<set>.md/.csv/.png``).
+tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws the training loss
+against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard events and, for
+fine-tuned encoders, the contrastive loss (``finetune_loss.jsonl``), the mean over seeds per encoding.
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -359,6 +362,65 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
     return True
 
 
+TRAIN_LOSS_TAG = "train/loss"  # what the LightningModules log every log_every_n_steps
+CONTRASTIVE_LOSS_LOG = "finetune_loss.jsonl"  # tools/retrieval.py finetune's loss curve, in the tuned export
+
+
+def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """{"pre-training loss" / "contrastive loss": {encoding: {step: one value per seed}}}. A run's pre-training loss
+    comes from the TensorBoard events beside its length records (a resumed run's versions joined, the later version
+    winning a step); a tuned export's contrastive loss is attributed to its run by the checkpoint it was exported from
+    (``provenance`` in its config.json, the ``checkpoint`` of the run's retrieval rows)."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    per_run: dict[str, dict[tuple, dict[int, float]]] = {"pre-training loss": {}, "contrastive loss": {}}
+    for file in find_records(paths, required=False):
+        rows = read_records(file, LengthRecord)
+        events = EventAccumulator(os.path.dirname(file), size_guidance={SCALARS: 0})
+        events.Reload()
+        if rows and TRAIN_LOSS_TAG in events.Tags()[SCALARS]:
+            curve = per_run["pre-training loss"].setdefault((rows[0].pe, rows[0].run_seed), {})
+            curve.update({event.step: event.value for event in events.Scalars(TRAIN_LOSS_TAG)})
+    runs = {row.checkpoint: (row.pe, row.run_seed)
+            for file in find_records(paths, RetrievalRecord.FILE, required=False)
+            for row in read_records(file, RetrievalRecord)}
+    for file in find_records(paths, CONTRASTIVE_LOSS_LOG, required=False):
+        with open(os.path.join(os.path.dirname(file), "config.json"), encoding="utf-8") as f:
+            run = runs.get(json.load(f).get("provenance", {}).get("checkpoint"))
+        if run is not None:
+            with open(file, encoding="utf-8") as f:
+                per_run["contrastive loss"][run] = {row["step"]: row["loss"] for row in map(json.loads, f)}
+    curves: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for kind, by_run in per_run.items():
+        for (pe, _), curve in sorted(by_run.items()):
+            for step, value in curve.items():
+                curves.setdefault(kind, {}).setdefault(pe, {}).setdefault(step, []).append(value)
+    return curves
+
+
+def loss_curves_figure(curves: dict[str, dict[str, dict[int, list[float]]]], path: str) -> None:
+    """One panel per kind of loss, one line per encoding: the mean over its seeds at every logged step (steps some
+    seed did not log are left out, so a line is always a mean over the same seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6.5 * len(curves), 4.5), squeeze=False)
+    for ax, (kind, by_pe) in zip(axes[0], sorted(curves.items(), reverse=True)):
+        for pe, by_step in sorted(by_pe.items()):
+            seeds = max(map(len, by_step.values()))
+            points = sorted((step, sum(v) / len(v)) for step, v in by_step.items() if len(v) == seeds)
+            ax.plot(*zip(*points), label=f"{pe} (n={seeds})", linewidth=1)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(kind)
+        ax.set_title(f"{kind}, mean over seeds")
+        ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png and <out>_<mode>_training.png for each window mode present, and
     <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows; returns
@@ -418,6 +480,9 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         write_csv(f"{out}_retrieval_{dataset}.csv", table, "ndcg10")
         plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
              "nDCG@10 (x100)", log_y=False)
+    curves = loss_curves(paths)
+    if curves:
+        loss_curves_figure(curves, f"{out}_loss_curves.png")
     return tables
 
 
