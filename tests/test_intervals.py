@@ -11,6 +11,7 @@ import sys
 import lightning as L
 import pytest
 import torch
+import yaml
 from scipy import stats
 from test_cli import args as tiny_args
 
@@ -20,6 +21,7 @@ from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.eval.intervals import seed_interval, separable, window_interval
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
+from cable_lightning.positional.registry import available, encoding_from, from_label
 from cable_lightning.records import LengthRecord, read_records
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
@@ -116,6 +118,19 @@ def two_seeds(tiny_corpus_dir, tmp_path_factory):
     stopped = main(seed1 + ["--trainer.callbacks+=recorders.StopAt", "--trainer.callbacks.step=2"])
     resumed = main(seed1)  # the sweep run again: --ckpt_path auto continues it
     return runs, stopped.trainer.global_step, resumed
+
+
+@pytest.mark.parametrize("pe", available())
+def test_every_encodings_sweep_command_parses_to_that_encoding(pe, capsys):
+    """The sweep's --model.init_args.backbone.pos_encoding argument, read back by the CLI, is the encoding itself
+    (an unset setting once reached it as the string 'None')."""
+    (_, cmd), = sweep.commands(argparse.Namespace(config=["configs/quickstart.yaml"], pes=[pe], seeds=None,
+                                                  train_lengths=None, experiment="x", runs_dir="runs", extra=[],
+                                                  stage="fit"))
+    with pytest.raises(SystemExit):
+        main(cmd[cmd.index("fit"):] + ["--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["backbone"]["pos_encoding"]
+    assert encoding_from(printed) == from_label(pe)
 
 
 def test_sweep_prints_one_command_per_encoding_and_seed(capsys):

@@ -56,13 +56,21 @@ def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
     ]
 
 
+def set_settings(encoding: dict) -> dict:
+    """An encoding's dict without its unset (None) settings, which mean the same: jsonargparse (4.53) reads a null
+    inside a model subclass's nested encoding as the string 'None' (learnable's max_positions)."""
+    return {"class_path": encoding["class_path"],
+            "init_args": {name: set_settings(value) if isinstance(value, dict) and "class_path" in value else value
+                          for name, value in encoding["init_args"].items() if value is not None}}
+
+
 def commands(args) -> list[tuple[str, list[str]]]:
     """Every run's command (for ``--stage retrieval``, every run's three); an unknown encoding label is an error
     before any run starts."""
     encodings = {}
     for pe in args.pes:
         try:
-            encodings[pe] = json.dumps(from_label(pe).to_dict())  # dape_v2+cable: DAPEv2 over CABLE
+            encodings[pe] = json.dumps(set_settings(from_label(pe).to_dict()))  # dape_v2+cable: DAPEv2 over CABLE
         except ConfigError as exc:
             raise ConfigError(f"--pes {pe}: {exc}") from None
     runs = []
