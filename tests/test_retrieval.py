@@ -20,6 +20,7 @@ from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.errors import ConfigError
 from cable_lightning.hf import export_backbone
 from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.records import RetrievalRecord, read_records
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import retrieval  # noqa: E402
@@ -221,3 +222,21 @@ def test_bm25_baseline_finds_a_shared_rare_word_only_where_the_cut_keeps_it(enco
                     "--trust_remote_code"])
     rows = list(csv.DictReader(open(tmp_path / "out" / "table.csv")))
     assert [row["bm25"] for row in rows][1] == "100.00" and set(rows[0]) == {"length", "bm25", "base"}
+
+
+def test_a_learned_table_gets_a_dash_past_its_size_and_no_record(tiny_corpus_dir, tmp_path):
+    """The paper's Table 3 has "-" for learnable past 512: evaluate scores the lengths an export can serve, marks the
+    rest, and records only what it scored (it once stopped the whole sweep)."""
+    tok = get_tokenizer(os.path.join(tiny_corpus_dir, "tokenizer.json"))
+    backbone = build_backbone(BackboneConfig(preset="bert-base", pos_encoding="learnable", n_layer=1, n_head=2,
+                                             n_embd=32, vocab_size=tok.vocab_size, block_size=16))
+    folder = export_backbone(backbone, str(tmp_path / "learnable"), tok)
+    assert retrieval.longest_length(folder) == 16
+    truth = {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()}
+    corpus, queries, qrels = write_beir(tmp_path / "truth", truth)
+    retrieval.main(["evaluate", "--models", f"learnable={folder}", "--lengths", "8", "16", "32", "--corpus", corpus,
+                    "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table"), "--records",
+                    str(tmp_path), "--trust_remote_code"])
+    rows = (tmp_path / "table" / "table.md").read_text().splitlines()[4:]
+    assert [row.endswith("| - |") for row in rows] == [False, False, True] and rows[2] == "| 32 | - |"
+    assert [r.length for r in read_records(str(tmp_path / RetrievalRecord.FILE), RetrievalRecord)] == [8, 16]

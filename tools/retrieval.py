@@ -182,8 +182,9 @@ def ndcg_mldr(st_model, batch_size: int = 16) -> float:
 
 def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, str] | None = None,
              batch_size: int = 16, trust_remote_code: bool = False, bm25: bool = False) -> dict[int, dict[str, float]]:
-    """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length; ``bm25``
-    adds BM25 on the same local set, its documents cut with the first model's tokenizer."""
+    """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length (None past
+    the longest a model can serve: a learned table's size); ``bm25`` adds BM25 on the same local set, its documents
+    cut with the first model's tokenizer."""
     data = read_beir(*local) if local else None
     scores: dict[int, dict[str, float]] = {length: {} for length in lengths}
     if bm25:
@@ -193,11 +194,25 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
         for length in lengths:
             scores[length]["bm25"] = ndcg_bm25(*data, length, tokenizer)
     for name, folder in models.items():
+        longest = longest_length(folder)
         for length in lengths:
+            if longest is not None and length > longest:  # a learned table: the paper's dash, not a crash
+                print(f"{name} serves at most {longest} tokens: no score at {length}")
+                scores[length][name] = None
+                continue
             st_model = encoder(folder, length, trust_remote_code=trust_remote_code)
             scores[length][name] = (ndcg_local(st_model, *data, batch_size=batch_size) if data
                                     else ndcg_mldr(st_model, batch_size))
     return scores
+
+
+def longest_length(folder: str) -> int | None:
+    """The longest input the exported encoder's encoding can serve (None: any length)."""
+    from cable_lightning.hf.export import read_export_config
+    from cable_lightning.models import BackboneConfig
+
+    backbone = BackboneConfig.from_dict(read_export_config(folder)["backbone"])
+    return backbone.pos_encoding.longest_length(backbone.block_size)
 
 
 def passage_ends(local: tuple[str, str, str] | None) -> tuple[str, list]:
@@ -224,7 +239,12 @@ def retrieval_records(folder: str, scores: dict[int, float], dataset: str, ends:
                             dataset=dataset, length=length, ndcg=ndcg, queries=len(ends),
                             visible=(sum(end <= length for end in ends) / len(ends)
                                      if ends and None not in ends else None))
-            for length, ndcg in scores.items()]
+            for length, ndcg in scores.items() if ndcg is not None]
+
+
+def cell(ndcg: float | None) -> str:
+    """nDCG@10 x 100, or "-" where the model cannot serve the length."""
+    return "-" if ndcg is None else f"{100 * ndcg:.2f}"
 
 
 def write_table(scores: dict[int, dict[str, float]], out: str) -> str:
@@ -234,12 +254,11 @@ def write_table(scores: dict[int, dict[str, float]], out: str) -> str:
     with open(os.path.join(out, "table.csv"), "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["length", *names])
-        writer.writerows([length, *(f"{100 * row[n]:.2f}" for n in names)] for length, row in scores.items())
+        writer.writerows([length, *(cell(row[n]) for n in names)] for length, row in scores.items())
     lines = ["| length | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for length, row in scores.items():
-        best = max(row.values())
-        cells = [f"**{100 * row[n]:.2f}**" if row[n] == best and len(names) > 1 else f"{100 * row[n]:.2f}"
-                 for n in names]
+        best = max((v for v in row.values() if v is not None), default=None)
+        cells = [f"**{cell(row[n])}**" if row[n] == best and len(names) > 1 else cell(row[n]) for n in names]
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
     markdown = "nDCG@10 (x100)\n\n" + "\n".join(lines) + "\n"
     with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
