@@ -240,13 +240,13 @@ def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None
 class AttentionMap:
     """What the reference path computes for a block of query rows against keys [0, Tk), each (B, H, rows, Tk):
     ``weights``, what each row puts on each key (0 where hidden; a row sums to 1, or to at most 1 for log-weight
-    scores); ``logits``, the largest-logit view: the scores softmax normalises (logits + bias, or what the encoding
-    made of them), or for scores that are log weights the scaled q.k logits they come from, -inf where hidden; and
-    ``visible`` (B|1, 1, rows, Tk), True where a row may attend a key (None: everywhere)."""
+    scores: stick-breaking); ``scores``, what the weights are normalised from (:meth:`ScoreBias.scores`), -inf where
+    hidden (or where the encoding gives a key nothing); ``logits``, the largest-logit view: ``scores`` when they are
+    softmax's input, or for log-weight scores the scaled q.k logits they come from, -inf where hidden."""
 
     weights: Tensor
+    scores: Tensor
     logits: Tensor
-    visible: Tensor | None
 
 
 def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
@@ -264,13 +264,12 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
     if allowed is not None:
         out = out.masked_fill(~allowed, float("-inf"))
-    softmax = scores is None or scores.softmax
-    weights = out.softmax(dim=-1) if scores is None else scores.weights(out)
-    if softmax:
-        shown = out
-    else:
-        shown = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
-    return AttentionMap(weights, shown, allowed)
+    if scores is None:
+        return AttentionMap(out.softmax(dim=-1), out, out)
+    if scores.softmax:
+        return AttentionMap(scores.weights(out), out, out)
+    shown = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    return AttentionMap(scores.weights(out), out, shown)
 
 
 def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None):
