@@ -23,7 +23,9 @@ per task and encoding (``<out>_effective.md``): the longest evaluated length, fr
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
 brackets; "-" where the training length falls short. Encoders' retrieval rows (``retrieval.jsonl``, from
 ``tools/retrieval.py evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval set, aggregated and
-tested the same way (``<out>_retrieval_<set>.md/.csv/.png``).
+tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). The attention diagnostics (``attention.jsonl``,
+``long_context.jsonl``) go through ``cable_lightning.eval.diagnostics_report`` (``<out>_attention*``,
+``<out>_long_context*``; docs/diagnostics.md).
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -40,6 +42,7 @@ from typing import Callable, Optional
 
 from cable_lightning.callbacks.length_eval import line_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
 from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
 from cable_lightning.records import (
@@ -418,6 +421,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         write_csv(f"{out}_retrieval_{dataset}.csv", table, "ndcg10")
         plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
              "nDCG@10 (x100)", log_y=False)
+    tables.update(diagnostics_report(paths, out))  # attention.jsonl, long_context.jsonl: docs/diagnostics.md
     return tables
 
 

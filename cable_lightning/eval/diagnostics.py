@@ -52,34 +52,50 @@ DEFAULT_THRESHOLD = 2.0  # LongPPL's: a key token's log-probability gains at lea
 
 
 def row_quantities(weights: Tensor, scores: Tensor, logits: Tensor, start: int, q_offset: int, sink: int,
-                   local: int) -> dict[str, Tensor]:
+                   local: int, causal: bool) -> dict[str, Tensor]:
     """Each quantity of :data:`QUANTITIES` per query row, (B, H, rows), NaN where undefined (a row that applies no
     weight; ``entropy_norm`` of a row that sees fewer than two keys). ``weights``, ``scores`` (masked with -inf) and
     ``logits`` as :class:`models.attention.AttentionMap` gives them for query rows [start, start + rows) at positions
-    q_offset + start + i against keys [0, n_keys)."""
-    weights = weights.double()
+    q_offset + start + i against keys [0, n_keys). A causal row's keys all lie behind it, so its distances come from
+    cumulative sums over the keys; a bidirectional row's weights are first binned by distance."""
+    weights = weights.float()
     rows, n_keys = weights.shape[-2:]
-    position = torch.arange(start, start + rows, device=weights.device)[:, None] + q_offset
-    distance = (position - torch.arange(n_keys, device=weights.device)[None, :]).abs()
+    device = weights.device
+    position = torch.arange(start, start + rows, device=device) + q_offset  # (rows,)
     total = weights.sum(-1)
     attends = total > 0
-    share = weights / total.clamp(min=torch.finfo(weights.dtype).tiny)[..., None]
-    entropy = -torch.special.xlogy(share, share).sum(-1)
-    seen = (scores > float("-inf")).sum(-1).double()
-    # mass at each distance 0..n_keys-1 (a causal row's keys all lie behind it; a bidirectional row's on both sides)
-    by_distance = torch.zeros_like(weights).scatter_add_(-1, distance.expand_as(weights), weights)
-    below = (by_distance.cumsum(-1) < P90 * total[..., None]).sum(-1)
-    nan = torch.tensor(float("nan"), dtype=weights.dtype, device=weights.device)
+    inverse = 1.0 / total.clamp(min=torch.finfo(weights.dtype).tiny)
+    # -sum p log p of p = w / total, as log(total) - sum(w log w) / total: no pass to normalise the map
+    entropy = total.clamp(min=torch.finfo(weights.dtype).tiny).log() - torch.special.xlogy(weights, weights).sum(-1) \
+        * inverse
+    seen = (scores > float("-inf")).sum(-1).float()
+    if causal:  # every key with weight lies at j <= i: distance i - j
+        keys = torch.arange(n_keys, device=device, dtype=weights.dtype)
+        distance_mean = position - (weights @ keys) * inverse
+        before = weights.cumsum(-1)  # mass on keys 0..j
+        # the farthest key j* whose keys j*..i still hold 90%: every j < j* has mass(0..j) <= 10%
+        farthest = (before[..., :-1] <= (1 - P90) * total[..., None]).sum(-1)
+        distance_p90 = position - farthest
+        outside = position - local  # the last key outside the local window
+        gathered = before.gather(-1, outside.clamp(min=0).expand(*before.shape[:-2], -1)[..., None]).squeeze(-1)
+        local_mass = (total - torch.where(outside >= 0, gathered, 0.0)) * inverse
+    else:
+        distance = (position[:, None] - torch.arange(n_keys, device=device)[None, :]).abs()
+        distance_mean = (weights * distance).sum(-1) * inverse
+        by_distance = torch.zeros_like(weights).scatter_add_(-1, distance.expand_as(weights), weights)
+        distance_p90 = (by_distance.cumsum(-1) < P90 * total[..., None]).sum(-1)
+        local_mass = by_distance[..., :local].sum(-1) * inverse
+    nan = torch.tensor(float("nan"), device=device)
     out = {
         "entropy": entropy,
         "entropy_norm": torch.where(seen >= 2, entropy / seen.clamp(min=2).log(), nan),
-        "distance_mean": (share * distance).sum(-1),
-        "distance_p90": below.double(),
-        "sink_mass": share[..., :sink].sum(-1),
-        "local_mass": by_distance[..., :local].sum(-1) / total.clamp(min=torch.finfo(weights.dtype).tiny),
+        "distance_mean": distance_mean,
+        "distance_p90": distance_p90.float(),
+        "sink_mass": weights[..., :sink].sum(-1) * inverse,
+        "local_mass": local_mass,
     }
     out = {name: torch.where(attends, value, nan) for name, value in out.items()}
-    out["max_logit"] = logits.double().amax(-1)
+    out["max_logit"] = logits.float().amax(-1)
     out["mass"] = total
     return out
 
@@ -107,11 +123,11 @@ class AttentionStats:
             attn = attention_map(q[:, :, start:stop], k[:, :, :n_keys], scores, causal, q_offset, start, key_padding,
                                  window)
             for name, value in row_quantities(attn.weights, attn.scores, attn.logits, start, q_offset, self.sink,
-                                              self.local).items():
+                                              self.local, causal).items():
                 self._reduce(layer, name, value)
 
     def _reduce(self, layer: int, name: str, value: Tensor) -> None:
-        value = value.transpose(0, 1).flatten(1)  # (H, B * rows)
+        value = value.double().transpose(0, 1).flatten(1)  # (H, B * rows)
         if name in MAXIMA:
             top = value.amax(-1)
             held = self.sums.setdefault((layer, name), [top])
