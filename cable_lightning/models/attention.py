@@ -262,8 +262,9 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
         scores.key_padding = key_padding
     out = logits if scores is None else scores.scores(logits, q, start, stop)
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
-    if allowed is not None:
-        out = out.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:  # in place when nothing keeps `out` for a backward (it is new: the contract's scores are)
+        out = out.masked_fill_(~allowed, float("-inf")) if not torch.is_grad_enabled() else \
+            out.masked_fill(~allowed, float("-inf"))
     if scores is None:
         return AttentionMap(out.softmax(dim=-1), out, out)
     if scores.softmax:
