@@ -10,7 +10,9 @@ What it adds to the stock CLI:
 - the data's description (vocabulary, ids, tokenizer identity, training and evaluation lengths) flows from
   the data to the model, set once in the data section; the data is prepared first when it asks for that.
 - validation every checkpoint interval at every evaluation length (and window mode), recorded by
-  :class:`LengthEvalRecorder` (perplexity and loss by position); a last one at the end of fit; with ``--data.tasks``
+  :class:`LengthEvalRecorder` (perplexity and loss by position) and :class:`AttentionDiagnostics` (attention per
+  layer and head, and the tokens that need the long context; ``--diagnostics.enabled false`` turns them off); a last
+  one at the end of fit; with ``--data.tasks``
   (the passkey among them), exact-match accuracy on the tasks after each (:class:`TaskAccuracy`).
 - checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM,
   ``--ckpt_path last`` (the newest readable checkpoint, or an error) and ``auto`` (resume if there is one).
@@ -40,7 +42,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from .callbacks import BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
+from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
 from .checkpoints import (
     AtomicCheckpointIO,
@@ -238,6 +240,7 @@ class CableCLI(LightningCLI):
                             help="global batch in tokens; sets trainer.accumulate_grad_batches")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(LengthEvalRecorder, "length_eval")
+        parser.add_lightning_class_args(AttentionDiagnostics, "diagnostics")
         parser.add_lightning_class_args(TaskAccuracy, "task_eval")
         parser.add_lightning_class_args(BiasPictures, "bias_pictures")
         parser.add_lightning_class_args(TokenThroughput, "throughput")

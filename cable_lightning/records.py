@@ -125,6 +125,67 @@ class RetrievalRecord(Record):
     visible: Optional[float] = None
 
 
+@dataclass(kw_only=True)
+class AttentionRecord(Record):
+    """One attention head's diagnostics at one evaluation length (``eval.diagnostics``, docs/diagnostics.md), over
+    the first ``windows`` non-overlapping windows of that length: means over their query rows, ``max_logit`` the
+    maximum. ``sink`` and ``local`` are the positions the sink and locality shares count; ``seconds`` is what the
+    length's diagnostics took in all (every layer, and the short-context pass)."""
+
+    FILE: ClassVar[str] = "attention.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {
+        "length": (1, None), "layer": (0, None), "head": (0, None), "windows": (1, None), "entropy": (0, None),
+        "entropy_norm": (0, None), "distance_mean": (0, None), "distance_p90": (0, None), "sink_mass": (0, None),
+        "local_mass": (0, None), "mass": (0, None), "sink": (1, None), "local": (1, None), "seconds": (0, None)}
+
+    length: int
+    layer: int
+    head: int
+    windows: int
+    entropy: Optional[float]  # None: no row defined it
+    entropy_norm: Optional[float]
+    distance_mean: Optional[float]
+    distance_p90: Optional[float]
+    sink_mass: Optional[float]
+    local_mass: Optional[float]
+    max_logit: Optional[float]
+    mass: Optional[float]
+    sink: int
+    local: int
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
+class LongContextRecord(Record):
+    """What the whole window gains over the training length, on the targets past it (``eval.diagnostics``): their
+    count and mean loss (nats) with the whole window (``loss``) and with at most ``context`` tokens (``loss_short``:
+    sliding windows of the training length advancing by ``stride``), and the same for the key tokens (loss drops by
+    at least ``threshold``: LongPPL's key tokens, the model itself the reference) and the hurt ones (rises by as
+    much)."""
+
+    FILE: ClassVar[str] = "long_context.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {
+        "length": (1, None), "context": (1, None), "stride": (1, None), "threshold": (0, None), "windows": (1, None),
+        "tokens": (0, None), "key_tokens": (0, None), "hurt_tokens": (0, None), "loss": (0, None),
+        "loss_short": (0, None), "key_loss": (0, None), "key_loss_short": (0, None), "hurt_loss": (0, None),
+        "hurt_loss_short": (0, None)}
+
+    length: int
+    context: int
+    stride: int
+    threshold: float
+    windows: int
+    tokens: int
+    loss: Optional[float]
+    loss_short: Optional[float]
+    key_tokens: int
+    key_loss: Optional[float]
+    key_loss_short: Optional[float]
+    hurt_tokens: int
+    hurt_loss: Optional[float]
+    hurt_loss_short: Optional[float]
+
+
 def format_value(value: float, digits: int = 2) -> str:
     """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
     model's perplexity would otherwise print hundreds of digits)."""

@@ -25,7 +25,9 @@ brackets; "-" where the training length falls short. Encoders' retrieval rows (`
 ``tools/retrieval.py evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval set, aggregated and
 tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws the training loss
 against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard events and, for
-fine-tuned encoders, the contrastive loss (``finetune_loss.jsonl``), the mean over seeds per encoding.
+fine-tuned encoders, the contrastive loss (``finetune_loss.jsonl``), the mean over seeds per encoding. The
+attention diagnostics (``attention.jsonl``, ``long_context.jsonl``) go through
+``cable_lightning.eval.diagnostics_report`` (``<out>_attention*``, ``<out>_long_context*``; docs/diagnostics.md).
 
     python tools/report.py runs/pydocs --out runs/pydocs/report
 """
@@ -43,6 +45,7 @@ from typing import Callable, Optional
 
 from cable_lightning.callbacks.length_eval import line_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
 from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
 from cable_lightning.records import (
@@ -483,6 +486,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     curves = loss_curves(paths)
     if curves:
         loss_curves_figure(curves, f"{out}_loss_curves.png")
+    tables.update(diagnostics_report(paths, out))  # attention.jsonl, long_context.jsonl: docs/diagnostics.md
     return tables
 
 

@@ -6,7 +6,8 @@
 - ``flex``: FlexAttention with the bias as ``score_mod`` and a causal block mask (compiled on CUDA).
 - ``chunked``: query rows in blocks; the bias is built for one block of rows at a time, so memory
   is O(rows x T), never O(T^2).
-- ``materialized``: the obvious formula with the full (B, H, T, T) bias; the reference for tests.
+- ``materialized``: the obvious formula with the full (B, H, T, T) bias; the reference for tests, written as the weights
+  of :func:`attention_map` (what the attention diagnostics read) times v.
 
 Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run only ``chunked``
 (``auto``) or ``materialized`` (one block of all rows).
@@ -21,6 +22,7 @@ other key blocks, ``chunked`` builds biases only for the keys in view; none buil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import typing
@@ -223,23 +225,52 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window)
     if allowed is not None:
         out[..., first:].masked_fill_(~allowed, float("-inf"))
-    weights = out.softmax(dim=-1) if scores.softmax else out.exp()
-    return (weights @ v.to(wide)).to(q.dtype)
+    return (scores.weights(out) @ v.to(wide)).to(q.dtype)
 
 
 def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None):
     if isinstance(bias, LogitScores):
         return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window)
-    b, h, tq, d = q.shape
-    tk = k.shape[-2]
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
-    scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) / math.sqrt(d)
-    if bias is not None:
-        scores = scores + bias.rows(0, tq, tk, b, h, q.device)
-    allowed = visible(0, tq, tk, causal, q_offset, key_padding, q.device, window=window)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    return (scores.softmax(dim=-1) @ v.to(wide)).to(q.dtype)
+    weights = attention_map(q, k, bias, causal, q_offset, 0, key_padding, window).weights
+    return (weights @ v.to(wide)).to(q.dtype)
+
+
+@dataclasses.dataclass
+class AttentionMap:
+    """What the reference path computes for a block of query rows against keys [0, Tk), each (B, H, rows, Tk):
+    ``weights``, what each row puts on each key (0 where hidden; a row sums to 1, or to at most 1 for log-weight
+    scores: stick-breaking); ``scores``, what the weights are normalised from (:meth:`ScoreBias.scores`), -inf where
+    hidden (or where the encoding gives a key nothing); ``logits``, the largest-logit view: ``scores`` when they are
+    softmax's input, or for log-weight scores the scaled q.k logits they come from, -inf where hidden."""
+
+    weights: Tensor
+    scores: Tensor
+    logits: Tensor
+
+
+def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
+                  start: int = 0, key_padding: Tensor | None = None, window: int | None = None) -> AttentionMap:
+    """The weights attention applies to query rows [start, start + rows) (``q``: those rows, (B, H, rows, D), at
+    positions q_offset + start + i) over keys ``k`` (B, H, Tk, D), through the score contract alone
+    (:meth:`ScoreBias.scores`, :meth:`ScoreBias.weights`; no score object: softmax over the logits). The
+    ``materialized`` backend is this map times v, and every other backend is tested against it."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    stop = start + q.shape[-2]
+    logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)
+    if isinstance(scores, LogitScores):
+        scores.key_padding = key_padding
+    out = logits if scores is None else scores.scores(logits, q, start, stop)
+    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
+    if allowed is not None:  # in place when nothing keeps `out` for a backward (it is new: the contract's scores are)
+        out = out.masked_fill_(~allowed, float("-inf")) if not torch.is_grad_enabled() else \
+            out.masked_fill(~allowed, float("-inf"))
+    if scores is None:
+        return AttentionMap(out.softmax(dim=-1), out, out)
+    if scores.softmax:
+        return AttentionMap(scores.weights(out), out, out)
+    shown = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    return AttentionMap(scores.weights(out), out, shown)
 
 
 def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None):

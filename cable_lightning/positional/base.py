@@ -15,6 +15,13 @@ An encoding is two classes in one file:
 - ``window``: every layer, its sliding window or None (per-layer patterns).
 - ``score_bias``: every layer, an additive bias on the q.k logits, returned as a :class:`ScoreBias`
   that *describes* the bias instead of materialising a (T x T) tensor.
+
+Every score object (:class:`ScoreBias`, :class:`LogitScores`) honours one contract for the weights it makes attention
+apply: :meth:`~ScoreBias.scores` maps a block of query rows' scaled q.k logits to the scores before the mask, and
+:meth:`~ScoreBias.weights` maps the masked scores to the weights (softmax, or exp of log weights: stick-breaking).
+The reference attention path (``models.attention.attention_map``) is written with them alone, every other backend is
+tested against it, and the attention diagnostics (``eval.diagnostics``) read the weights through it: no encoding is a
+special case there.
 """
 
 from __future__ import annotations
@@ -51,6 +58,12 @@ class UnsupportedLengthError(ValueError):
     """A positional encoding cannot serve this sequence length (a learnable table that is too short)."""
 
 
+def normalised(scores: Tensor, softmax: bool) -> Tensor:
+    """Attention weights from masked scores (-inf where a key is hidden): softmax over the keys, or (``softmax``
+    False) exp of scores that are log weights already."""
+    return scores.softmax(dim=-1) if softmax else scores.exp()
+
+
 class ScoreBias:
     """An additive attention bias given pointwise as ``bias(b, h, q_idx, kv_idx)``.
 
@@ -64,6 +77,7 @@ class ScoreBias:
     """
 
     foldable = False
+    softmax = True  # the weights are a softmax over logits + bias (the score contract; see LogitScores.softmax)
 
     def __init__(self, q_offset: int, causal: bool):
         self.q_offset = q_offset
@@ -71,6 +85,16 @@ class ScoreBias:
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def scores(self, logits: Tensor, q: Tensor, start: int, stop: int) -> Tensor:
+        """The score contract (as :meth:`LogitScores.scores`): the scaled logits of query rows [start, stop) against
+        keys [0, n_keys) (B, H, rows, n_keys) plus the bias, before the mask."""
+        batch, heads, _, n_keys = logits.shape
+        return logits + self.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype)
+
+    def weights(self, masked_scores: Tensor) -> Tensor:
+        """The score contract's second half: the weights attention applies, from :meth:`scores` masked with -inf."""
+        return normalised(masked_scores, self.softmax)
 
     def distance(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         """Token distance |i - j| (for causal attention only j <= i is ever unmasked)."""
@@ -124,6 +148,10 @@ class LogitScores:
 
     def scores(self, logits: Tensor, q: Tensor, start: int, stop: int) -> Tensor:
         raise NotImplementedError
+
+    def weights(self, masked_scores: Tensor) -> Tensor:
+        """The weights attention applies, from :meth:`scores` masked with -inf (softmax, or exp of log weights)."""
+        return normalised(masked_scores, self.softmax)
 
     def future(self, start: int, stop: int, n_keys: int, device, first_key: int = 0) -> Tensor:
         """(rows, n_keys - first_key) True where a key in [first_key, n_keys) lies after its query row (never attended

@@ -1,0 +1,123 @@
+"""Attention diagnostics after every validation (docs/diagnostics.md): per layer and head, at every evaluation length,
+the entropy, distance, sink and locality of the weights attention applies and its largest logit
+(``<log_dir>/attention.jsonl``), and what the whole window gains over the training length on the tokens that need it
+(``<log_dir>/long_context.jsonl``); TensorBoard figures of each quantity against length, a line per layer.
+
+A callback, so it runs at every checkpoint's validation inside ``fit`` and on ``validate --ckpt_path FILE``. The
+windows are the first ``windows`` non-overlapping windows of each length of the validation stream, the same whatever
+the number of ranks; rank 0 computes and writes them (a sharded FSDP2 model's weights are on no one rank: none there).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import lightning as L
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from ..errors import ConfigError
+from ..eval.diagnostics import DEFAULT_SINK, DEFAULT_THRESHOLD, QUANTITIES, diagnose
+from ..eval.windows import EvalWindows
+from ..positional import UnsupportedLengthError
+from ..records import AttentionRecord, LongContextRecord, append_records
+from .length_eval import line_figure
+
+
+class AttentionDiagnostics(L.Callback):
+    """Diagnostics of ``windows`` windows per evaluation length: ``sink`` first positions, ``local`` latest ones
+    (default an eighth of the training length), key tokens by a loss drop of ``threshold`` nats against windows of the
+    training length advancing by ``short_stride`` (default a quarter of it), run ``batch_size`` at a time."""
+
+    def __init__(self, enabled: bool = True, windows: int = 2, sink: int = DEFAULT_SINK, local: Optional[int] = None,
+                 threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None, batch_size: int = 8):
+        for name, value, low in (("windows", windows, 1), ("sink", sink, 1), ("local", local, 1),
+                                 ("short_stride", short_stride, 1), ("batch_size", batch_size, 1)):
+            if value is not None and value < low:
+                raise ConfigError(f"diagnostics.{name} must be >= {low}, got {value}")
+        if not threshold > 0:
+            raise ConfigError(f"diagnostics.threshold must be > 0 nats, got {threshold}")
+        self.enabled, self.windows, self.sink, self.local = enabled, windows, sink, local
+        self.threshold, self.short_stride, self.batch_size = threshold, short_stride, batch_size
+        self.attention: list[AttentionRecord] = []
+        self.long_context: list[LongContextRecord] = []
+
+    def window_batch(self, stream: torch.Tensor, length: int) -> torch.Tensor:
+        """(n, length + 1) tokens: the first ``windows`` non-overlapping windows of ``length`` (fewer if the stream
+        is short)."""
+        windows = EvalWindows(stream, length, length)
+        return torch.stack([windows[i]["tokens"] for i in range(min(self.windows, len(windows)))])
+
+    def on_validation_end(self, trainer, pl_module):
+        if not self.enabled or trainer.sanity_checking:
+            return
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
+        stream_of = getattr(trainer.datamodule, "eval_stream", None)
+        if not trainer.is_global_zero or stream_of is None or isinstance(pl_module.backbone, FSDPModule):
+            return
+        stream = stream_of("val")
+        config, backbone = pl_module.config, pl_module.backbone
+        measured = pl_module.length_results[0] if pl_module.length_results else None  # this validation's step
+        context = dict(pe=config.pos_encoding.label(), train_length=config.block_size,
+                       step=measured.step if measured else trainer.global_step, stage=trainer.state.fn.value,
+                       checkpoint=measured.checkpoint if measured else None,
+                       run_seed=getattr(pl_module, "run_seed", None))
+        self.attention, self.long_context = [], []
+        was_training = backbone.training
+        backbone.eval()
+        seconds = 0.0
+        try:
+            for length in sorted({length for length, _ in pl_module.eval_specs()}):
+                tokens = self.window_batch(stream, length).to(pl_module.device)
+                starts = torch.arange(len(tokens), device=tokens.device) * length
+                inputs, targets = pl_module.split_batch(tokens, train=False, start=starts)
+                try:
+                    found = diagnose(backbone, inputs, targets, config.block_size, self.sink, self.local,
+                                     self.threshold, self.short_stride, self.batch_size)
+                except UnsupportedLengthError:
+                    continue  # the length record says so
+                seconds += found.seconds
+                local = self.local or max(1, config.block_size // 8)
+                self.attention += [AttentionRecord(**context, length=length, windows=found.windows, sink=self.sink,
+                                                   local=local, seconds=round(found.seconds, 3), **row)
+                                   for row in found.attention]
+                if found.gain is not None:
+                    self.long_context.append(LongContextRecord(
+                        **context, length=length, context=config.block_size, threshold=self.threshold,
+                        stride=self.short_stride or max(1, config.block_size // 4), windows=found.windows,
+                        **vars(found.gain)))
+        finally:
+            backbone.train(was_training)
+        append_records(log_dir, self.attention + self.long_context)
+        evaluation = sum(r.seconds for r in pl_module.length_results)
+        print(f"attention diagnostics ({context['pe']}, step {context['step']}, {self.windows} windows per length): "
+              f"{seconds:.1f} s, the length evaluation {evaluation:.1f} s", flush=True)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if hasattr(experiment, "add_figure") and self.attention:
+            self.log_figures(experiment, context)
+
+    def log_figures(self, experiment, context: dict) -> None:
+        """One figure per quantity against length, a line per layer (the mean over heads; max_logit the maximum);
+        the key tokens' loss and share as scalars per length."""
+        layers = sorted({r.layer for r in self.attention})
+        for name in QUANTITIES:
+            series = {}
+            for layer in layers:
+                points = []
+                for length in sorted({r.length for r in self.attention}):
+                    values = [getattr(r, name) for r in self.attention if r.layer == layer and r.length == length]
+                    values = [v for v in values if v is not None]
+                    if values:
+                        points.append((length, max(values) if name == "max_logit" else sum(values) / len(values)))
+                series[f"layer {layer}"] = points
+            title = f"{context['pe']}: attention {name} by layer, step {context['step']}"
+            figure = line_figure(series, title, context["train_length"], "evaluation length (tokens)", name,
+                                 log_y=False)
+            experiment.add_figure(f"attention/{name}", figure, context["step"])
+        for r in self.long_context:
+            if r.tokens:
+                experiment.add_scalar(f"long_context/key_share/len_{r.length}", r.key_tokens / r.tokens,
+                                      context["step"])
+            if r.key_loss is not None and math.isfinite(r.key_loss):
+                experiment.add_scalar(f"long_context/key_loss/len_{r.length}", r.key_loss, context["step"])

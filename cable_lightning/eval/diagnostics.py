@@ -1,0 +1,270 @@
+"""Why an encoding extrapolates or fails: its attention per layer and head at every length (docs/diagnostics.md).
+
+Per query row of a few fixed evaluation windows, from the weights attention actually applies (the score contract of
+``positional.base``, read through ``models.attention.attention_map``, the reference path every backend is tested
+against; no encoding is a special case):
+
+- ``entropy``: -sum p log p of the row's weights p (normalised by their sum, which is 1 except for stick-breaking);
+  ``entropy_norm``: the same divided by log of the keys the row sees (rows that see at least two), so lengths compare;
+- ``distance_mean``, ``distance_p90``: the mean |i - j| under p, and the smallest distance within which 90% of the
+  row's weight lies;
+- ``sink_mass``: the share of the row's weight on the first ``sink`` positions; ``local_mass``: on its last ``local``
+  positions (|i - j| < ``local``);
+- ``max_logit``: the largest score the row normalises (softmax's input: logits plus bias or what the encoding adds;
+  for log-weight scores, stick-breaking, the scaled q.k logits its sigmoids take), the maximum over rows;
+- ``mass``: the weight the row applies in all (1 for softmax; stick-breaking keeps the rest of its stick).
+
+Shares and distances are averaged over the rows that put weight anywhere, over every row of the windows. Rows are
+reduced one block at a time, so memory is O(rows x length), never O(length^2) per head.
+
+Tokens that need the long context (LongPPL's key tokens, Fang et al., 2025, with the model itself as the reference
+instead of a separate evaluator model): each target's loss with the whole window against its loss when the model sees
+at most the training length (sliding windows of the training length, :func:`short_context_nll`); a target past the
+training length whose loss drops by at least ``threshold`` nats is a key token, one whose loss rises by as much a hurt
+token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..models.attention import attention_map
+from .windows import window_plan
+
+# Attention quantities per (layer, head), in the order records, tables and figures give them.
+QUANTITIES = ("entropy", "entropy_norm", "distance_mean", "distance_p90", "sink_mass", "local_mass", "max_logit",
+              "mass")
+MAXIMA = ("max_logit",)  # reduced by the maximum over rows (the others: the mean)
+# (row, key) maps one block of rows holds at once per head besides the score object's own (weights, scores,
+# logits, w log w, the cumulative sum or the distance bins and their sum, the distance grid, a comparison): sizes the
+# row blocks against BLOCK_ELEMENTS (4x that on a GPU, where fewer, larger blocks save kernel launches).
+MAPS = 8
+BLOCK_ELEMENTS = 2**24
+P90 = 0.9
+DEFAULT_SINK = 4  # StreamingLLM's attention-sink tokens
+DEFAULT_THRESHOLD = 2.0  # LongPPL's: a key token's log-probability gains at least 2 nats from the long context
+
+
+def row_quantities(weights: Tensor, scores: Tensor, logits: Tensor, start: int, q_offset: int, sink: int,
+                   local: int, causal: bool) -> dict[str, Tensor]:
+    """Each quantity of :data:`QUANTITIES` per query row, (B, H, rows), NaN where undefined (a row that applies no
+    weight; ``entropy_norm`` of a row that sees fewer than two keys). ``weights``, ``scores`` (masked with -inf) and
+    ``logits`` as :class:`models.attention.AttentionMap` gives them for query rows [start, start + rows) at positions
+    q_offset + start + i against keys [0, n_keys). A causal row's keys all lie behind it, so its distances come from
+    cumulative sums over the keys; a bidirectional row's weights are first binned by distance."""
+    weights = weights.float()
+    rows, n_keys = weights.shape[-2:]
+    device = weights.device
+    position = torch.arange(start, start + rows, device=device) + q_offset  # (rows,)
+    total = weights.sum(-1)
+    attends = total > 0
+    inverse = 1.0 / total.clamp(min=torch.finfo(weights.dtype).tiny)
+    # -sum p log p of p = w / total, as log(total) - sum(w log w) / total: no pass to normalise the map
+    entropy = total.clamp(min=torch.finfo(weights.dtype).tiny).log() - torch.special.xlogy(weights, weights).sum(-1) \
+        * inverse
+    seen = (scores > float("-inf")).sum(-1).float()
+    if causal:  # every key with weight lies at j <= i: distance i - j
+        keys = torch.arange(n_keys, device=device, dtype=weights.dtype)
+        distance_mean = position - (weights @ keys) * inverse
+        before = weights.cumsum(-1)  # mass on keys 0..j
+        # the farthest key j* whose keys j*..i still hold 90%: every j < j* has mass(0..j) <= 10%
+        farthest = (before[..., :-1] <= (1 - P90) * total[..., None]).sum(-1)
+        distance_p90 = position - farthest
+        outside = position - local  # the last key outside the local window
+        gathered = before.gather(-1, outside.clamp(min=0).expand(*before.shape[:-2], -1)[..., None]).squeeze(-1)
+        local_mass = (total - torch.where(outside >= 0, gathered, 0.0)) * inverse
+    else:
+        distance = (position[:, None] - torch.arange(n_keys, device=device)[None, :]).abs()
+        distance_mean = (weights * distance).sum(-1) * inverse
+        by_distance = torch.zeros_like(weights).scatter_add_(-1, distance.expand_as(weights), weights)
+        distance_p90 = (by_distance.cumsum(-1) < P90 * total[..., None]).sum(-1)
+        local_mass = by_distance[..., :local].sum(-1) * inverse
+    nan = torch.tensor(float("nan"), device=device)
+    out = {
+        "entropy": entropy,
+        "entropy_norm": torch.where(seen >= 2, entropy / seen.clamp(min=2).log(), nan),
+        "distance_mean": distance_mean,
+        "distance_p90": distance_p90.float(),
+        "sink_mass": weights[..., :sink].sum(-1) * inverse,
+        "local_mass": local_mass,
+    }
+    out = {name: torch.where(attends, value, nan) for name, value in out.items()}
+    out["max_logit"] = logits.float().amax(-1)
+    out["mass"] = total
+    return out
+
+
+@dataclass
+class AttentionStats:
+    """Per-(layer, head) sums and counts (maxima for :data:`MAXIMA`) of the row quantities over every window."""
+
+    sink: int = DEFAULT_SINK
+    local: int = 16
+    sums: dict = field(default_factory=dict)  # (layer, quantity) -> [sum (H,), count (H,)] or [max (H,)]
+
+    def add(self, layer: int, q: Tensor, k: Tensor, scores, causal: bool, window: Optional[int],
+            key_padding: Optional[Tensor] = None, q_offset: int = 0) -> None:
+        """One layer's rows: q (B, H, T, D) after the encoding's rotation, k (B, H, Tk, D), its score object; in
+        blocks of rows, each against the keys it can see (causal: none past its last row)."""
+        batch, heads, t, _ = q.shape
+        n_all = k.shape[-2]
+        maps = MAPS + getattr(scores, "maps_per_head", 1)
+        budget = BLOCK_ELEMENTS * (4 if q.is_cuda else 1)
+        rows_per_block = max(1, budget // (batch * heads * maps * n_all))
+        for start in range(0, t, rows_per_block):
+            stop = min(t, start + rows_per_block)
+            n_keys = min(n_all, q_offset + stop) if causal else n_all
+            attn = attention_map(q[:, :, start:stop], k[:, :, :n_keys], scores, causal, q_offset, start, key_padding,
+                                 window)
+            for name, value in row_quantities(attn.weights, attn.scores, attn.logits, start, q_offset, self.sink,
+                                              self.local, causal).items():
+                self._reduce(layer, name, value)
+
+    def _reduce(self, layer: int, name: str, value: Tensor) -> None:
+        value = value.double().transpose(0, 1).flatten(1)  # (H, B * rows)
+        if name in MAXIMA:
+            top = value.amax(-1)
+            held = self.sums.setdefault((layer, name), [top])
+            held[0] = torch.maximum(held[0], top)
+            return
+        finite = ~value.isnan()
+        held = self.sums.setdefault((layer, name), [torch.zeros_like(top := value[:, 0]), torch.zeros_like(top)])
+        held[0] = held[0] + torch.where(finite, value, 0.0).sum(-1)
+        held[1] = held[1] + finite.sum(-1)
+
+    def results(self) -> list[dict]:
+        """One dict per (layer, head): ``layer``, ``head`` and each quantity (None where no row defined it)."""
+        layers = sorted({layer for layer, _ in self.sums})
+        out = []
+        for layer in layers:
+            heads = len(self.sums[layer, QUANTITIES[0]][0])
+            for head in range(heads):
+                row = {"layer": layer, "head": head}
+                for name in QUANTITIES:
+                    held = self.sums.get((layer, name))
+                    if held is None:
+                        value = None
+                    elif name in MAXIMA:
+                        value = float(held[0][head])
+                    else:
+                        value = float(held[0][head] / held[1][head]) if held[1][head] > 0 else None
+                    row[name] = None if value is None or not math.isfinite(value) else round(value, 6)
+                out.append(row)
+        return out
+
+
+@contextlib.contextmanager
+def recording(backbone, stats: AttentionStats):
+    """While inside, every attention layer of ``backbone`` adds its rows to ``stats`` as it runs (a hook before each
+    layer's attention: the same queries, keys and score object the layer then uses). Blocks run eager (a compiled
+    block would not run the hook)."""
+
+    def hook(module, args):
+        h, pe, offset, state, *rest = args
+        key_padding = rest[0] if rest else None
+        q, k, _ = module.queries_keys_values(h, pe, offset, key_padding)
+        scores = pe.score_bias(h, module.layer, offset, None)
+        stats.add(module.layer, q, k, scores, module.causal, pe.window(module.layer), key_padding, offset)
+
+    handles = [block.attn.register_forward_pre_hook(hook) for block in backbone.blocks]
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def short_context_nll(backbone, inputs: Tensor, targets: Tensor, context: int, stride: int,
+                      batch_size: int = 8) -> Tensor:
+    """(B, T) each target's NLL when the model sees at most ``context`` tokens: windows of ``context`` tokens
+    advancing by ``stride`` (the sliding protocol of :func:`eval.windows.window_plan`), each scoring the targets after
+    the previous one's, so every target is scored once with at least ``context - stride`` tokens before it (all of
+    them in the first window). Windows of every row run ``batch_size`` at a time."""
+    rows, t = inputs.shape
+    if t <= context:
+        return backbone.token_nll(inputs, targets)
+    plan = window_plan(t + 1, context, stride)
+    pieces = [(row, start, first) for row in range(rows) for start, first in plan]
+    out = torch.zeros(rows, t, dtype=torch.float32, device=inputs.device)
+    for at in range(0, len(pieces), batch_size):
+        part = pieces[at : at + batch_size]
+        window_inputs = torch.stack([inputs[row, start : start + context] for row, start, _ in part])
+        window_targets = torch.stack([targets[row, start : start + context] for row, start, _ in part])
+        nll = backbone.token_nll(window_inputs, window_targets).float()
+        for i, (row, start, first) in enumerate(part):
+            out[row, start + first : start + context] = nll[i, first:]
+    return out
+
+
+@dataclass
+class ContextGain:
+    """The long context's gain on targets past the training length: counts and mean losses (nats) of every such
+    target, of the key tokens (loss drops by at least the threshold) and of the hurt ones (rises by as much), with the
+    whole window (``loss``) and with at most the training length (``loss_short``)."""
+
+    tokens: int
+    loss: Optional[float]
+    loss_short: Optional[float]
+    key_tokens: int
+    key_loss: Optional[float]
+    key_loss_short: Optional[float]
+    hurt_tokens: int
+    hurt_loss: Optional[float]
+    hurt_loss_short: Optional[float]
+
+
+def context_gain(long_nll: Tensor, short_nll: Tensor, scored: Tensor, context: int, threshold: float) -> ContextGain:
+    """From each target's NLL with the whole window and with at most ``context`` tokens (B, T), ``scored`` (B, T) the
+    targets that count: those at index >= ``context`` (which see more than ``context`` tokens in the window)."""
+    candidates = scored.clone()
+    candidates[:, :context] = False
+    drop = short_nll - long_nll
+    key, hurt = candidates & (drop >= threshold), candidates & (-drop >= threshold)
+
+    def mean(values: Tensor, where: Tensor) -> Optional[float]:
+        return float(values[where].double().mean()) if bool(where.any()) else None
+
+    return ContextGain(int(candidates.sum()), mean(long_nll, candidates), mean(short_nll, candidates),
+                       int(key.sum()), mean(long_nll, key), mean(short_nll, key),
+                       int(hurt.sum()), mean(long_nll, hurt), mean(short_nll, hurt))
+
+
+@dataclass
+class LengthDiagnostics:
+    """One length's diagnostics: per (layer, head) attention quantities, the long context's gain (None for a
+    bidirectional model or a length within the training length) and the seconds they took."""
+
+    attention: list[dict]
+    gain: Optional[ContextGain]
+    windows: int
+    seconds: float
+
+
+@torch.no_grad()
+def diagnose(backbone, inputs: Tensor, targets: Tensor, train_length: int, sink: int = DEFAULT_SINK,
+             local: Optional[int] = None, threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None,
+             batch_size: int = 8) -> LengthDiagnostics:
+    """The diagnostics of windows ``inputs`` (B, L) with ``targets`` (B, L) (-100: not scored): one forward with the
+    attention recorded (its per-token NLL is the long context's), and for a causal model longer than
+    ``train_length`` the short-context pass (windows of ``train_length`` advancing by ``short_stride``, default a
+    quarter of it). ``local`` defaults to an eighth of ``train_length``."""
+    started = time.perf_counter()
+    stats = AttentionStats(sink=sink, local=local or max(1, train_length // 8))
+    with recording(backbone, stats):
+        long_nll = backbone.token_nll(inputs, targets)
+    gain = None
+    if backbone.causal and inputs.shape[1] > train_length:
+        stride = short_stride or max(1, train_length // 4)
+        short = short_context_nll(backbone, inputs, targets, train_length, stride, batch_size)
+        gain = context_gain(long_nll.float(), short, targets != -100, train_length, threshold)
+    if inputs.is_cuda:
+        torch.cuda.synchronize(inputs.device)
+    return LengthDiagnostics(stats.results(), gain, inputs.shape[0], time.perf_counter() - started)

@@ -1,0 +1,230 @@
+"""The attention diagnostics in the report (docs/diagnostics.md): tables with seed intervals and one figure per
+quantity against length, encodings side by side, from the ``attention.jsonl`` and ``long_context.jsonl`` records runs
+wrote beside their ``length_eval.jsonl``.
+
+A run is one encoding, training length and seed, as in the perplexity tables; each run's latest evaluation counts. A
+run's value for a layer is the mean over its heads (``max_logit``: the maximum), for "all" the mean over layers and
+heads (the maximum); a cell is the mean over the runs' seeds with a 95% Student-t interval
+(:func:`eval.intervals.seed_interval`; one seed: its value alone).
+
+Written: ``<out>_attention.md/.csv``, ``<out>_attention_<quantity>.png`` (a panel per layer and one for all, a line
+per encoding with its interval band), and where causal runs recorded them ``<out>_long_context.md/.csv/.png`` (the key
+tokens: the targets past the training length whose loss the whole window lowers by the threshold, beside the
+perplexity of the same evaluation).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+import os
+from typing import Callable, Optional
+
+from ..records import AttentionRecord, LengthRecord, LongContextRecord, Record, format_value, read_records
+from .diagnostics import MAXIMA, QUANTITIES
+from .intervals import Estimate, seed_interval
+
+Cells = dict[tuple, dict]  # (row label, column) -> {seed: value}
+
+
+def record_files(paths: list[str], name: str) -> list[str]:
+    """Every ``name`` under the directories in ``paths`` (and files so named), oldest first: later evaluations win."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += glob.glob(os.path.join(path, "**", name), recursive=True)
+        elif os.path.basename(path) == name:
+            files.append(path)
+    return sorted(set(files), key=os.path.getmtime)
+
+
+def latest(files: list[str], kind: type[Record], cell: Callable) -> list[Record]:
+    """Each run's rows of its latest step; within a (run, step) the later row of a ``cell`` wins (a re-validation)."""
+    runs: dict[tuple, dict[int, dict]] = {}
+    for file in files:
+        for row in read_records(file, kind):
+            runs.setdefault((row.pe, row.train_length, row.run_seed), {}).setdefault(row.step, {})[cell(row)] = row
+    return [row for steps in runs.values() for row in steps[max(steps)].values()]
+
+
+def column(row: Record, several: bool) -> str:
+    return f"{row.pe}@{row.train_length}" if several else row.pe
+
+
+def reduce(values: list[float], name: str) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return max(values) if name in MAXIMA else sum(values) / len(values)
+
+
+def attention_cells(rows: list[AttentionRecord], name: str) -> Cells:
+    """(("all" or "layer N", length), encoding) -> {seed: the run's value} for one quantity."""
+    several = len({r.train_length for r in rows}) > 1
+    grouped: dict[tuple, list] = {}
+    for r in rows:
+        key = (column(r, several), r.run_seed, r.length)
+        grouped.setdefault(key + ("all",), []).append(getattr(r, name))
+        grouped.setdefault(key + (f"layer {r.layer}",), []).append(getattr(r, name))
+    cells: Cells = {}
+    for (encoding, seed, length, where), values in grouped.items():
+        cells.setdefault(((where, length), encoding), {})[seed] = reduce(values, name)
+    return cells
+
+
+def estimate(values: dict) -> Optional[Estimate]:
+    present = [v for v in values.values() if v is not None]
+    return seed_interval(present) if present and len(present) == len(values) else None
+
+
+def row_order(label) -> tuple:
+    """"all" first, then the layers in order, then any other group by name; lengths ascending within each."""
+    where, length = label
+    if where == "all":
+        return (0, 0, length)
+    if where.startswith("layer "):
+        return (1, int(where.split()[-1]), length)
+    return (2, where, length)
+
+
+def markdown(cells: Cells, digits: int = 3) -> str:
+    """Rows (where, length) and encoding columns; "-" where a run recorded no value."""
+    columns = sorted({c for _, c in cells})
+    labels = sorted({k for k, _ in cells}, key=row_order)
+    lines = ["| rows | length | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for label in labels:
+        text = []
+        for c in columns:
+            e = estimate(cells[label, c]) if (label, c) in cells else None
+            if e is None:
+                text.append("-" if (label, c) in cells else "")
+            elif e.low is None:
+                text.append(format_value(e.mean, digits))
+            else:
+                text.append(f"{format_value(e.mean, digits)} [{format_value(e.low, digits)}, "
+                            f"{format_value(e.high, digits)}]")
+        lines.append(f"| {label[0]} | {label[1]} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def interval_note(cells: Cells) -> str:
+    seeds = sorted({len(v) for v in cells.values()})
+    if seeds == [1]:
+        return "_one seed per cell: no interval._"
+    return f"_mean over n={'/'.join(map(str, seeds))} seeds [95% Student-t interval]; one seed: its value alone._"
+
+
+def write_csv(path: str, tables: dict[str, Cells]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["quantity", "rows", "length", "encoding", "seed", "value", "mean", "low", "high", "n"])
+        for name, cells in tables.items():
+            for ((where, length), encoding), values in sorted(cells.items(), key=lambda kv: (row_order(kv[0][0]),
+                                                                                            kv[0][1])):
+                e = estimate(values)
+                summary = ["", "", "", len(values)] if e is None else [e.mean, "" if e.low is None else e.low,
+                                                                       "" if e.high is None else e.high, e.n]
+                for seed, value in values.items():
+                    writer.writerow([name, where, length, encoding, "" if seed is None else seed,
+                                     "" if value is None else value, *summary])
+
+
+def panels_figure(cells: Cells, title: str, ylabel: str, train_lengths: set[int], path: str,
+                  share_y: bool = True) -> None:
+    """A panel per row group ("all", then each layer), a line per encoding against length with its interval band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({where for (where, _), _ in cells}, key=lambda w: row_order((w, 0)))
+    encodings = sorted({c for _, c in cells})
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups) + 1, 3.6), squeeze=False, sharey=share_y)
+    for ax, where in zip(axes[0], groups):
+        for encoding in encodings:
+            points = sorted((length, e) for ((w, length), c), values in cells.items()
+                            if w == where and c == encoding and (e := estimate(values)) is not None
+                            and math.isfinite(e.mean))
+            if not points:
+                continue
+            line, = ax.plot([x for x, _ in points], [e.mean for _, e in points], marker="o", label=encoding)
+            band = [(x, e.low, e.high) for x, e in points if e.low is not None]
+            if band:
+                ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
+        for train_length in train_lengths:
+            ax.axvline(train_length, color="grey", linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(where)
+        ax.set_xlabel("evaluation length (tokens)")
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize="x-small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+LONG_CONTEXT = {  # table name -> a run's value from its LongContextRecord
+    "key tokens, share of the targets past the training length": lambda r: r.key_tokens / r.tokens if r.tokens
+    else None,
+    "key tokens, loss with the whole window (nats)": lambda r: r.key_loss,
+    "key tokens, loss with the training length (nats)": lambda r: r.key_loss_short,
+    "hurt tokens, share of the targets past the training length": lambda r: r.hurt_tokens / r.tokens if r.tokens
+    else None,
+    "targets past the training length, loss with the whole window (nats)": lambda r: r.loss,
+    "targets past the training length, loss with the training length (nats)": lambda r: r.loss_short,
+}
+
+
+def simple_cells(rows: list[Record], value: Callable) -> Cells:
+    several = len({r.train_length for r in rows}) > 1
+    cells: Cells = {}
+    for r in rows:
+        cells.setdefault((("all", r.length), column(r, several)), {})[r.run_seed] = value(r)
+    return cells
+
+
+def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
+    """Writes the diagnostics' tables and figures under the prefix ``out`` (nothing when no run recorded them);
+    returns {"attention": markdown, "long context": markdown} for those written."""
+    tables = {}
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    rows = latest(record_files(paths, AttentionRecord.FILE), AttentionRecord, lambda r: (r.length, r.layer, r.head))
+    if rows:
+        by_name = {name: attention_cells(rows, name) for name in QUANTITIES}
+        sink, local = sorted({r.sink for r in rows}), sorted({r.local for r in rows})
+        parts = [f"Attention diagnostics (docs/diagnostics.md): per run the mean over heads (max_logit: the maximum), "
+                 f"'all' over layers and heads; sink = the first {'/'.join(map(str, sink))} positions, local = the "
+                 f"last {'/'.join(map(str, local))}."]
+        for name, cells in by_name.items():
+            parts.append(f"### {name}\n\n{markdown(cells)}\n\n{interval_note(cells)}")
+            panels_figure(cells, f"attention {name} vs evaluation length", name, {r.train_length for r in rows},
+                          f"{out}_attention_{name}.png")
+        tables["attention"] = "\n\n".join(parts)
+        with open(f"{out}_attention.md", "w") as f:
+            f.write(tables["attention"] + "\n")
+        write_csv(f"{out}_attention.csv", by_name)
+    gains = latest(record_files(paths, LongContextRecord.FILE), LongContextRecord, lambda r: r.length)
+    if gains:
+        by_name = {name: simple_cells(gains, value) for name, value in LONG_CONTEXT.items()}
+        ppl = latest(record_files(paths, LengthRecord.FILE), LengthRecord, lambda r: (r.length, r.mode))
+        ppl = [r for r in ppl if r.mode == "nonoverlap"]
+        if ppl:
+            by_name = {"perplexity (every target, non-overlapping windows)": simple_cells(ppl, lambda r: r.ppl)} \
+                | by_name
+        thresholds = "/".join(f"{t:g}" for t in sorted({r.threshold for r in gains}))
+        parts = [f"Tokens that need the long context (the model itself the reference; docs/diagnostics.md): key tokens "
+                 f"are targets past the training length whose loss with the whole window is at least {thresholds} "
+                 "nats below their loss with the training length; hurt tokens the reverse."]
+        for name, cells in by_name.items():
+            parts.append(f"### {name}\n\n{markdown(cells)}\n\n{interval_note(cells)}")
+        tables["long context"] = "\n\n".join(parts)
+        with open(f"{out}_long_context.md", "w") as f:
+            f.write(tables["long context"] + "\n")
+        write_csv(f"{out}_long_context.csv", by_name)
+        shown = [name for name in LONG_CONTEXT if "share" in name or name.startswith("key tokens, loss with the whole")]
+        merged = {((name, length), c): v for name in shown for ((_, length), c), v in by_name[name].items()}
+        panels_figure(merged, "tokens that need the long context", "", {r.train_length for r in gains},
+                      f"{out}_long_context.png", share_y=False)
+    return tables
