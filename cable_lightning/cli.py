@@ -42,18 +42,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from .callbacks import BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import (
-    AtomicCheckpointIO,
-    claim_checkpoint_folder,
-    package_model_class,
-    read_checkpoint,
-    resolve_ckpt_path,
-)
+from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, error_boundary, space_left
 from .lit import LanguageModel
-from .models.config import BackboneConfig, moved_setting, upgrade_backbone_dict
+from .lit.checkpoint_format import checkpoint_model
+from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 
 
@@ -100,22 +95,6 @@ def run_folder(config) -> str:
 
 def checkpoint_folder(config) -> str:
     return config.checkpoint.dirpath or f"{run_folder(config)}/checkpoints"
-
-
-def checkpoint_model(ckpt_path: str) -> Optional[dict]:
-    """The model section (class_path, init_args) a checkpoint was made with, without the linked data description."""
-    hparams = dict(read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters") or {})
-    class_path = hparams.pop("_class_path", None)
-    if class_path is None:
-        return None
-    # Only what the class takes now: the data description is linked from the data section, and settings an older
-    # version saved (vocab_size, block_size before they came from the data) would stop the parse.
-    accepted = inspect.signature(package_model_class(class_path, ckpt_path)).parameters
-    init_args = {k: v for k, v in hparams.items() if k in accepted and k != "data"}
-    if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
-        backbone = upgrade_backbone_dict(init_args["backbone"])
-        init_args["backbone"] = backbone | {"pos_encoding": BackboneConfig.from_dict(backbone).pos_encoding.to_dict()}
-    return {"class_path": class_path, "init_args": init_args}
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:

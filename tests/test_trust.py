@@ -19,11 +19,12 @@ import torch
 from test_cli import args
 from test_reliability import one_error_line
 
-from cable_lightning.checkpoints import package_model_class, resolve_ckpt_path
+from cable_lightning.checkpoints import resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError
 from cable_lightning.hf.export import main as export_main
 from cable_lightning.lit import CausalLM, MaskedLM
+from cable_lightning.lit.checkpoint_format import package_model_class
 from cable_lightning.positional.registry import available
 from cable_lightning.records import LengthRecord, TaskRecord, read_records
 

@@ -105,10 +105,10 @@ class LogitScores:
 
     :meth:`scores` gets the scaled logits of query rows [start, stop) against keys [0, n_keys)
     (B, H, rows, n_keys), those rows' queries (B, H, rows, D) and, for a padded batch, ``key_padding`` (B, n_keys),
-    True at real keys (passed in by attention, :func:`models.attention.visible`), and returns the scores before the
-    causal mask, as a new tensor that autograd does not keep for a backward (attention masks it in place). Every row must
-    depend only on its own logits (and, causally, on keys up to its position), so that blocks of rows, cached decoding
-    and the full forward agree.
+    True at real keys (an argument, as attention gets it), and returns the scores before the causal mask, as a new
+    tensor that autograd does not keep for a backward (attention masks it in place). Every row must depend only on its
+    own logits (and, causally, on keys up to its position), so that blocks of rows, cached decoding and the full
+    forward agree.
     """
 
     # (row, key) maps of one head's size that scores() holds at once per head; sizes the row blocks.
