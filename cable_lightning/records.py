@@ -90,7 +90,7 @@ class PositionRecord(Record):
 
 @dataclass(kw_only=True)
 class TaskRecord(Record):
-    """Exact-match accuracy on one synthetic task (``cable_lightning.data.tasks``) at one length, and one depth of
+    """Exact-match accuracy on one synthetic task (``cable_lightning.tasks.generation``) at one length, and one depth of
     the queried fact for tasks that place it (None for the others)."""
 
     FILE: ClassVar[str] = "task_accuracy.jsonl"

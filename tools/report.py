@@ -41,7 +41,6 @@ from typing import Callable, Optional
 from cable_lightning.callbacks.length_eval import line_figure
 from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
-from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
 from cable_lightning.records import (
     LengthRecord,
     PositionRecord,
@@ -51,6 +50,7 @@ from cable_lightning.records import (
     format_value,
     read_records,
 )
+from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:

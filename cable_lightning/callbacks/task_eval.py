@@ -15,8 +15,8 @@ import lightning as L
 import torch
 
 from ..errors import ConfigError
-from ..eval.tasks import DEFAULT_DEPTHS, argmax_predictions, task_grid
 from ..records import TaskRecord, append_records
+from ..tasks.scoring import DEFAULT_DEPTHS, argmax_predictions, task_grid
 
 
 def accuracy_heatmap(labels: list[str], lengths: list[int], cells: dict, title: str, ylabel: str):

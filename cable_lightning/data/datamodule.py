@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.remote import Store, is_remote
-from cable_lightning.data.tasks import EVAL, OWN_VOCABULARY, TaskMix, TaskVocabulary
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
+from cable_lightning.data.windows import EvalWindows
+from cable_lightning.tasks.generation import EVAL, OWN_VOCABULARY, TaskMix, TaskVocabulary
 
 from ..errors import ConfigError
 
@@ -92,7 +93,7 @@ class TokenDataModule(L.LightningDataModule):
             of the free disk, leaving 50 GB free where it can); least-recently-used chunks are evicted.
         endpoint_url: an S3-compatible store's endpoint (default: boto3's, from ``AWS_ENDPOINT_URL`` or the
             profile); credentials and region always come from boto3's usual places.
-        tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (``cable_lightning.data.tasks``), taken in
+        tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (:mod:`cable_lightning.tasks`), taken in
             turn; training batches become ``{"tokens", "loss_weight"}``. With ``path`` null the tasks use a
             vocabulary of their own and validation perplexity is measured on task examples; with a prepared
             ``path``, its tokenizer's ids (and its text, for ``passkey``).
@@ -306,8 +307,6 @@ class TokenDataModule(L.LightningDataModule):
         return self._eval_streams[split]
 
     def _eval_loaders(self, split: str) -> Any:
-        from cable_lightning.eval import EvalWindows
-
         tokens, trainer = self.eval_stream(split), getattr(self, "trainer", None)
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         loaders = []

@@ -18,8 +18,9 @@ from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import read_checkpoint, shown_name
 from ..data.manifest import DataInfo
+from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
-from ..eval import PositionNLL, scored_targets
+from ..eval import PositionNLL
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..records import LengthRecord, PositionRecord
