@@ -52,15 +52,20 @@ from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 
 
-def describe_prepared(data: TokenDataModule) -> dict:
-    """The data's description for the model, preparing the data first when the data section asks for it: the
-    model's vocabulary comes from the data, so this runs before the model exists (prepare's lock keeps ranks that
-    start together safe; a finished folder is a no-op)."""
+def prepare_first(data: TokenDataModule) -> None:
+    """Prepare the data section's ``path`` from its ``source`` and ``tokenizer`` when it names them (a no-op on a
+    folder prepared for that request, an error on one prepared from something else). Every rank calls it: prepare's
+    lock keeps ranks that start together safe."""
+    if data.source is None:
+        return
+    from .data import prepare  # the offline builder, imported only when a run asks for it
+
     # litdata's optimize reseeds Python, NumPy and torch to 42; the run's seed_everything must still hold.
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         try:
-            data.prepare_data()
+            prepare.prepare(source=data.source, tokenizer=data.tokenizer_spec, out=data.path,
+                            endpoint_url=data.endpoint_url)
         except ConfigError:
             raise
         except (ValueError, OSError) as exc:  # prepare's own one-line errors (bad source, conflicting folder)
@@ -69,6 +74,12 @@ def describe_prepared(data: TokenDataModule) -> dict:
             raise RunFailedError(f"preparing {data.path}: {exc}") from exc
     random.setstate(python_state)
     np.random.set_state(numpy_state)
+
+
+def describe_prepared(data: TokenDataModule) -> dict:
+    """The data's description for the model, the data prepared first when the data section asks for it: the
+    model's vocabulary comes from the data, so this runs before the model exists."""
+    prepare_first(data)
     return data.describe().as_dict()
 
 
@@ -81,7 +92,7 @@ def configured_backbone(config) -> BackboneConfig:
 
 def run_folder(config) -> str:
     """``<runs_dir>/<experiment>/<encoding>``, and ``.../<encoding>/seed<N>`` with ``--folder_per_seed true`` (what
-    ``tools/sweep.py --seeds`` passes): TensorBoard versions and the checkpoints folder live under it. Named by the
+    ``sweep --seeds`` passes): TensorBoard versions and the checkpoints folder live under it. Named by the
     encoding's weight-defining label, so a run evaluated with RoPE scaling is still found (``rope``)."""
     folder = f"{config.runs_dir}/{config.experiment}/{configured_backbone(config).pos_encoding.label(runtime=False)}"
     if not config.get("folder_per_seed"):

@@ -72,7 +72,7 @@ class BlankRows(IterableDataset):
 
 
 class TokenDataModule(L.LightningDataModule):
-    """Token windows from a folder written by ``python -m cable_lightning.data.prepare``.
+    """Token windows from a folder written by ``python -m cable_lightning prepare``.
 
     Args:
         path: the prepared folder (manifest.json, train/, val.npy).
@@ -84,8 +84,9 @@ class TokenDataModule(L.LightningDataModule):
         eval_tokens: targets scored at every eval length (the same first tokens of the held-out split each time).
         eval_stride: also score each length longer than this with sliding windows advancing by ``eval_stride``
             tokens (ALiBi's appendix-B protocol); None scores non-overlapping windows only.
-        source, tokenizer: when given, ``prepare_data`` prepares ``path`` from them if it is not prepared yet,
-            and a prepared ``path`` must have been made from them.
+        source, tokenizer: what ``path`` is prepared from, when given: the CLI prepares it first (a no-op on a
+            finished folder, an error on one prepared from something else; :func:`cable_lightning.cli.prepare_first`).
+            This class only reads a prepared folder.
         cache_dir: for an ``s3://bucket/prefix`` path, the local folder for streamed chunks and the fetched
             manifest, index and held-out arrays (default: LitData's, ``$LITDATA_CACHE_DIR`` or
             ``~/.lightning/chunks``).
@@ -144,17 +145,6 @@ class TokenDataModule(L.LightningDataModule):
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}
 
-    def prepare_data(self) -> None:
-        """Prepare ``path`` from ``source``/``tokenizer`` when they are given (a no-op on a finished folder).
-
-        Lightning calls this on one process per node and holds the others at a barrier; prepare's lock on the
-        folder makes callers that start together (torchrun, the CLI in every rank) safe as well.
-        """
-        if self.source is not None and self._manifest is None:  # once described, it is prepared and checked
-            from cable_lightning.data.prepare import prepare
-
-            prepare(source=self.source, tokenizer=self.tokenizer_spec, out=self.path, endpoint_url=self.endpoint_url)
-
     def describe(self) -> DataInfo:
         """What the model needs from the data; the manifest is read and every file checked once."""
         if self.path is None:  # tasks alone, in their own vocabulary
@@ -165,10 +155,7 @@ class TokenDataModule(L.LightningDataModule):
         if self._manifest is None:
             if self.store is not None:  # manifest, index, held-out arrays fetched once per node; chunk sizes checked
                 self.folder = self.store.mirror(self.cache_dir)
-            manifest = read_manifest(self.folder, check_train=self.store is None)
-            if self.source is not None:
-                self._check_request(manifest["request"])
-            self._manifest = manifest
+            self._manifest = read_manifest(self.folder, check_train=self.store is None)
         m = self._manifest
         if self.tasks is not None and self.tasks.vocab is None:
             needs_text = any(task.needs_text for task in self.tasks.tasks)
@@ -190,20 +177,6 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self.describe()
-
-    def _check_request(self, request: dict[str, Any]) -> None:
-        from cable_lightning.data.sources import get_source
-
-        try:  # another spelling of the same source (fineweb-edu:sample-10BT) is the same request
-            wanted = get_source(self.source).name
-        except (ValueError, OSError):  # e.g. local files deleted after preparing: compare the spec as given
-            wanted = self.source
-        if (request.get("source"), request.get("tokenizer")) != (wanted, self.tokenizer_spec):
-            raise ConfigError(
-                f"data at {self.path} was prepared from {request.get('source')!r} with {request.get('tokenizer')!r}, "
-                f"but the data section asks for {wanted!r} with {self.tokenizer_spec!r}; point data.path elsewhere "
-                "or re-prepare with --overwrite"
-            )
 
     def eval_specs(self) -> list[tuple[int, int]]:
         """(length, stride) of each eval loader in dataloader_idx order: every length non-overlapping (stride =
