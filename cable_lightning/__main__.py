@@ -37,9 +37,12 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(usage())
         return 0
+    if not argv:
+        print(f"{usage()}\n\nerror: name a verb", file=sys.stderr)
+        return 2
     verb = argv[0]
     if verb not in COMMANDS:
         print(f"{usage()}\n\nerror: unknown verb {verb!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)

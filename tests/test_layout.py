@@ -136,6 +136,7 @@ def test_the_table_lists_every_verb_and_refuses_an_unknown_one(capsys):
     assert verbs(["--help"]) == 0
     listed = capsys.readouterr().out
     assert all(f"  {verb} " in listed for verb in COMMANDS)
+    assert verbs([]) == 2 and "error: name a verb" in capsys.readouterr().err
     assert verbs(["sweeep"]) == 2
     assert "error: unknown verb 'sweeep'; choose one of fit, validate, test, prepare" in capsys.readouterr().err
 
