@@ -14,7 +14,6 @@ import fcntl
 import glob
 import os
 import shutil
-import sys
 import tempfile
 import zipfile
 from typing import Any, Optional
@@ -79,22 +78,6 @@ def fetch_checkpoint(url: str) -> str:
                           "URL or a local checkpoint file") from None
     _downloads[url] = local
     return local
-
-
-def package_model_class(class_path: str, source: str) -> type:
-    """The LightningModule class a checkpoint names in ``_class_path``, accepted only when it is one of this
-    package's own models (:class:`~cable_lightning.lit.LanguageModel` or a subclass defined in the package). The
-    name is looked up among the modules already imported, never imported: a checkpoint cannot make us run code."""
-    from .lit import LanguageModel
-
-    module_name, _, name = str(class_path).rpartition(".")
-    module = sys.modules.get(module_name) if module_name.split(".")[0] == __package__ else None
-    cls = getattr(module, name, None)
-    if isinstance(cls, type) and issubclass(cls, LanguageModel) and cls.__module__.split(".")[0] == __package__:
-        return cls
-    valid = ", ".join(f"{__package__}.lit.{n}" for n in ("CausalLM", "MaskedLM"))
-    raise ConfigError(f"checkpoint {source} names model class {class_path!r}, which is not one of this package's "
-                      f"models ({valid} or their subclasses in {__package__}); use a checkpoint written by fit")
 
 
 def check_exists(path: str) -> None:

@@ -44,30 +44,30 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import (
-    AtomicCheckpointIO,
-    claim_checkpoint_folder,
-    package_model_class,
-    read_checkpoint,
-    resolve_ckpt_path,
-)
+from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError, error_boundary, space_left
 from .lit import LanguageModel
-from .models.config import BackboneConfig, moved_setting, upgrade_backbone_dict
+from .lit.checkpoint_format import checkpoint_model
+from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 
 
-def describe_prepared(data: TokenDataModule) -> dict:
-    """The data's description for the model, preparing the data first when the data section asks for it: the
-    model's vocabulary comes from the data, so this runs before the model exists (prepare's lock keeps ranks that
-    start together safe; a finished folder is a no-op)."""
+def prepare_first(data: TokenDataModule) -> None:
+    """Prepare the data section's ``path`` from its ``source`` and ``tokenizer`` when it names them (a no-op on a
+    folder prepared for that request, an error on one prepared from something else). Every rank calls it: prepare's
+    lock keeps ranks that start together safe."""
+    if data.source is None:
+        return
+    from .data import prepare  # the offline builder, imported only when a run asks for it
+
     # litdata's optimize reseeds Python, NumPy and torch to 42; the run's seed_everything must still hold.
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         try:
-            data.prepare_data()
+            prepare.prepare(source=data.source, tokenizer=data.tokenizer_spec, out=data.path,
+                            endpoint_url=data.endpoint_url)
         except ConfigError:
             raise
         except (ValueError, OSError) as exc:  # prepare's own one-line errors (bad source, conflicting folder)
@@ -76,6 +76,12 @@ def describe_prepared(data: TokenDataModule) -> dict:
             raise RunFailedError(f"preparing {data.path}: {exc}") from exc
     random.setstate(python_state)
     np.random.set_state(numpy_state)
+
+
+def describe_prepared(data: TokenDataModule) -> dict:
+    """The data's description for the model, the data prepared first when the data section asks for it: the
+    model's vocabulary comes from the data, so this runs before the model exists."""
+    prepare_first(data)
     return data.describe().as_dict()
 
 
@@ -88,7 +94,7 @@ def configured_backbone(config) -> BackboneConfig:
 
 def run_folder(config) -> str:
     """``<runs_dir>/<experiment>/<encoding>``, and ``.../<encoding>/seed<N>`` with ``--folder_per_seed true`` (what
-    ``tools/sweep.py --seeds`` passes): TensorBoard versions and the checkpoints folder live under it. Named by the
+    ``sweep --seeds`` passes): TensorBoard versions and the checkpoints folder live under it. Named by the
     encoding's weight-defining label, so a run evaluated with RoPE scaling is still found (``rope``)."""
     folder = f"{config.runs_dir}/{config.experiment}/{configured_backbone(config).pos_encoding.label(runtime=False)}"
     if not config.get("folder_per_seed"):
@@ -102,22 +108,6 @@ def run_folder(config) -> str:
 
 def checkpoint_folder(config) -> str:
     return config.checkpoint.dirpath or f"{run_folder(config)}/checkpoints"
-
-
-def checkpoint_model(ckpt_path: str) -> Optional[dict]:
-    """The model section (class_path, init_args) a checkpoint was made with, without the linked data description."""
-    hparams = dict(read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters") or {})
-    class_path = hparams.pop("_class_path", None)
-    if class_path is None:
-        return None
-    # Only what the class takes now: the data description is linked from the data section, and settings an older
-    # version saved (vocab_size, block_size before they came from the data) would stop the parse.
-    accepted = inspect.signature(package_model_class(class_path, ckpt_path)).parameters
-    init_args = {k: v for k, v in hparams.items() if k in accepted and k != "data"}
-    if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
-        backbone = upgrade_backbone_dict(init_args["backbone"])
-        init_args["backbone"] = backbone | {"pos_encoding": BackboneConfig.from_dict(backbone).pos_encoding.to_dict()}
-    return {"class_path": class_path, "init_args": init_args}
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch: int, block_size: int, ranks: int) -> int:

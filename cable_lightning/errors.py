@@ -63,8 +63,8 @@ class TargetExistsError(ConfigError, FileExistsError):
 
 @contextlib.contextmanager
 def error_boundary():
-    """The error boundary of every entry point (``python -m cable_lightning`` and ``export``, ``prepare``, every
-    ``tools/*.py``): a user error inside is printed as one line, ``error: ...``, and the process exits with 2 (a bad
+    """The error boundary of every entry point (every verb of ``python -m cable_lightning``, and the scripts in
+    ``tools/``): a user error inside is printed as one line, ``error: ...``, and the process exits with 2 (a bad
     setting, file or checkpoint) or 1 (a run that failed); anything else is a bug and keeps its traceback, as does
     every error with ``CABLE_LIGHTNING_DEBUG=1``."""
     try:

@@ -1,4 +1,4 @@
-"""Owned replacement: every folder the tools write (``export``, ``prepare``, ``tools/retrieval.py finetune``) carries
+"""Owned replacement: every folder the tools write (``export``, ``prepare``, ``retrieval finetune``) carries
 a marker naming what wrote it, and ``--overwrite`` replaces only a folder with the same writer's marker, never one
 that holds an input of the same command. The new folder is built in a private temporary folder beside the target
 and swapped in by rename. A run holds a lock on each folder it stages or retires (``flock`` on the folder itself, so

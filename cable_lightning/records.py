@@ -7,7 +7,7 @@ mid-row) is skipped with a word.
 Every record carries its run's context (the encoding's label, the training length, the stage that wrote it) and
 the step and checkpoint it measured, so a file can be read on its own. ``run_seed`` is the run's ``seed_everything``
 (None in rows an earlier version wrote): runs of one encoding with different seeds are different runs, which
-``tools/report.py`` aggregates into a mean and an interval.
+the report (``python -m cable_lightning report``) aggregates into a mean and an interval.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class PositionRecord(Record):
 
 @dataclass(kw_only=True)
 class TaskRecord(Record):
-    """Exact-match accuracy on one synthetic task (``cable_lightning.data.tasks``) at one length, and one depth of
+    """Exact-match accuracy on one synthetic task (``cable_lightning.tasks.generation``) at one length, and one depth of
     the queried fact for tasks that place it (None for the others)."""
 
     FILE: ClassVar[str] = "task_accuracy.jsonl"
@@ -109,7 +109,7 @@ class TaskRecord(Record):
 @dataclass(kw_only=True)
 class RetrievalRecord(Record):
     """nDCG@10 of an exported, fine-tuned encoder on a retrieval set at one maximum input length
-    (``tools/retrieval.py evaluate --records``); ``step`` and ``run_seed`` are those of the pre-training checkpoint
+    (``retrieval evaluate --records``); ``step`` and ``run_seed`` are those of the pre-training checkpoint
     the export came from, ``visible`` the share of queries whose passage ends within the length (None: the set does
     not record where its passages lie)."""
 

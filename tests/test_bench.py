@@ -1,4 +1,4 @@
-"""tools/bench.py's MFU and tools/gpu_acceptance.py's refusal without CUDA."""
+"""The bench verb's MFU and tools/gpu_acceptance.py's refusal without CUDA."""
 
 import os
 import subprocess
@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools")
-sys.path.insert(0, TOOLS)
+from cable_lightning import bench
 
-import bench  # noqa: E402
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools")
 
 
 def test_bench_reports_mfu_against_a_matmul_peak_measured_in_the_process(capsys):

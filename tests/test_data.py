@@ -214,10 +214,11 @@ def test_jsonl_without_text_field_names_file_and_line(tmp_path):
 # seen; a watchdog that missed it would let the run "succeed" without doc2/doc3, and a hang would hit the timeout.
 KILL_SCRIPT = """
 import functools, os, signal, sys, time
+import cable_lightning.data.litdata_workers as workers
 import cable_lightning.data.prepare as prep
 
 ready, go = sys.argv[1] + ".ready", sys.argv[1] + ".go"
-real_tokenize, real_look = prep.tokenize_work, prep._Watchdog.look
+real_tokenize, real_look = prep.tokenize_work, workers.Watchdog.look
 
 def dying(work, **kwargs):
     if work[0] == (".txt", 2):
@@ -236,7 +237,7 @@ def look(self):
         open(go, "w").close()
     return cause
 
-prep.tokenize_work, prep._Watchdog.look = dying, look
+prep.tokenize_work, workers.Watchdog.look = dying, look
 prep.prepare = functools.partial(prep.prepare, start_method="fork")
 sys.exit(prep.main(sys.argv[2:]))
 """
@@ -553,7 +554,7 @@ def test_missing_or_corrupt_data_is_named(tiny_corpus_dir, tmp_path):
             TokenDataModule(str(path)).describe()
         return one_line(exc)
 
-    assert "python -m cable_lightning.data.prepare" in error(tmp_path / "nowhere")
+    assert "python -m cable_lightning prepare" in error(tmp_path / "nowhere")
     broken = tmp_path / "copy"
     shutil.copytree(tiny_corpus_dir, broken)
     manifest = broken / "manifest.json"
@@ -574,18 +575,20 @@ def test_missing_or_corrupt_data_is_named(tiny_corpus_dir, tmp_path):
     assert str(chunk) in error(broken) and "missing" in error(broken)
 
 
-def test_prepare_data_prepares_from_source_and_tokenizer(small_txt_dir, tmp_path, monkeypatch):
+def test_the_cli_prepares_first_from_source_and_tokenizer(small_txt_dir, tmp_path, monkeypatch):
+    """The data module only reads; the CLI prepares the data section's path first when it names a source."""
     import cable_lightning.data.prepare as prep
+    from cable_lightning.cli import prepare_first
 
     monkeypatch.setattr(prep, "prepare", lambda **kw: fast_prepare(**kw, val_tokens=50))
     path = str(tmp_path / "auto")
     dm = TokenDataModule(path, source=small_txt_dir, tokenizer="bpe:300")
     with pytest.raises(FileNotFoundError):
         dm.describe()  # describing never prepares
-    dm.prepare_data()
+    prepare_first(dm)
     assert dm.describe().vocab_size == 300 and os.path.isfile(os.path.join(path, "manifest.json"))
     with pytest.raises(ValueError) as exc:
-        TokenDataModule(path, source=small_txt_dir, tokenizer="bpe:400").describe()
+        prepare_first(TokenDataModule(path, source=small_txt_dir, tokenizer="bpe:400"))
     assert "bpe:300" in one_line(exc) and "bpe:400" in str(exc.value)
 
 
@@ -728,7 +731,7 @@ def test_concurrent_prepares_of_one_folder_both_succeed_with_one_result(small_tx
     import sys
 
     out = str(tmp_path / "shared")
-    cmd = [sys.executable, "-m", "cable_lightning.data.prepare", "--source", small_txt_dir, "--tokenizer", "bpe:300",
+    cmd = [sys.executable, "-m", "cable_lightning", "prepare", "--source", small_txt_dir, "--tokenizer", "bpe:300",
            "--out", out, "--val-tokens", "50", "--num-workers", "1"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [proc.communicate(timeout=300) for proc in procs]

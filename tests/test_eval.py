@@ -4,7 +4,6 @@ import glob
 import json
 import math
 import os
-import sys
 
 import lightning as L
 import pytest
@@ -15,11 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from cable_lightning.callbacks import LengthEvalRecorder
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
+from cable_lightning.eval import report
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import report  # noqa: E402
 
 
 def tiny_model(dm, pe="cable"):

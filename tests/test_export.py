@@ -289,8 +289,8 @@ def test_tiktoken_and_wordpiece_tokenizers_export_to_the_same_ids(tmp_path):
 
 def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, tmp_path, monkeypatch, capsys):
     from cable_lightning.cli import main as cli
-    from cable_lightning.hf.export import checkpoint_backbone
     from cable_lightning.hf.export import main as export
+    from cable_lightning.lit.checkpoint_format import checkpoint_backbone
 
     cli(["fit", "--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.n_layer", "2",
          "--model.init_args.backbone.n_head", "2", "--model.init_args.backbone.n_embd", "32",

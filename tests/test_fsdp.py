@@ -12,8 +12,8 @@ import torch
 
 from cable_lightning.cli import main
 from cable_lightning.hf import load_backbone
-from cable_lightning.hf.export import checkpoint_backbone
 from cable_lightning.hf.export import main as export
+from cable_lightning.lit.checkpoint_format import checkpoint_backbone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

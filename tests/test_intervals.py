@@ -6,7 +6,6 @@ import csv
 import json
 import math
 import os
-import sys
 
 import lightning as L
 import pytest
@@ -15,18 +14,16 @@ import yaml
 from scipy import stats
 from test_cli import args as tiny_args
 
+from cable_lightning import sweep
 from cable_lightning.callbacks import LengthEvalRecorder
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
+from cable_lightning.eval import report
 from cable_lightning.eval.intervals import seed_interval, separable, window_interval
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
 from cable_lightning.positional.registry import available, encoding_from, from_label
 from cable_lightning.records import LengthRecord, read_records
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import report  # noqa: E402
-import sweep  # noqa: E402
 
 
 def test_seed_interval_is_the_student_t_interval_by_hand():
@@ -166,9 +163,9 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
                                                                                       tiny_corpus_dir, tmp_path):
     """--stage retrieval: per seed folder, export its last checkpoint, fine-tune (its loss curve kept), evaluate
     (rows recorded as that seed's run); the report aggregates the seeds. Run in this process (the commands' argv)."""
-    from test_retrieval import retrieval
-
+    pytest.importorskip("sentence_transformers")  # the hf extra
     from cable_lightning.data import retrieval_set
+    from cable_lightning.hf import retrieval
     from cable_lightning.hf.export import main as export
     from cable_lightning.records import RetrievalRecord
 
@@ -180,11 +177,12 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
         config=["c.yaml"], pes=["cable"], seeds=[0, 1], train_lengths=None, experiment="seeds", runs_dir=runs,
         extra=[], stage="retrieval", retrieval_set=str(tmp_path / "set"), retrieval_lengths=[32, 256],
         finetune_steps=2, finetune_batch=4, finetune_lr=1e-4))]
-    assert [cmd[1:4] if cmd[1] == "-m" else [cmd[2]] for cmd in cmds] == [["-m", "cable_lightning", "export"],
-                                                                         ["finetune"], ["evaluate"]] * 2
+    assert [cmd[1:5] for cmd in cmds] == [["-m", "cable_lightning", "export", "--ckpt_path"],
+                                          ["-m", "cable_lightning", "retrieval", "finetune"],
+                                          ["-m", "cable_lightning", "retrieval", "evaluate"]] * 2
     assert cmds[1][cmds[1].index("--lr") + 1] == "0.0001"
     for cmd in cmds:
-        export(cmd[4:]) if cmd[1] == "-m" else retrieval.main(cmd[2:])
+        export(cmd[4:]) if cmd[3] == "export" else retrieval.main(cmd[4:])
     rows = []
     for seed in (0, 1):
         folder = os.path.join(runs, "seeds", "cable", f"seed{seed}")
@@ -212,7 +210,7 @@ def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
     with pytest.raises(SystemExit):
         sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval-set", str(tmp_path),
                     "--retrieval-lengths", "64", "--print-only"])
-    assert f"--stage retrieval needs --retrieval-set, a folder from python -m cable_lightning.data.retrieval_set; " \
+    assert f"--stage retrieval needs --retrieval-set, a folder from python -m cable_lightning retrieval-set; " \
            f"got '{tmp_path}'" in capsys.readouterr().err
 
 

@@ -5,7 +5,6 @@ checked against our model's summed token log-probabilities, with and without the
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -13,11 +12,8 @@ import torch
 pytest.importorskip("lm_eval")  # the hf extra: tools/install.sh installs it, so this runs in CI
 
 from cable_lightning.data.tokenizers import get_tokenizer
-from cable_lightning.hf import export_backbone
+from cable_lightning.hf import export_backbone, lm_eval_lengths
 from cable_lightning.models import BackboneConfig, build_backbone
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import lm_eval_lengths  # noqa: E402
 
 TRAIN_LEN = 16
 DOCS = [{"context": "The os module provides", "choices": [" a portable way", " zebra zebra", " of the"], "label": 0},

@@ -17,14 +17,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from cable_lightning.callbacks import LengthEvalRecorder
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
-from cable_lightning.data.tasks import EVAL, PASSKEY_QUESTION, TaskMix, TaskVocabulary, passkey_text
 from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval import position_buckets
 from cable_lightning.eval.positions import bucket_index
-from cable_lightning.eval.tasks import score_examples
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
+from cable_lightning.tasks.generation import EVAL, PASSKEY_QUESTION, TaskMix, TaskVocabulary, passkey_text
+from cable_lightning.tasks.scoring import score_examples
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

@@ -2,7 +2,6 @@
 ``--print_config`` or ``--help`` form exits 0) or named in ``NOT_CHECKED`` with the reason."""
 
 import contextlib
-import importlib
 import io
 import os
 import re
@@ -11,6 +10,8 @@ import shlex
 import sys
 
 import pytest
+
+from cable_lightning.__main__ import COMMANDS as VERBS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,10 +45,8 @@ def checked_form(line: str) -> tuple[str, list[str]]:
         return "cli", argv[3:] + ["--print_config"]
     cut = argv.index("--") if "--" in argv else len(argv)
     argv = argv[:cut] + ["--help"] + argv[cut:]
-    if argv[:3] == ["python", "-m", "cable_lightning"] and argv[3] == "export":
-        return "export", argv[4:]
-    if argv[:2] == ["python", "-m"] and argv[2].startswith("cable_lightning.data."):  # prepare, retrieval_set
-        return "module", argv[2:]
+    if argv[:3] == ["python", "-m", "cable_lightning"] and argv[3] in VERBS:  # prepare, export, sweep, ...
+        return "verb", argv[3:]
     if argv[0] == "python" and argv[1].startswith("tools/") and argv[1].endswith(".py"):
         return "tool", argv[1:]
     return "unknown", argv
@@ -63,12 +62,10 @@ def exit_code(kind: str, argv: list[str]) -> int:
                 from cable_lightning.cli import run
 
                 run(argv)
-            elif kind == "export":
-                from cable_lightning.hf.export import main
+            elif kind == "verb":
+                from cable_lightning.__main__ import main
 
                 main(argv)
-            elif kind == "module":
-                importlib.import_module(argv[0]).main(argv[1:])
             else:
                 runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
     except SystemExit as stop:

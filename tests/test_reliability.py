@@ -17,10 +17,8 @@ from test_cli import args
 from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
+from cable_lightning.eval import report
 from cable_lightning.positional.rope import rope
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import report  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

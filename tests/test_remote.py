@@ -124,7 +124,7 @@ def test_a_store_that_cannot_serve_is_one_line_before_any_work(s3_server, tiny_c
          r"cannot reach the object store at http://127.0.0.1:\d+ \(EndpointConnectionError\) while opening"),
         (dict(path="s3://no-such-bucket/data"), r"bucket 'no-such-bucket' does not exist at http://127.0.0.1"),
         (dict(path=tiny_corpus_s3.rsplit("/", 1)[0] + "/nothing-here"),
-         r"s3://cable-tests/nothing-here holds no prepared data; run python -m cable_lightning.data.prepare"),
+         r"s3://cable-tests/nothing-here holds no prepared data; run python -m cable_lightning prepare"),
         (dict(path="gs://bucket/data"), r"remote data must be an s3:// URL"),
         (dict(path="s3://bucket"), r"give s3://bucket/prefix"),
     ]

@@ -1,4 +1,4 @@
-"""tools/retrieval.py offline: an exported encoder under sentence-transformers (mean pooling, truncation at the
+"""The retrieval verb offline: an exported encoder under sentence-transformers (mean pooling, truncation at the
 requested length), a few steps of MultipleNegativesRankingLoss on local triples, nDCG@10 on a local BEIR set where
 the answers are known, the Table-3 layout, and MLDR's one-line error when the hub cannot be reached."""
 
@@ -18,12 +18,9 @@ from safetensors.torch import load_file
 
 from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.errors import ConfigError
-from cable_lightning.hf import export_backbone
+from cable_lightning.hf import export_backbone, retrieval
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.records import RetrievalRecord, read_records
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import retrieval  # noqa: E402
 
 TRAIN_LEN = 16
 # Each query shares a rare made-up word with its one relevant document; the rest of the corpus is distractors.
@@ -147,8 +144,8 @@ def test_an_export_runs_its_own_code_only_behind_trust_remote_code(encoder_folde
                                           r"\); pass --trust_remote_code"):
         retrieval.encoder(folder, 16)
     corpus, queries, qrels = write_beir(tmp_path / "beir", {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
-    done = tool("tools/retrieval.py", "evaluate", "--models", f"base={folder}", "--lengths", "8", "--corpus", corpus,
-                "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table"))
+    done = tool("-m", "cable_lightning", "retrieval", "evaluate", "--models", f"base={folder}", "--lengths", "8",
+                "--corpus", corpus, "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
         f"error: {folder} runs its own code when loaded (configuration_cable.py, modeling_cable.py); pass "

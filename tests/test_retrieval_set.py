@@ -77,7 +77,7 @@ def test_too_small_a_source_is_one_error_naming_what_fits(made):
 
 
 def test_the_command_writes_a_beir_set_the_retrieval_tool_reads(tiny_corpus_docs, tiny_corpus_dir, tmp_path):
-    from test_retrieval import retrieval  # the retrieval tool (test_retrieval puts tools/ on the path)
+    from cable_lightning.hf import retrieval
 
     jsonl, _ = tiny_corpus_docs
     tokenizer = os.path.join(tiny_corpus_dir, "tokenizer.json")

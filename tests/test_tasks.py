@@ -5,7 +5,6 @@ and one-line errors for impossible settings."""
 import glob
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,16 +15,14 @@ from test_reliability import one_error_line
 
 from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule
-from cable_lightning.data.tasks import EVAL, OWN_VOCABULARY, TRAIN, TaskMix, TaskVocabulary
 from cable_lightning.errors import ConfigError
-from cable_lightning.eval.tasks import argmax_predictions, effective_length, score_examples, task_grid
+from cable_lightning.eval import report
 from cable_lightning.lit import CausalLM
 from cable_lightning.lit.modules import weighted_loss
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import report  # noqa: E402
+from cable_lightning.tasks.generation import EVAL, OWN_VOCABULARY, TRAIN, TaskMix, TaskVocabulary
+from cable_lightning.tasks.scoring import argmax_predictions, effective_length, score_examples, task_grid
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

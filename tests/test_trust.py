@@ -19,11 +19,12 @@ import torch
 from test_cli import args
 from test_reliability import one_error_line
 
-from cable_lightning.checkpoints import package_model_class, resolve_ckpt_path
+from cable_lightning.checkpoints import resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError
 from cable_lightning.hf.export import main as export_main
 from cable_lightning.lit import CausalLM, MaskedLM
+from cable_lightning.lit.checkpoint_format import package_model_class
 from cable_lightning.positional.registry import available
 from cable_lightning.records import LengthRecord, TaskRecord, read_records
 
@@ -185,25 +186,26 @@ def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_
     good = json.dumps(ROW) + "\n"
     out = str(tmp_path / "report")
     records.write_text(good + json.dumps({**ROW, "length": 64})[:30])  # a writer killed in the middle of a row
-    done = tool("tools/report.py", str(tmp_path / "run"), "--out", out)
+    done = tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out", out)
     assert done.returncode == 0, done.stderr
     assert f"{records}:2: skipping a truncated last line" in done.stderr
     assert "| 32 | **9.50** |" in (tmp_path / "report_nonoverlap.md").read_text()
 
     records.write_text(good + "{not json\n" + good)
-    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", out)) == [
+    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out", out)) == [
         f"error: {records}:2: not a JSON record (Expecting property name enclosed in double quotes); fix or remove "
         "that line"]
     older = {k: v for k, v in ROW.items() if k != "mode"}  # a row format from before window modes
     records.write_text(good + json.dumps(older) + "\n")
-    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", out)) == [
+    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out", out)) == [
         f"error: {records}:2: the row lacks mode (another record format?); valid rows have pe, train_length, step, "
         "length, mode, ppl"]
     records.write_text("")
-    assert error_lines(tool("tools/report.py", str(tmp_path / "run"), "--out", str(tmp_path / "empty"))) == [
+    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out",
+                            str(tmp_path / "empty"))) == [
         f"error: {records} hold no evaluation rows; validate a run first"]
     assert not glob.glob(str(tmp_path / "empty*"))
-    assert error_lines(tool("tools/report.py", str(tmp_path / "nothing"), "--out", out)) == [
+    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "nothing"), "--out", out)) == [
         f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]
 
 
@@ -311,13 +313,13 @@ def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
 # --- one error boundary for every tool --------------------------------------------------------------------------
 
 def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable(tmp_path):
-    line = error_lines(tool("tools/sweep.py", "--config", "configs/quickstart.yaml", "--pes", "cable",
+    line = error_lines(tool("-m", "cable_lightning", "sweep", "--config", "configs/quickstart.yaml", "--pes", "cable",
                             "dape_v2+nonesuch", "--print-only"))
     assert line == ["error: --pes dape_v2+nonesuch: unknown positional encoding 'nonesuch'; valid names: "
                     f"{', '.join(available())}"]
     env = {**os.environ, "PYTHONPATH": ROOT, "CABLE_LIGHTNING_DEBUG": "1"}
-    debug = subprocess.run([sys.executable, "tools/report.py", str(tmp_path / "nothing")], capture_output=True,
-                           text=True, env=env, cwd=ROOT)
+    debug = subprocess.run([sys.executable, "-m", "cable_lightning", "report", str(tmp_path / "nothing")],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "MissingFileError: no length_eval.jsonl" in \
         debug.stderr
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cable_lightning.eval import EvalWindows, scored_targets, window_plan
+from cable_lightning.data.windows import EvalWindows, scored_targets, window_plan
 
 
 def scored(plan, length):

@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from cable_lightning.data.windows import EvalWindows
 from cable_lightning.eval.diagnostics import AttentionStats, recording, short_context_nll
-from cable_lightning.eval.windows import EvalWindows
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
 

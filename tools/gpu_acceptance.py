@@ -10,7 +10,7 @@ with the device named.
    device's datasheet bf16 peak, peak memory, final training loss;
 3. FSDP2 (configs/trainer/fsdp8_bf16.yaml on one device): a fit, and a resume from its middle checkpoint whose losses
    must equal the fit's;
-4. evaluation peak memory and time at 4096, 8192 and 15360 tokens (tools/bench.py's measurement).
+4. evaluation peak memory and time at 4096, 8192 and 15360 tokens (the bench verb's measurement).
 
 Without CUDA it stops at once with one line: its CPU counterparts are in the test suite (tests/test_fsdp.py,
 tests/test_precision.py, tests/test_configs.py).
@@ -117,8 +117,7 @@ def main(argv=None) -> None:
         require_cuda()
     from lightning.fabric.utilities.throughput import get_available_flops
 
-    sys.path.insert(0, HERE)
-    import bench
+    from cable_lightning import bench
 
     size, cuda = sizes(args.rehearse_on_cpu), not args.rehearse_on_cpu
     device = torch.device("cuda" if cuda else "cpu")
@@ -180,7 +179,8 @@ def main(argv=None) -> None:
         naive_max_length=8192, train_lengths=size["bench_train"], eval_lengths=size["bench_eval"],
         tokens_per_step=16 * size["bench_train"][0], repeats=3, device=device.type, dtype="bf16",
         skip_memory=not cuda, padded_batch=0, padded_longest=512))
-    lines += [f"{size['preset']} shape, bf16, evaluation batch 1 (tools/bench.py):", "", bench.table(result), ""]
+    lines += [f"{size['preset']} shape, bf16, evaluation batch 1 (python -m cable_lightning bench):", "",
+              bench.table(result), ""]
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -8,18 +8,14 @@ CoPE's and DAPEv2's scores) and inside the whole attention call.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import make_config  # noqa: E402
-
-from cable_lightning.models import attention as attention_module  # noqa: E402
-from cable_lightning.models import backbone as backbone_module  # noqa: E402
-from cable_lightning.models import build_backbone  # noqa: E402
+from cable_lightning.bench import make_config
+from cable_lightning.models import attention as attention_module
+from cable_lightning.models import backbone as backbone_module
+from cable_lightning.models import build_backbone
 
 
 def labelled(name, fn):

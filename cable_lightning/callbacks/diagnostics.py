@@ -17,12 +17,12 @@ import lightning as L
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from ..data.windows import EvalWindows
 from ..errors import ConfigError
 from ..eval.diagnostics import DEFAULT_SINK, DEFAULT_THRESHOLD, QUANTITIES, diagnose
-from ..eval.windows import EvalWindows
+from ..figures import line_figure
 from ..positional import UnsupportedLengthError
 from ..records import AttentionRecord, LongContextRecord, append_records
-from .length_eval import line_figure
 
 
 class AttentionDiagnostics(L.Callback):

@@ -10,60 +10,12 @@ window mode, DDP-reduced by torchmetrics); this callback only writes them down o
 
 from __future__ import annotations
 
-import math
 import sys
 
 import lightning as L
 
+from ..figures import position_figure, ppl_figure
 from ..records import LengthRecord, PositionRecord, append_records, format_value
-
-
-def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_length: int | None, xlabel: str,
-                ylabel: str, log_y: bool, bands: dict[str, list[tuple[float, float, float]]] | None = None):
-    """One line per series of (x, y) points on a log2 x axis, the training length marked; points that are None
-    or not finite are skipped (inf/NaN cannot be drawn on log axes). ``bands``: per series, (x, low, high) points
-    of an interval, shaded in the line's colour."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, points in series.items():
-        points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
-        if points:
-            line, = ax.plot(*zip(*sorted(points)), marker="o", label=name)
-            band = sorted(b for b in (bands or {}).get(name, []) if all(map(math.isfinite, b)))
-            if band:
-                ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
-    if train_length:
-        ax.axvline(train_length, color="grey", linestyle="--", label=f"trained at {train_length}")
-    ax.set_xscale("log", base=2)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
-
-
-def ppl_figure(series: dict[str, list[tuple[int, float]]], title: str, train_length: int | None = None,
-               bands: dict[str, list[tuple[int, float, float]]] | None = None):
-    """Perplexity against evaluation length (log axes), one line per series of (length, ppl) points, with interval
-    ``bands``; shared by the per-run TensorBoard figure (a line per window mode) and tools/report (a line per PE)."""
-    return line_figure(series, title, train_length, "evaluation length (tokens)", "perplexity", log_y=True,
-                       bands=bands)
-
-
-def position_figure(rows: list[PositionRecord], title: str, train_length: int | None = None):
-    """Mean NLL against token position (log-spaced buckets, plotted at their last position), one line per
-    evaluation length: a line that rises with position means later tokens, with more context, fare worse."""
-    series = {f"length {length}": [(r.last_position, r.loss) for r in rows if r.length == length]
-              for length in sorted({r.length for r in rows})}
-    return line_figure(series, title, train_length, "token position in the window (bucket end)", "mean NLL (nats)",
-                       log_y=False)
 
 
 def format_table(rows: list[LengthRecord], train_length: int) -> str:

@@ -15,34 +15,9 @@ import lightning as L
 import torch
 
 from ..errors import ConfigError
-from ..eval.tasks import DEFAULT_DEPTHS, argmax_predictions, task_grid
+from ..figures import accuracy_heatmap
 from ..records import TaskRecord, append_records
-
-
-def accuracy_heatmap(labels: list[str], lengths: list[int], cells: dict, title: str, ylabel: str):
-    """Accuracy per (row label, length) cell, ``cells[(label, length)]``; a missing or None cell is blank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    grid = np.full((len(labels), len(lengths)), np.nan)
-    for (label, length), value in cells.items():
-        if value is not None:
-            grid[labels.index(label), lengths.index(length)] = value
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3, 0.5 * len(labels) + 2))
-    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    for (i, j), value in np.ndenumerate(grid):
-        ax.text(j, i, "-" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_xlabel("length (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    fig.colorbar(image, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    return fig
+from ..tasks.scoring import DEFAULT_DEPTHS, argmax_predictions, task_grid
 
 
 def row_label(record: TaskRecord) -> str:

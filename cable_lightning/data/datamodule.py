@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.remote import Store, is_remote
-from cable_lightning.data.tasks import EVAL, OWN_VOCABULARY, TaskMix, TaskVocabulary
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
+from cable_lightning.data.windows import EvalWindows
+from cable_lightning.tasks.generation import EVAL, OWN_VOCABULARY, TaskMix, TaskVocabulary
 
 from ..errors import ConfigError
 
@@ -71,7 +72,7 @@ class BlankRows(IterableDataset):
 
 
 class TokenDataModule(L.LightningDataModule):
-    """Token windows from a folder written by ``python -m cable_lightning.data.prepare``.
+    """Token windows from a folder written by ``python -m cable_lightning prepare``.
 
     Args:
         path: the prepared folder (manifest.json, train/, val.npy).
@@ -83,8 +84,9 @@ class TokenDataModule(L.LightningDataModule):
         eval_tokens: targets scored at every eval length (the same first tokens of the held-out split each time).
         eval_stride: also score each length longer than this with sliding windows advancing by ``eval_stride``
             tokens (ALiBi's appendix-B protocol); None scores non-overlapping windows only.
-        source, tokenizer: when given, ``prepare_data`` prepares ``path`` from them if it is not prepared yet,
-            and a prepared ``path`` must have been made from them.
+        source, tokenizer: what ``path`` is prepared from, when given: the CLI prepares it first (a no-op on a
+            finished folder, an error on one prepared from something else; :func:`cable_lightning.cli.prepare_first`).
+            This class only reads a prepared folder.
         cache_dir: for an ``s3://bucket/prefix`` path, the local folder for streamed chunks and the fetched
             manifest, index and held-out arrays (default: LitData's, ``$LITDATA_CACHE_DIR`` or
             ``~/.lightning/chunks``).
@@ -92,7 +94,7 @@ class TokenDataModule(L.LightningDataModule):
             of the free disk, leaving 50 GB free where it can); least-recently-used chunks are evicted.
         endpoint_url: an S3-compatible store's endpoint (default: boto3's, from ``AWS_ENDPOINT_URL`` or the
             profile); credentials and region always come from boto3's usual places.
-        tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (``cable_lightning.data.tasks``), taken in
+        tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (:mod:`cable_lightning.tasks`), taken in
             turn; training batches become ``{"tokens", "loss_weight"}``. With ``path`` null the tasks use a
             vocabulary of their own and validation perplexity is measured on task examples; with a prepared
             ``path``, its tokenizer's ids (and its text, for ``passkey``).
@@ -143,17 +145,6 @@ class TokenDataModule(L.LightningDataModule):
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}
 
-    def prepare_data(self) -> None:
-        """Prepare ``path`` from ``source``/``tokenizer`` when they are given (a no-op on a finished folder).
-
-        Lightning calls this on one process per node and holds the others at a barrier; prepare's lock on the
-        folder makes callers that start together (torchrun, the CLI in every rank) safe as well.
-        """
-        if self.source is not None and self._manifest is None:  # once described, it is prepared and checked
-            from cable_lightning.data.prepare import prepare
-
-            prepare(source=self.source, tokenizer=self.tokenizer_spec, out=self.path, endpoint_url=self.endpoint_url)
-
     def describe(self) -> DataInfo:
         """What the model needs from the data; the manifest is read and every file checked once."""
         if self.path is None:  # tasks alone, in their own vocabulary
@@ -164,10 +155,7 @@ class TokenDataModule(L.LightningDataModule):
         if self._manifest is None:
             if self.store is not None:  # manifest, index, held-out arrays fetched once per node; chunk sizes checked
                 self.folder = self.store.mirror(self.cache_dir)
-            manifest = read_manifest(self.folder, check_train=self.store is None)
-            if self.source is not None:
-                self._check_request(manifest["request"])
-            self._manifest = manifest
+            self._manifest = read_manifest(self.folder, check_train=self.store is None)
         m = self._manifest
         if self.tasks is not None and self.tasks.vocab is None:
             needs_text = any(task.needs_text for task in self.tasks.tasks)
@@ -189,20 +177,6 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self.describe()
-
-    def _check_request(self, request: dict[str, Any]) -> None:
-        from cable_lightning.data.sources import get_source
-
-        try:  # another spelling of the same source (fineweb-edu:sample-10BT) is the same request
-            wanted = get_source(self.source).name
-        except (ValueError, OSError):  # e.g. local files deleted after preparing: compare the spec as given
-            wanted = self.source
-        if (request.get("source"), request.get("tokenizer")) != (wanted, self.tokenizer_spec):
-            raise ConfigError(
-                f"data at {self.path} was prepared from {request.get('source')!r} with {request.get('tokenizer')!r}, "
-                f"but the data section asks for {wanted!r} with {self.tokenizer_spec!r}; point data.path elsewhere "
-                "or re-prepare with --overwrite"
-            )
 
     def eval_specs(self) -> list[tuple[int, int]]:
         """(length, stride) of each eval loader in dataloader_idx order: every length non-overlapping (stride =
@@ -306,8 +280,6 @@ class TokenDataModule(L.LightningDataModule):
         return self._eval_streams[split]
 
     def _eval_loaders(self, split: str) -> Any:
-        from cable_lightning.eval import EvalWindows
-
         tokens, trainer = self.eval_stream(split), getattr(self, "trainer", None)
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         loaders = []

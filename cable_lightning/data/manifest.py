@@ -22,7 +22,7 @@ MANIFEST, FORMAT_VERSION = "manifest.json", 2
 
 def fix_command(path: str, request: dict[str, Any] | None = None) -> str:
     request = request or {}
-    return (f"python -m cable_lightning.data.prepare --source {request.get('source', '<source>')} "
+    return (f"python -m cable_lightning prepare --source {request.get('source', '<source>')} "
             f"--tokenizer {request.get('tokenizer', '<tokenizer>')} --out {path} --overwrite")
 
 

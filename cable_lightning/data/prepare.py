@@ -1,7 +1,7 @@
 """Tokenize a text source into ``<out>/train`` (litdata token chunks), ``<out>/val.npy`` and a manifest.
 
-    python -m cable_lightning.data.prepare --source python-docs --tokenizer bpe:4096 --out data/pydocs-bpe4096
-    python -m cable_lightning.data.prepare --source fineweb-edu --tokenizer gpt2 --out data/fineweb-edu-gpt2 \
+    python -m cable_lightning prepare --source python-docs --tokenizer bpe:4096 --out data/pydocs-bpe4096
+    python -m cable_lightning prepare --source fineweb-edu --tokenizer gpt2 --out data/fineweb-edu-gpt2 \
         --val-tokens 100000000 --num-workers 16
 
 Each document's tokens are followed by the end-of-text id (``doc1 <eot> doc2 <eot> ...``). Validation is the head
@@ -21,8 +21,6 @@ import fcntl
 import functools
 import itertools
 import json
-import multiprocessing
-import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -37,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from cable_lightning.data.litdata_workers import supervised_optimize
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.sources import VALID_SOURCES, DatasetSource, get_source
@@ -55,7 +54,6 @@ from cable_lightning.owned import MARKER, check_replaceable, discard, staging_fo
 # Tokens per train chunk: TokensLoader windows never cross a chunk, so each chunk loses < one window of its tail.
 CHUNK_TOKENS = 1 << 22
 PIECE_TOKENS = 1 << 20  # largest array a worker yields at once (the writer cannot split items)
-WATCH_SECONDS = 0.05  # how often the watchdog looks at litdata's workers
 DEFAULT_VAL_FRACTION = 0.05
 ENCODE_BATCH = 64
 SEGMENT_CHARS = 1 << 20  # longer documents are encoded a segment at a time (see encode)
@@ -186,7 +184,7 @@ def _stoppable(src: DatasetSource, request: dict, out: str, num_workers: int | N
                log: Any) -> dict[str, Any]:
     """:func:`_prepare` in a private folder beside ``out`` (:func:`staging_folder`), with SIGTERM and Ctrl-C turned
     into :class:`PrepareStopped` (main thread only). What a failed or stopped run wrote is removed (the watchdog has
-    ended the workers: finally in _optimize)."""
+    ended the workers: see litdata_workers)."""
     staged = staging_folder(out, "prepare")
     stop = functools.partial(_stop, main_pid=os.getpid())
     previous = ({signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
@@ -245,8 +243,9 @@ def _existing_remote(store: Store, request: dict[str, Any], overwrite: bool, log
             return manifest
         if old != request and not overwrite:
             raise TargetExistsError(f"{store.url} already holds data prepared from {old.get('source')!r} "
-                                    f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}); "
-                                    "pass --overwrite to replace it or choose another --out")
+                                    f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}), not "
+                                    f"from {request['source']!r} with {request['tokenizer']!r} as asked; pass "
+                                    "--overwrite to replace it or choose another --out")
     else:
         log(f"{store.url} holds an unfinished earlier prepare ({len(objects)} objects, no {MANIFEST}); replacing it")
     store.delete_all()
@@ -311,7 +310,8 @@ def _prepare(src: DatasetSource, request: dict, out: str, partial: str, num_work
     workers = max(1, min(num_workers or os.cpu_count() or 1, len(train_work)))
     log(f"tokenizing train: {len(train_work)} work items, {workers} workers")
     fn = functools.partial(tokenize_work, source=src, tokenizer_ref=tokenizer_ref, tokenizer_name=tok.name, dtype=dtype)
-    _optimize(out, os.path.join(partial, "train"), train_work, fn, workers, start_method, verbose=printer is not None)
+    supervised_optimize(out, os.path.join(partial, "train"), train_work, fn, CHUNK_TOKENS, workers, start_method,
+                        verbose=printer is not None)
     with open(os.path.join(partial, "train", "index.json"), encoding="utf-8") as f:
         chunks = json.load(f)["chunks"]
     splits["train"] = {"tokens": sum(int(c["dim"]) for c in chunks), "chunks": len(chunks)}
@@ -351,158 +351,10 @@ def _existing(out: str, request: dict[str, Any], overwrite: bool, inputs: Iterab
     old = read_manifest(out, check_files=False).get("request", {})
     if old != request:
         raise TargetExistsError(f"{out} already holds data prepared from {old.get('source')!r} "
-                              f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}); "
-                              "pass --overwrite to replace it or choose another --out")
+                                f"with {old.get('tokenizer')!r} (request {json.dumps(old, sort_keys=True)}), not "
+                                f"from {request['source']!r} with {request['tokenizer']!r} as asked; pass --overwrite "
+                                "to replace it or choose another --out")
     return read_manifest(out)
-
-
-def _optimize(out: str, out_dir: str, work: list, fn: Any, num_workers: int, start_method: str | None,
-              verbose: bool) -> None:
-    """litdata's ``optimize`` under a :class:`_Watchdog`; any failure is one line that names its cause."""
-    from litdata import TokensLoader, optimize
-    from litdata.processing.data_processor import DataProcessor
-
-    from cable_lightning.console import LITDATA_VERBOSE  # litdata's own output is off (see console.py)
-
-    watchdog, sigint, error = _Watchdog(), signal.getsignal(signal.SIGINT), None
-    # litdata 0.2.76 installs a SIGINT handler that ends the process with status 0 in the middle of the run, leaving
-    # its workers and a partial folder; while it runs, a Ctrl-C goes to prepare's own handler instead (as SIGTERM).
-    litdata_handler = DataProcessor._signal_handler
-    DataProcessor._signal_handler = lambda processor, signum, frame: (
-        sigint if callable(sigint) else functools.partial(litdata_handler, processor))(signum, frame)
-    watchdog.start()
-    try:  # keep_data_ordered: worker k writes the k-th contiguous slice, so the stream keeps source order
-        optimize(fn=fn, inputs=work, output_dir=out_dir, chunk_size=CHUNK_TOKENS, item_loader=TokensLoader(),
-                 num_workers=num_workers, keep_data_ordered=True, reorder_files=False, start_method=start_method,
-                 verbose=verbose and LITDATA_VERBOSE)
-    except Exception as exc:  # noqa: BLE001 - kept to be raised below, after a watchdog's cause
-        error = exc
-    except BaseException:  # PrepareStopped (SIGTERM, Ctrl-C): every process the run started must end
-        watchdog.stopping = True
-        raise
-    finally:
-        watchdog.finish()
-        DataProcessor._signal_handler = litdata_handler
-        if sigint is not None:  # litdata leaves its SIGINT handler behind: a later Ctrl-C would exit with status 0
-            signal.signal(signal.SIGINT, sigint)
-    if isinstance(error, RuntimeError) and "Traceback" in str(error):  # a worker raised: litdata passes on its text
-        cause = f"failed in a worker: {_exception_line(str(error))}; nothing was written to {out}"
-    elif watchdog.cause:
-        cause = f"failed: {watchdog.cause}; nothing was written to {out}; run the same command again"
-    elif error:
-        raise error
-    else:
-        return
-    raise RuntimeError(f"tokenizing into {out} {cause}") from None
-
-
-def _exception_line(text: str) -> str:
-    """The first ``Type: message`` line (one that follows a frame's indented lines) of a traceback's text: the root
-    cause, as chained tracebacks print it first (litdata wraps a worker's error in its own RuntimeError)."""
-    lines = [line for line in text.splitlines() if line.strip() not in ("", ".")]
-    found = [line for prev, line in itertools.pairwise(lines) if prev.startswith(" ") and not line.startswith(" ")]
-    return (found or lines[-1:] or [text])[0].strip()
-
-
-class _Watchdog(threading.Thread):
-    """Watches the processes ``optimize`` starts. litdata 0.2.76 does not notice a worker that dies without raising
-    (killed for memory, say): it finishes without that worker's share of the data, or waits for it. On such a death
-    this thread ends the other workers, so ``optimize`` returns, and keeps the cause. :meth:`finish` also ends the
-    workers' own children (litdata's helpers), which a dead worker leaves behind holding our stdout."""
-
-    def __init__(self) -> None:
-        super().__init__(name="prepare-watchdog", daemon=True)
-        _start_resource_tracker()
-        self.before = set(_started_children())
-        self.before_pids = set(_children(os.getpid()))
-        self.workers: dict[int, Any] = {}  # pid -> Process, every child started while watching
-        self.helpers: dict[int, str | None] = {}  # pid -> start time of the workers' children
-        self.cause: str | None = None
-        self.stopping = False  # set when a stop signal ends optimize
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(WATCH_SECONDS) and self.look() is None:
-            pass
-        if self.cause:
-            self.end()
-
-    def look(self) -> str | None:
-        """Note new workers and their children; the first abnormal exit is the cause."""
-        for proc in _started_children():
-            if proc not in self.before:
-                self.workers.setdefault(proc.pid, proc)
-                self.helpers.update((pid, _start_time(pid)) for pid in _children(proc.pid) if pid not in self.helpers)
-        if self.stopping:  # a worker forked while the stop interrupted start() was never registered: end it too
-            forked = set(_children(os.getpid())) - self.before_pids - set(self.workers) - set(self.helpers)
-            self.helpers.update((pid, _start_time(pid)) for pid in forked)
-        for pid, proc in self.workers.items():
-            if proc.exitcode and self.cause is None:  # None: running, 0: done, < 0: killed by that signal
-                self.cause = _death(pid, proc.exitcode)
-        return self.cause
-
-    def end(self) -> None:
-        for proc in self.workers.values():
-            if proc.is_alive():
-                proc.terminate()
-        for pid, started in self.helpers.items():
-            if started is not None and _start_time(pid) == started:  # still that process, not a reused pid
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-
-    def finish(self) -> None:
-        """Stop watching (always: the thread never outlives ``optimize``), then a last look and clean-up."""
-        self.done.set()
-        self.join()
-        self.look()
-        self.end()
-
-
-def _start_resource_tracker() -> None:
-    """multiprocessing's resource tracker is a child of this process too, started on first use. Started before the
-    watchdog looks, it is never taken for a worker and ended (a tracker ended mid-run is relaunched without its
-    records and prints a traceback for every resource released after). It runs without its warning about the
-    semaphores of stopped workers, which it removes: after a stop, the run's last line is its error."""
-    flags = list(sys.warnoptions)  # the tracker's interpreter gets this process's -W options
-    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
-    try:
-        multiprocessing.resource_tracker.ensure_running()
-    finally:
-        sys.warnoptions[:] = flags
-
-
-def _started_children() -> list:
-    """This process's multiprocessing children, dead ones not yet reaped included: ``active_children()`` reaps and
-    drops those, so a worker that died before the watchdog first saw it would go unnoticed."""
-    return list(getattr(multiprocessing.process, "_children", None) or multiprocessing.active_children())
-
-
-def _death(pid: int, code: int) -> str:
-    if code > 0:
-        return f"worker pid {pid} exited with code {code}"
-    name = signal.Signals(-code).name if -code in signal.valid_signals() else "unknown signal"
-    hint = "; out of memory?" if -code == signal.SIGKILL else ""
-    return f"worker pid {pid} was killed by signal {-code} ({name}{hint})"
-
-
-def _children(pid: int) -> list[int]:
-    """Child pids of ``pid``'s main thread (Linux; none elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except OSError:
-        return []
-
-
-def _start_time(pid: int) -> str | None:
-    """When ``pid`` started (field 22 of /proc/pid/stat), to tell it from a later process given the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _first_chars(docs: Iterator[str], limit: int) -> Iterator[str]:
@@ -515,7 +367,7 @@ def _first_chars(docs: Iterator[str], limit: int) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cable_lightning.data.prepare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cable_lightning prepare", description=__doc__.splitlines()[0])
     p.add_argument("--source", default="python-docs", help=VALID_SOURCES)
     p.add_argument("--tokenizer", default="bpe:4096", help=VALID_SPECS)
     p.add_argument("--out", default="data/pydocs-bpe4096", help="output folder, or s3://bucket/prefix")
@@ -542,10 +394,3 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:  # a worker failed or was killed
             raise RunFailedError(str(exc)) from exc
     return 0
-
-
-if __name__ == "__main__":
-    # Re-import by package name so spawned workers unpickle `tokenize_work` from a module they can import.
-    from cable_lightning.data.prepare import main as _main
-
-    sys.exit(_main())

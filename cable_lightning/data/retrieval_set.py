@@ -17,15 +17,15 @@ How it is made, from any text source (default: the offline python-docs corpus) a
   pairs (``train_pairs.jsonl``: a query, its passage's rest as the positive, another passage's rest as the negative)
   come from the other part, so no evaluation text is trained on in the fine-tuning step.
 
-Written in the BEIR layout ``tools/retrieval.py evaluate`` reads: ``corpus.jsonl`` (``_id``, ``text``),
+Written in the BEIR layout the ``retrieval evaluate`` verb reads: ``corpus.jsonl`` (``_id``, ``text``),
 ``queries.jsonl`` (``_id``, ``text``, plus ``depth`` and ``end``: the token offsets where its passage starts and
 ends, and ``doc``),
 ``qrels.tsv``; and ``manifest.json`` with the settings, the tokenizer and the counts. The same settings, source and
 tokenizer give the same files. A lexical baseline (BM25 on the same set, truncated to each length) comes with
-``tools/retrieval.py evaluate --bm25``: lexical overlap helps where the passage shares rare words with its first
-sentence, and cannot help at all where the window hides the passage.
+``python -m cable_lightning retrieval evaluate --bm25``: lexical overlap helps where the passage shares rare words
+with its first sentence, and cannot help at all where the window hides the passage.
 
-    python -m cable_lightning.data.retrieval_set --tokenizer data/pydocs-bpe4096/tokenizer.json --doc_tokens 1024 \
+    python -m cable_lightning retrieval-set --tokenizer data/pydocs-bpe4096/tokenizer.json --doc_tokens 1024 \
         --queries 200 --out data/retrieval-1024
 """
 
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, error_boundary
+from ..errors import ConfigError
 from ..owned import check_replaceable, staging_folder, swap_in
 
 FORMAT = 1
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     from .tokenizers import get_tokenizer
 
     defaults = Settings()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning retrieval-set",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default="python-docs", help=f"the text: {VALID_SOURCES}")
     parser.add_argument("--tokenizer", required=True,
                         help="the run's tokenizer (a prepared folder's tokenizer.json, gpt2, bert-base-uncased)")
@@ -207,8 +208,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.out}: {len(rows['corpus'])} documents of about {settings.doc_tokens} tokens, "
           f"{len(rows['queries'])} queries (passage depth median {int(np.median(depths))} tokens), "
           f"{len(rows['train_pairs'])} training pairs")
-
-
-if __name__ == "__main__":
-    with error_boundary():
-        main()

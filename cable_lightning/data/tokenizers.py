@@ -139,7 +139,7 @@ def get_tokenizer(spec: str, name: str | None = None) -> Tokenizer:
                            "--tokenizer bert:/path/to/vocab.txt or bpe:N") from None
     if parse_bpe_spec(spec) is not None:
         raise ConfigError(f"{spec} is trained on a corpus by "
-                          f"`python -m cable_lightning.data.prepare --tokenizer {spec}`; "
+                          f"`python -m cable_lightning prepare --tokenizer {spec}`; "
                           "to load a trained one pass its tokenizer.json path")
     path = tokenizer_file(spec)
     kind = spec.partition(":")[0] if spec.startswith(("gpt2:", "bert:")) else "json"

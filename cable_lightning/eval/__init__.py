@@ -1,6 +1,5 @@
-"""Length-extrapolation evaluation: windows over a fixed token stream, loss by position, synthetic tasks."""
+"""Length-extrapolation measurement: loss by position, intervals and paired tests over seeds, and the report."""
 
 from .positions import PositionNLL, position_buckets
-from .windows import EvalWindows, scored_targets, window_plan
 
-__all__ = ["EvalWindows", "PositionNLL", "position_buckets", "scored_targets", "window_plan"]
+__all__ = ["PositionNLL", "position_buckets"]

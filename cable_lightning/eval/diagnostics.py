@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..data.windows import window_plan
 from ..models.attention import attention_map
-from .windows import window_plan
 
 # Attention quantities per (layer, head), in the order records, tables and figures give them.
 QUANTITIES = ("entropy", "entropy_norm", "distance_mean", "distance_p90", "sink_mass", "local_mass", "max_logit",
@@ -185,7 +185,7 @@ def recording(backbone, stats: AttentionStats):
 def short_context_nll(backbone, inputs: Tensor, targets: Tensor, context: int, stride: int,
                       batch_size: int = 8) -> Tensor:
     """(B, T) each target's NLL when the model sees at most ``context`` tokens: windows of ``context`` tokens
-    advancing by ``stride`` (the sliding protocol of :func:`eval.windows.window_plan`), each scoring the targets after
+    advancing by ``stride`` (the sliding protocol of :func:`data.windows.window_plan`), each scoring the targets after
     the previous one's, so every target is scored once with at least ``context - stride`` tokens before it (all of
     them in the first window). Windows of every row run ``batch_size`` at a time."""
     rows, t = inputs.shape

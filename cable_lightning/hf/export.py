@@ -21,12 +21,12 @@ import tempfile
 
 from safetensors import SafetensorError
 
-from ..checkpoints import check_exists, package_model_class, read_checkpoint
+from ..checkpoints import check_exists
 from ..data.manifest import read_manifest
 from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
 from ..errors import ConfigError, MissingFileError, RunFailedError, error_boundary, space_left
-from ..lit.modules import saved_weights
+from ..lit.checkpoint_format import checkpoint_backbone
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
 from ..owned import check_replaceable, discard, staging_folder, swap_in
@@ -62,24 +62,6 @@ def copy_core(out: str) -> list[str]:
         os.makedirs(os.path.dirname(os.path.join(target, name)), exist_ok=True)
         shutil.copyfile(os.path.join(PACKAGE_ROOT, name), os.path.join(target, name))
     return ["__init__.py", *files]
-
-
-def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:
-    """The trained backbone of a fit checkpoint (built by its LightningModule class, as validate does), the
-    data description it was trained with (vocabulary, ids, tokenizer identity, training length), and its provenance
-    (step, run seed, path), which the export keeps so that what is measured on it is recorded as that run's."""
-    ckpt = read_checkpoint(ckpt_path, weights_only=True)
-    hparams = dict(ckpt.get("hyper_parameters") or {})
-    class_path = hparams.get("_class_path")
-    if not class_path or "data" not in hparams or "state_dict" not in ckpt:
-        raise ConfigError(f"{ckpt_path} is not a checkpoint written by `python -m cable_lightning fit` (no model "
-                          "class, data description or weights); export a checkpoint from a fit run")
-    model = package_model_class(class_path, ckpt_path)(
-        backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
-    model.load_state_dict(saved_weights(ckpt))
-    provenance = {"step": ckpt.get("global_step"), "run_seed": ckpt.get("run_seed"),
-                  "checkpoint": os.path.abspath(ckpt_path)}
-    return model.backbone.eval(), hparams["data"], provenance
 
 
 def run_data_path(ckpt_path: str) -> str | None:

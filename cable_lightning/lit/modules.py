@@ -16,14 +16,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
-from ..checkpoints import shown_name
+from ..checkpoints import read_checkpoint, shown_name
 from ..data.manifest import DataInfo
+from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
-from ..eval import PositionNLL, scored_targets
+from ..eval import PositionNLL
 from ..models import BackboneConfig, build_backbone
-from ..models.config import upgrade_state_dict
 from ..positional import UnsupportedLengthError
 from ..records import LengthRecord, PositionRecord
+from .checkpoint_format import saved_weights
 from .masking import mask_tokens, position_draws
 from .optim import build_optimizer
 
@@ -84,8 +85,6 @@ class LanguageModel(L.LightningModule):
 
     def load_initial_weights(self, path: str) -> None:
         """The backbone's weights from a checkpoint of the same model (checked first, one line per problem)."""
-        from ..checkpoints import read_checkpoint
-
         checkpoint = read_checkpoint(path, weights_only=True)
         self.check_same_model(checkpoint, f"model.init_weights {path} is of another model: ",
                               "; configure the model it was trained with")
@@ -349,13 +348,6 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
     differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
     # Another encoding altogether is one difference, not one per setting it has or lacks.
     return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]
-
-
-def saved_weights(checkpoint: dict) -> dict:
-    """A checkpoint's state dict in this version's parameter names (an earlier version's are translated)."""
-    backbone = (checkpoint.get("hyper_parameters") or {}).get("backbone")
-    state = checkpoint["state_dict"]
-    return upgrade_state_dict(state, backbone) if isinstance(backbone, dict) else state
 
 
 class CausalLM(LanguageModel):

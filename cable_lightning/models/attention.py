@@ -218,8 +218,7 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
     logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)  # scaled q: no pass over the map
-    scores.key_padding = key_padding
-    out = scores.scores(logits, q, start, stop)
+    out = scores.scores(logits, q, start, stop, key_padding)
     # In place; causal and unpadded only on the keys from the block's second row on: every earlier key is seen.
     first = min(k.shape[-2], q_offset + start + 1) if causal and key_padding is None and window is None else 0
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window)

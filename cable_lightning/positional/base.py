@@ -128,16 +128,15 @@ class LogitScores:
     one block of query rows at a time (the chunked path; no fused kernel can run them).
 
     :meth:`scores` gets the scaled logits of query rows [start, stop) against keys [0, n_keys)
-    (B, H, rows, n_keys), those rows' queries (B, H, rows, D), and returns the scores before the causal
-    mask, as a new tensor that autograd does not keep for a backward (attention masks it in place). Every row must
-    depend only on its own logits (and, causally, on keys up to its position), so that blocks of rows, cached decoding
-    and the full forward agree.
+    (B, H, rows, n_keys), those rows' queries (B, H, rows, D) and, for a padded batch, ``key_padding`` (B, n_keys),
+    True at real keys (an argument, as attention gets it), and returns the scores before the causal mask, as a new
+    tensor that autograd does not keep for a backward (attention masks it in place). Every row must depend only on its
+    own logits (and, causally, on keys up to its position), so that blocks of rows, cached decoding and the full
+    forward agree.
     """
 
     # (row, key) maps of one head's size that scores() holds at once per head; sizes the row blocks.
     maps_per_head = 1
-    # (B, n_keys), True at real keys, set by attention for a padded batch (models.attention.visible).
-    key_padding: Tensor | None = None
     # True: scores are logits, normalised by softmax. False: scores are log attention weights, used as they are
     # (stick-breaking's weights sum to at most 1 by construction).
     softmax = True
@@ -146,7 +145,7 @@ class LogitScores:
         self.q_offset = q_offset
         self.causal = causal
 
-    def scores(self, logits: Tensor, q: Tensor, start: int, stop: int) -> Tensor:
+    def scores(self, logits: Tensor, q: Tensor, start: int, stop: int, key_padding: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
     def weights(self, masked_scores: Tensor) -> Tensor:
@@ -158,27 +157,27 @@ class LogitScores:
         to when causal)."""
         return ~visible_keys(start, stop, first_key, n_keys, self.q_offset, True, None, device)
 
-    def unseen(self, start: int, stop: int, n_keys: int, device) -> Tensor | None:
+    def unseen(self, start: int, stop: int, n_keys: int, device, key_padding: Tensor | None = None) -> Tensor | None:
         """(B|1, 1, rows, n_keys) True where a query row never attends a key: its future (causal) or padding;
         None where it attends every key."""
         hidden = self.future(start, stop, n_keys, device) if self.causal else None
-        if self.key_padding is not None:
-            padded = ~self.key_padding[:, None, None, :n_keys]
+        if key_padding is not None:
+            padded = ~key_padding[:, None, None, :n_keys]
             hidden = padded if hidden is None else hidden | padded
         return hidden
 
-    def hide_(self, x: Tensor, start: int, stop: int, value: float) -> Tensor:
+    def hide_(self, x: Tensor, start: int, stop: int, value: float, key_padding: Tensor | None = None) -> Tensor:
         """``x`` (B, C, rows, n_keys), in place, with ``value`` wherever :meth:`unseen`. Causal and unpadded, only
         the columns from the block's second row's position on are touched: every key before it is in every row's
         past, and a pass over all of a block's keys costs as much as a pass of the scores themselves (DAPEv2 fills
         three maps per block). ``x`` must be a tensor autograd does not keep for a backward."""
         n_keys = x.shape[-1]
-        if self.causal and self.key_padding is None:
+        if self.causal and key_padding is None:
             first = self.q_offset + start + 1
             if first < n_keys:
                 x[..., first:].masked_fill_(self.future(start, stop, n_keys, x.device, first), value)
             return x
-        unseen = self.unseen(start, stop, n_keys, x.device)
+        unseen = self.unseen(start, stop, n_keys, x.device, key_padding)
         return x if unseen is None else x.masked_fill_(unseen, value)
 
 

@@ -51,7 +51,7 @@ class CopeScores(LogitScores):
         # j <= i: C_i - C_j + gate_ij;  j > i: C_j - C_i + gate_ii
         return (own_total - totals).abs() + torch.where(before, gates, own_gate)
 
-    def scores(self, logits, q, start, stop):
+    def scores(self, logits, q, start, stop, key_padding=None):
         """logits + z(p), z interpolated linearly between the position logits at floor(p) and floor(p) + 1, as
         z[n] + (z[n + 1] - z[n]) (p - n) with n = floor(p) clamped to the last position, whose slope is zero (so
         past it z is the last position's logit, and p needs no clamp): one index, two gathers, one fused multiply-add

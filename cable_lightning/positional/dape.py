@@ -37,7 +37,7 @@ class DapeScores(LogitScores):
         # features (2H), hidden (width), logits, bias, correction and scores at once
         self.maps_per_head = 4 + math.ceil((2 * heads + convolutions.reduce.in_channels) / heads)
 
-    def scores(self, logits, q, start, stop):
+    def scores(self, logits, q, start, stop, key_padding=None):
         batch, heads, rows, n_keys = logits.shape
         bias = self.bias.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype).expand_as(logits)
         if torch.is_grad_enabled() or logits.device.type != "cpu":
@@ -49,8 +49,8 @@ class DapeScores(LogitScores):
         # Zero the future (and padding in a padded batch) before each convolution. In place, on new tensors that
         # autograd does not keep: a convolution keeps its input, not its output (LeakyReLU(0) = 0, so zeroing before
         # it is zeroing after).
-        features = self.hide_(features, start, stop, 0.0)
-        hidden = F.leaky_relu_(self.hide_(self.convolutions.expand(features), start, stop, 0.0))
+        features = self.hide_(features, start, stop, 0.0, key_padding)
+        hidden = F.leaky_relu_(self.hide_(self.convolutions.expand(features), start, stop, 0.0, key_padding))
         return self.convolutions.reduce(hidden).contiguous().add_(logits).add_(bias)
 
 

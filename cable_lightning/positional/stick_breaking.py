@@ -28,7 +28,7 @@ class StickBreakingScores(LogitScores):
     maps_per_head = 6  # logits, the two log-sigmoids, the reversed cumulative sum and its shift, the result
     softmax = False
 
-    def scores(self, logits, q, start, stop):
+    def scores(self, logits, q, start, stop, key_padding=None):
         n_keys = logits.shape[-1]
         own = torch.arange(start, stop, device=logits.device).view(-1, 1) + self.q_offset
         keys = torch.arange(n_keys, device=logits.device).view(1, -1)

@@ -11,7 +11,7 @@ parameter plus the attention matmuls) per second over a peak: on CUDA the device
 with its threads, before and after the PEs (a CPU has no datasheet figure that its threads reach; on a machine
 shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s).
 
-    python tools/bench.py --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
+    python -m cable_lightning bench --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
 """
 
 from __future__ import annotations
@@ -295,7 +295,8 @@ def table(result) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-tiny")
     parser.add_argument("--n-layer", dest="n_layer", type=int)
     parser.add_argument("--n-head", dest="n_head", type=int)
@@ -328,10 +329,3 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
-
-
-if __name__ == "__main__":
-    from cable_lightning.errors import error_boundary
-
-    with error_boundary():
-        main()

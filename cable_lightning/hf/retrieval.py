@@ -2,12 +2,12 @@
 
     # (b) fine-tune with MultipleNegativesRankingLoss on (query, positive, negative) triples: MS MARCO with mined
     #     hard negatives from the hub, or any local jsonl of {"query", "positive", "negative"} rows
-    python tools/retrieval.py finetune --model exports/bert-cable --triples msmarco --out exports/bert-cable-msmarco \
-        --max_seq_length 512 --batch_size 32 --max_steps 20000 --trust_remote_code
+    python -m cable_lightning retrieval finetune --model exports/bert-cable --triples msmarco \
+        --out exports/bert-cable-msmarco --max_seq_length 512 --batch_size 32 --max_steps 20000 --trust_remote_code
     # (c) nDCG@10 at several maximum input lengths: MLDR (English) through MTEB, or a local BEIR-style set
-    python tools/retrieval.py evaluate --models cable=exports/bert-cable-msmarco alibi=exports/bert-alibi-msmarco \
-        --lengths 512 1024 2048 4096 8192 --mldr --out results/mldr --trust_remote_code
-    python tools/retrieval.py evaluate --models cable=DIR --lengths 128 512 --corpus corpus.jsonl \
+    python -m cable_lightning retrieval evaluate --models cable=exports/bert-cable-msmarco \
+        alibi=exports/bert-alibi-msmarco --lengths 512 1024 2048 4096 8192 --mldr --out results/mldr --trust_remote_code
+    python -m cable_lightning retrieval evaluate --models cable=DIR --lengths 128 512 --corpus corpus.jsonl \
         --queries queries.jsonl --qrels qrels.tsv --out results/local --trust_remote_code
 
 (a) An export is a sentence-transformers model as is: transformers' ``AutoModel`` (the folder's own code) under
@@ -25,9 +25,8 @@ import csv
 import json
 import os
 import shutil
-import sys
 
-from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.errors import ConfigError, MissingFileError
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
 from cable_lightning.records import RetrievalRecord, append_records, read_jsonl
 
@@ -277,7 +276,7 @@ def _named_models(pairs: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning retrieval", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     tune = commands.add_parser("finetune", help="MultipleNegativesRankingLoss on query/positive/negative triples")
     tune.add_argument("--model", required=True, help="an exported encoder (python -m cable_lightning export)")
@@ -301,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--bm25", action="store_true", help="add BM25 on the local set at each length (a lexical "
                     "baseline; documents cut with the first model's tokenizer)")
     ev.add_argument("--records", help="append each model's nDCG@10 by length to <records>/retrieval.jsonl, as its "
-                    "run's (tools/report.py reads them; tools/sweep.py --stage retrieval passes the run folder)")
+                    "run's (the report reads them; sweep --stage retrieval passes the run folder)")
     ev.add_argument("--batch_size", type=int, default=16)
     ev.add_argument("--out", required=True)
     for command in (tune, ev):
@@ -328,8 +327,3 @@ def main(argv: list[str] | None = None) -> None:
         append_records(args.records, [record for name, folder in models.items()
                                       for record in retrieval_records(folder, {n: row[name] for n, row in
                                                                                scores.items()}, dataset, ends)])
-
-
-if __name__ == "__main__":
-    with error_boundary():
-        sys.exit(main())

@@ -1,18 +1,19 @@
 """Train and evaluate one base config across positional encodings (and training lengths), then report.
 
-    python tools/sweep.py --config configs/quickstart.yaml --pes cable alibi rope --experiment pe-sweep
-    python tools/sweep.py --config configs/paper/gpt2_tiny_fineweb.yaml --config configs/trainer/ddp8_bf16.yaml \
-        --pes cable alibi kerple_log --print-only      # commands for a cluster, one per line
+    python -m cable_lightning sweep --config configs/quickstart.yaml --pes cable alibi rope --experiment pe-sweep
+    python -m cable_lightning sweep --config configs/paper/gpt2_tiny_fineweb.yaml \
+        --config configs/trainer/ddp8_bf16.yaml --pes cable alibi kerple_log --print-only   # for a cluster, one a line
 
-    python tools/sweep.py --config configs/quickstart.yaml --pes cable alibi --seeds 0 1 2 --experiment seeds
+    python -m cable_lightning sweep --config configs/quickstart.yaml --pes cable alibi --seeds 0 1 2 --experiment seeds
 
 An encoder study (the paper's Table 2) adds a stage after the masked-LM fits: for every run, export its last
 checkpoint, fine-tune it contrastively on the retrieval set's training pairs at the first length, and evaluate
 nDCG@10 at every length, recorded as the run's (``retrieval.jsonl``), then report:
 
-    python tools/sweep.py --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 --experiment enc
-    python tools/sweep.py --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 --experiment enc \
-        --stage retrieval --retrieval-set data/retrieval-1024 --retrieval-lengths 64 128 256 512 1024
+    python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
+        --experiment enc
+    python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
+        --experiment enc --stage retrieval --retrieval-set data/retrieval-1024 --retrieval-lengths 64 128 256 512 1024
 
 Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>; with ``--seeds``, one
 run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
@@ -30,12 +31,11 @@ import shlex
 import subprocess
 import sys
 
-from report import report
-
-from cable_lightning.errors import ConfigError, RunFailedError, error_boundary
+from cable_lightning.errors import ConfigError, RunFailedError
+from cable_lightning.eval.report import report
 from cable_lightning.positional import from_label
 
-RETRIEVAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "retrieval.py")
+COMMAND = [sys.executable, "-m", "cable_lightning"]  # this interpreter's package, as the sweep itself runs
 
 
 def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
@@ -45,12 +45,12 @@ def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
     export, tuned = os.path.join(run, "export"), os.path.join(run, "export-tuned")
     checkpoint = os.path.join(run, "checkpoints", "last.ckpt")
     return [
-        [sys.executable, "-m", "cable_lightning", "export", "--ckpt_path", checkpoint, "--out", export, "--overwrite"],
-        [sys.executable, RETRIEVAL, "finetune", "--model", export, "--triples", data["train_pairs"], "--out", tuned,
+        [*COMMAND, "export", "--ckpt_path", checkpoint, "--out", export, "--overwrite"],
+        [*COMMAND, "retrieval", "finetune", "--model", export, "--triples", data["train_pairs"], "--out", tuned,
          "--max_seq_length", str(args.retrieval_lengths[0]), "--max_steps", str(args.finetune_steps),
          "--batch_size", str(args.finetune_batch), "--lr", str(args.finetune_lr), "--seed",
          str(0 if seed is None else seed), "--overwrite", "--trust_remote_code"],
-        [sys.executable, RETRIEVAL, "evaluate", "--models", f"{pe}={tuned}", "--lengths",
+        [*COMMAND, "retrieval", "evaluate", "--models", f"{pe}={tuned}", "--lengths",
          *map(str, args.retrieval_lengths), "--corpus", data["corpus"], "--queries", data["queries"], "--qrels",
          data["qrels"], "--records", run, "--out", os.path.join(run, "retrieval"), "--trust_remote_code"],
     ]
@@ -83,7 +83,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
                     run = run if seed is None else os.path.join(run, f"seed{seed}")
                     runs += [(experiment, cmd) for cmd in retrieval_commands(run, pe, seed, args)]
                     continue
-                cmd = [sys.executable, "-m", "cable_lightning", "fit"]
+                cmd = [*COMMAND, "fit"]
                 for config in args.config:
                     cmd += ["--config", config]
                 # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
@@ -98,7 +98,8 @@ def commands(args) -> list[tuple[str, list[str]]]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
     parser.add_argument("--pes", nargs="+", required=True, help="encoding labels; dape_v2+<pe> is DAPEv2 over <pe>")
     parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
@@ -111,7 +112,7 @@ def main(argv=None):
     parser.add_argument("--stage", choices=("fit", "retrieval"), default="fit",
                         help="fit: train (or continue) every run; retrieval: export, fine-tune and evaluate every "
                         "pre-trained encoder run on --retrieval-set")
-    parser.add_argument("--retrieval-set", help="a folder from python -m cable_lightning.data.retrieval_set")
+    parser.add_argument("--retrieval-set", help="a folder from python -m cable_lightning retrieval-set")
     parser.add_argument("--retrieval-lengths", type=int, nargs="+",
                         help="evaluation lengths; the first is the fine-tuning length (the training length)")
     parser.add_argument("--finetune-steps", type=int, default=200)
@@ -123,7 +124,7 @@ def main(argv=None):
     if args.stage == "retrieval":
         if not args.retrieval_set or not os.path.isfile(os.path.join(args.retrieval_set, "train_pairs.jsonl")):
             parser.error(f"--stage retrieval needs --retrieval-set, a folder from python -m "
-                         f"cable_lightning.data.retrieval_set; got {args.retrieval_set!r}")
+                         f"cable_lightning retrieval-set; got {args.retrieval_set!r}")
         if not args.retrieval_lengths or min(args.retrieval_lengths) < 1:
             parser.error(f"--stage retrieval needs positive --retrieval-lengths, got {args.retrieval_lengths}")
         if args.train_lengths or args.extra:
@@ -141,8 +142,3 @@ def main(argv=None):
     for mode, table in report([f"{args.runs_dir}/{experiment}" for experiment in sorted({e for e, _ in runs})],
                               out).items():
         print(f"## {mode}\n{table}\n")
-
-
-if __name__ == "__main__":
-    with error_boundary():
-        main()

@@ -22,14 +22,14 @@ passkey is one of them), averaged over depths (``<out>_task_<name>.md/.csv``), f
 per task and encoding (``<out>_effective.md``): the longest evaluated length, from the training length on, whose
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
 brackets; "-" where the training length falls short. Encoders' retrieval rows (``retrieval.jsonl``, from
-``tools/retrieval.py evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval set, aggregated and
-tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws the training loss
-against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard events and, for
-fine-tuned encoders, the contrastive loss (``finetune_loss.jsonl``), the mean over seeds per encoding. The
-attention diagnostics (``attention.jsonl``, ``long_context.jsonl``) go through
+``python -m cable_lightning retrieval evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval
+set, aggregated and tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws
+the training loss against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard
+events and, for fine-tuned encoders, the contrastive loss (``finetune_loss.jsonl``), the mean over seeds per
+encoding. The attention diagnostics (``attention.jsonl``, ``long_context.jsonl``) go through
 ``cable_lightning.eval.diagnostics_report`` (``<out>_attention*``, ``<out>_long_context*``; docs/diagnostics.md).
 
-    python tools/report.py runs/pydocs --out runs/pydocs/report
+    python -m cable_lightning report runs/pydocs --out runs/pydocs/report
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from cable_lightning.callbacks.length_eval import line_figure
-from cable_lightning.errors import ConfigError, MissingFileError, error_boundary
+from cable_lightning.errors import ConfigError, MissingFileError
 from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
-from cable_lightning.eval.tasks import DEFAULT_THRESHOLD, effective_length
+from cable_lightning.figures import line_figure, save_figure, step_panels
 from cable_lightning.records import (
     LengthRecord,
     PositionRecord,
@@ -57,6 +56,7 @@ from cable_lightning.records import (
     format_value,
     read_records,
 )
+from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -305,37 +305,28 @@ def write_csv(path: str, table: Table, name: str, header: str = "length") -> Non
 
 
 def plot(columns, table, title: str, path: str, ylabel: str = "perplexity", log_y: bool = True):
-    import matplotlib.pyplot as plt
-
+    """Each column's means against the row lengths, a band for each interval."""
     series, bands = {}, {}
     for i, name in enumerate(columns):
         estimates = [(row[0], row[i + 1].estimate()) for row in table if row[i + 1] is not None]
         series[name] = [(length, e.mean) for length, e in estimates if e is not None]
         bands[name] = [(length, e.low, e.high) for length, e in estimates if e is not None and e.low is not None]
-    fig = line_figure(series, title, None, "evaluation length (tokens)", ylabel, log_y, bands=bands)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(line_figure(series, title, None, "evaluation length (tokens)", ylabel, log_y, bands=bands), path)
 
 
 def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path: str) -> bool:
     """Per encoding (a column of panels): perplexity (top) and ratio to the training length (bottom) at each
     evaluated length against the training step, the mean over seeds with a t-interval band; False when no run was
     evaluated at two steps or more."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.mode == mode]
     if len({r.step for r in rows}) < 2:
         return False
     by_step = {step: ([r for r in rows if r.step == step]) for step in sorted({r.step for r in rows})}
     tables = {step: (build_table(step_rows, mode), ratio_table(step_rows, mode)) for step, step_rows in by_step.items()}
     encodings = sorted({c for (ppl, _) in tables.values() for c in ppl[0]})
-    fig, axes = plt.subplots(2, len(encodings), figsize=(4 * len(encodings), 6.5), sharex=True, squeeze=False)
-    for col, encoding in enumerate(encodings):
-        for row, (which, ylabel) in enumerate([(0, "perplexity"), (1, "ppl(L) / ppl(train length)")]):
-            ax = axes[row][col]
+    panels: dict[str, list[dict]] = {}
+    for encoding in encodings:
+        for which in (0, 1):
             curves: dict[int, list] = {}
             for step, pair in tables.items():
                 columns, table = pair[which]
@@ -347,26 +338,13 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
                         else None
                     if e is not None and math.isfinite(e.mean):
                         curves.setdefault(length, []).append((step, e.mean, e.low, e.high))
-            for length, points in sorted(curves.items()):
-                steps, means, lows, highs = zip(*points)
-                line, = ax.plot(steps, means, marker="o", label=f"L={length}")
-                if all(low is not None for low in lows):
-                    ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
-            if which == 0:
-                ax.set_yscale("log")
-                ax.set_title(encoding)
-            ax.set_xlabel("training step")
-            ax.set_ylabel(ylabel)
-            ax.legend(fontsize="x-small")
-    fig.suptitle(f"extrapolation over training ({mode})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            panels.setdefault(encoding, []).append(curves)
+    step_panels(panels, ["perplexity", "ppl(L) / ppl(train length)"], f"extrapolation over training ({mode})", path)
     return True
 
 
 TRAIN_LOSS_TAG = "train/loss"  # what the LightningModules log every log_every_n_steps
-CONTRASTIVE_LOSS_LOG = "finetune_loss.jsonl"  # tools/retrieval.py finetune's loss curve, in the tuned export
+CONTRASTIVE_LOSS_LOG = "finetune_loss.jsonl"  # the retrieval verb's finetune loss curve, in the tuned export
 
 
 def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]]:
@@ -491,7 +469,8 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories or length_eval.jsonl files/globs")
     parser.add_argument("--out", default="runs/report", help="output prefix")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
@@ -503,8 +482,3 @@ def main(argv=None):
     for mode, table in report(args.runs, args.out, args.threshold).items():
         print(f"## {titles.get(mode, mode)}\n{table}\n")
     print(f"written: {args.out}_<mode>.md/.csv/.png, {args.out}_<mode>_training.png")
-
-
-if __name__ == "__main__":
-    with error_boundary():
-        main()

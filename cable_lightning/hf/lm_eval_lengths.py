@@ -1,6 +1,6 @@
 """lm-evaluation-harness tasks on an exported model at several maximum input lengths, as one table.
 
-    python tools/lm_eval_lengths.py --model exports/gpt2-tiny-cable --tasks hellaswag --lengths 1024 2048 4096 \
+    python -m cable_lightning lm-eval --model exports/gpt2-tiny-cable --tasks hellaswag --lengths 1024 2048 4096 \
         --out results/hellaswag --device cuda --batch_size 16 --trust_remote_code
 
 Each length is one run of the harness's own evaluation (``lm_eval.simple_evaluate`` with the ``hf`` model and
@@ -119,7 +119,7 @@ def write(scores: dict[int | None, dict], out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cable_lightning lm-eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a folder written by `python -m cable_lightning export`")
     parser.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names (e.g. hellaswag)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None,
@@ -141,10 +141,3 @@ def main(argv: list[str] | None = None) -> None:
                       args.limit, args.bootstrap_iters, include_defaults=not args.only_include_path,
                       trust_remote_code=args.trust_remote_code)
     print(write(scores, args.out), end="")
-
-
-if __name__ == "__main__":
-    from cable_lightning.errors import error_boundary
-
-    with error_boundary():
-        main()

@@ -1,4 +1,4 @@
-"""Scoring synthetic tasks (``cable_lightning.data.tasks``): exact match of every answer token, and the effective
+"""Scoring synthetic tasks (:mod:`.generation`): exact match of every answer token, and the effective
 length.
 
 An example is right when the model's most likely next token is the answer at every answer position, with the
@@ -15,8 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..data.tasks import EVAL, Example, TaskMix
 from ..positional import UnsupportedLengthError
+from .generation import EVAL, Example, TaskMix
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_THRESHOLD = 0.85  # RULER's: the accuracy a length must keep to count as effective

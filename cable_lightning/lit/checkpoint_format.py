@@ -1,0 +1,82 @@
+"""What a fit checkpoint holds and how every reader takes it back: the model class it may name (the allow-list),
+an earlier version's settings and parameter names in this version's form, and the trained backbone that export
+reads. One home, so that the CLI (``--ckpt_path``), the LightningModules (``on_load_checkpoint``,
+``init_weights``) and export read a checkpoint the same way.
+
+Reading the file itself (weights-only, checked, downloaded from a URL) is :mod:`cable_lightning.checkpoints`; this
+module is about what is inside. It imports nothing from the modules it names, so that they can call it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Optional
+
+import lightning as L
+
+from ..checkpoints import read_checkpoint
+from ..errors import ConfigError
+from ..models import Backbone, BackboneConfig
+from ..models.config import upgrade_backbone_dict, upgrade_state_dict
+
+MODELS_PACKAGE = __package__  # cable_lightning.lit: where this package's models are defined
+
+
+def package_model_class(class_path: str, source: str) -> type:
+    """The LightningModule class a checkpoint names in ``_class_path``, accepted only when it is one of this
+    package's own models (a LightningModule defined in ``cable_lightning.lit``: CausalLM, MaskedLM, their
+    subclasses there). The name is looked up among the modules already imported, never imported: a checkpoint
+    cannot make us run code."""
+    module_name, _, name = str(class_path).rpartition(".")
+    inside = module_name == MODELS_PACKAGE or module_name.startswith(MODELS_PACKAGE + ".")
+    cls = getattr(sys.modules.get(module_name), name, None) if inside else None
+    defined_here = isinstance(cls, type) and (cls.__module__ + ".").startswith(MODELS_PACKAGE + ".")
+    if defined_here and issubclass(cls, L.LightningModule):
+        return cls
+    valid = ", ".join(f"{MODELS_PACKAGE}.{n}" for n in ("CausalLM", "MaskedLM"))
+    raise ConfigError(f"checkpoint {source} names model class {class_path!r}, which is not one of this package's "
+                      f"models ({valid} or their subclasses in {MODELS_PACKAGE}); use a checkpoint written by fit")
+
+
+def saved_weights(checkpoint: dict) -> dict:
+    """A checkpoint's state dict in this version's parameter names (an earlier version's are translated)."""
+    backbone = (checkpoint.get("hyper_parameters") or {}).get("backbone")
+    state = checkpoint["state_dict"]
+    return upgrade_state_dict(state, backbone) if isinstance(backbone, dict) else state
+
+
+def checkpoint_model(ckpt_path: str) -> Optional[dict]:
+    """The model section (class_path, init_args) a checkpoint was made with, without the linked data description
+    (the CLI's defaults under ``--ckpt_path``)."""
+    hparams = dict(read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters") or {})
+    class_path = hparams.pop("_class_path", None)
+    if class_path is None:
+        return None
+    # Only what the class takes now: the data description is linked from the data section, and settings an older
+    # version saved (vocab_size, block_size before they came from the data) would stop the parse.
+    accepted = inspect.signature(package_model_class(class_path, ckpt_path)).parameters
+    init_args = {k: v for k, v in hparams.items() if k in accepted and k != "data"}
+    if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
+        backbone = upgrade_backbone_dict(init_args["backbone"])
+        init_args["backbone"] = backbone | {"pos_encoding": BackboneConfig.from_dict(backbone).pos_encoding.to_dict()}
+    return {"class_path": class_path, "init_args": init_args}
+
+
+def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:
+    """The trained backbone of a fit checkpoint (built by its LightningModule class, as validate does), the
+    data description it was trained with (vocabulary, ids, tokenizer identity, training length), and its provenance
+    (step, run seed, path), which export keeps so that what is measured on it is recorded as that run's."""
+    ckpt = read_checkpoint(ckpt_path, weights_only=True)
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    class_path = hparams.get("_class_path")
+    if not class_path or "data" not in hparams or "state_dict" not in ckpt:
+        raise ConfigError(f"{ckpt_path} is not a checkpoint written by `python -m cable_lightning fit` (no model "
+                          "class, data description or weights); export a checkpoint from a fit run")
+    model = package_model_class(class_path, ckpt_path)(
+        backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
+    model.load_state_dict(saved_weights(ckpt))
+    provenance = {"step": ckpt.get("global_step"), "run_seed": ckpt.get("run_seed"),
+                  "checkpoint": os.path.abspath(ckpt_path)}
+    return model.backbone.eval(), hparams["data"], provenance
