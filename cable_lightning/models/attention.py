@@ -257,9 +257,7 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
     logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)
-    if isinstance(scores, LogitScores):
-        scores.key_padding = key_padding
-    out = logits if scores is None else scores.scores(logits, q, start, stop)
+    out = logits if scores is None else scores.scores(logits, q, start, stop, key_padding)
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
     if allowed is not None:  # in place when nothing keeps `out` for a backward (it is new: the contract's scores are)
         out = out.masked_fill_(~allowed, float("-inf")) if not torch.is_grad_enabled() else \

@@ -86,9 +86,10 @@ class ScoreBias:
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def scores(self, logits: Tensor, q: Tensor, start: int, stop: int) -> Tensor:
+    def scores(self, logits: Tensor, q: Tensor, start: int, stop: int, key_padding: Tensor | None = None) -> Tensor:
         """The score contract (as :meth:`LogitScores.scores`): the scaled logits of query rows [start, stop) against
-        keys [0, n_keys) (B, H, rows, n_keys) plus the bias, before the mask."""
+        keys [0, n_keys) (B, H, rows, n_keys) plus the bias, before the mask (a bias reads no padding: the mask
+        hides padded keys)."""
         batch, heads, _, n_keys = logits.shape
         return logits + self.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype)
 
