@@ -52,10 +52,13 @@ class Rope(PositionalEncoding):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def rotate(self, q, k, offset, layer=0, key_padding=None):
+    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
         t = q.shape[-2]
-        pos = torch.arange(offset, offset + t, device=q.device, dtype=torch.float32) / self.position_divisor
-        angles = pos[:, None] * self.inv_freq[None, :]
+        if layout is not None:  # each row's positions: angles (B, 1, T, D/2)
+            pos = layout.positions[:, None, :].float() / self.position_divisor
+        else:
+            pos = torch.arange(offset, offset + t, device=q.device, dtype=torch.float32) / self.position_divisor
+        angles = pos[..., None] * self.inv_freq
         cos, sin = angles.cos() * self.mscale, angles.sin() * self.mscale
         return rotate(q, cos.to(q.dtype), sin.to(q.dtype)), rotate(k, cos.to(k.dtype), sin.to(k.dtype))
 
