@@ -13,6 +13,7 @@ from .base import Encoding, PositionalEncoding
 
 
 class LearnedTable(PositionalEncoding):
+    relative = False
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.table = nn.Embedding(self.longest, config.n_embd)
@@ -62,6 +63,7 @@ SINUSOIDAL_SCALE = 0.02 * 2**0.5
 
 
 class SinusoidalTable(PositionalEncoding):
+    relative = False
     def embed(self, x, offset, layout=None):
         if layout is not None:
             table = sinusoidal_table(layout.positions.flatten(), x.shape[-1]).view(*layout.positions.shape, -1)

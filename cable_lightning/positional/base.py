@@ -276,6 +276,9 @@ class PositionalEncoding(nn.Module):
     # and their documents (NoPE, CABLE, FoX, CoPE, stick-breaking): randomized positions and PoSE's skips change
     # nothing for the latter, so asking for them there is an error (lit.layouts).
     reads_positions = True
+    # Whether only differences of positions matter (a constant shift of every position changes nothing): False for
+    # absolute tables and FIRE (its normaliser reads the query's own position).
+    relative = True
 
     def check_layout(self, layout: Layout) -> None:
         """Raise :class:`UnsupportedLengthError` if the layout's positions are more than the encoding serves."""

@@ -80,6 +80,10 @@ class DapeV2(PositionalEncoding):
     def reads_positions(self):
         return self.base.reads_positions
 
+    @property
+    def relative(self):
+        return self.base.relative
+
     def check_layout(self, layout):
         self.base.check_layout(layout)
 

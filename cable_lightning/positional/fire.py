@@ -42,6 +42,7 @@ class FireBias(ScoreBias):
 
 
 class Fire(PositionalEncoding):
+    relative = False  # psi(max(L, i)) reads the query's own position once it passes the threshold L
     def __init__(self, settings, config):
         super().__init__(settings, config)
         n, heads = config.n_layer, config.n_head

@@ -49,6 +49,10 @@ class PerLayer(PositionalEncoding):
     def reads_positions(self):
         return any(part.reads_positions for part in self.parts)
 
+    @property
+    def relative(self):
+        return all(part.relative for part in self.parts)
+
     def check_layout(self, layout):
         for part in self.parts:
             part.check_layout(layout)
