@@ -114,7 +114,9 @@ class TaskAccuracy(L.Callback):
         config = pl_module.config
         self.results = [TaskRecord(pe=config.pos_encoding.label(), train_length=config.block_size, step=step,
                                    stage=trainer.state.fn.value, checkpoint=measured.checkpoint if measured else None,
-                                   run_seed=getattr(pl_module, "run_seed", None), seed=self.seed, **row)
+                                   run_seed=getattr(pl_module, "run_seed", None), seed=self.seed,
+                                   layout=pl_module.layout.label(config.block_size) if hasattr(pl_module, "layout")
+                                   else None, **row)
                         for row in grid]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import shown_name
+from ..data.layouts import TrainingLayout, check_encoding, layout_generator
 from ..data.manifest import DataInfo
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL, scored_targets
@@ -56,6 +57,10 @@ class LanguageModel(L.LightningModule):
         self.config = config
         self.backbone = build_backbone(self.config)
         self.backbone.activation_checkpointing = activation_checkpointing
+        # What training sees of a block (data.layout: documents, positions, length schedule), checked against the
+        # encoding before anything runs
+        self.layout = TrainingLayout.from_dict(self.data_info.layout if self.data_info is not None else None)
+        check_encoding(self.layout, self.backbone.pe)
         self.val_nll = torch.nn.ModuleDict()
         self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
         self.length_results: list[LengthRecord] = []
@@ -126,14 +131,26 @@ class LanguageModel(L.LightningModule):
             register_fsdp_forward_method(self.backbone, method)
 
     # --- training ------------------------------------------------------------------------------
+    def batch_layout(self, inputs: torch.Tensor, train: bool, batch_idx: int = 0):
+        """The layout (documents, positions, the schedule's window) of a batch's inputs under ``data.layout``; None
+        where it is packed, contiguous and full-length (documents end at the end-of-text id, which masking for MLM never
+        replaces)."""
+        if not self.layout.active:
+            return None
+        generator = (layout_generator(self.run_seed or 0, self.global_step, batch_idx, self.global_rank)
+                     if train and self.layout.reads_positions() else None)
+        return self.layout.build(inputs, self.data_info.eot_id, self.global_step, self.config.block_size, train,
+                                 generator)
+
     def batch_loss(self, batch, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(training loss, inputs) of a training batch: the mean NLL of its targets, or for a batch with task rows
         (``TokenDataModule.task_batch``) the mean weighted by each target's ``loss_weight``."""
         if isinstance(batch, dict):
             inputs, targets = self.split_batch(batch["tokens"], train=True, batch_idx=batch_idx)
-            return weighted_loss(self.backbone.token_nll(inputs, targets), batch["loss_weight"]), inputs
+            nll = self.backbone.token_nll(inputs, targets, layout=self.batch_layout(inputs, True, batch_idx))
+            return weighted_loss(nll, batch["loss_weight"]), inputs
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
-        return self.backbone.loss(inputs, targets), inputs
+        return self.backbone.loss(inputs, targets, layout=self.batch_layout(inputs, True, batch_idx)), inputs
 
     def training_step(self, batch, batch_idx):
         loss, inputs = self.batch_loss(batch, batch_idx)
@@ -150,6 +167,8 @@ class LanguageModel(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens_seen", float(tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if self.layout.schedule != "none":
+            self.log("train/window", float(self.layout.window(self.global_step, self.config.block_size)))
         return loss
 
     def on_before_optimizer_step(self, optimizer):
@@ -223,7 +242,7 @@ class LanguageModel(L.LightningModule):
         targets = scored_targets(targets, batch["first_scored"])
         start = time.perf_counter()
         try:
-            nll = self.backbone.token_nll(inputs, targets)
+            nll = self.backbone.token_nll(inputs, targets, layout=self.batch_layout(inputs, False))
         except UnsupportedLengthError as err:
             self.unsupported_lengths.add(length)
             self.print(f"length {length}: unsupported ({err})")
@@ -252,7 +271,7 @@ class LanguageModel(L.LightningModule):
             mode = "nonoverlap" if stride == length else "sliding"
             row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.block_size, step=step,
                        stage=self.trainer.state.fn.value, checkpoint=checkpoint, run_seed=self.run_seed, length=length,
-                       mode=mode, stride=stride)
+                       mode=mode, stride=stride, layout=self.layout.label(self.config.block_size))
             if length in self.unsupported_lengths:
                 self.length_results.append(LengthRecord(**row, ppl=None))
                 continue
