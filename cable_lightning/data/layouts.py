@@ -208,10 +208,26 @@ def check_encoding(layout: TrainingLayout, pe) -> None:
 
     if layout.reads_positions() and not pe.reads_positions:
         readers = [name for name in available() if encoding_class(name).module.reads_positions is True]
+        wrappers = [name for name in available() if isinstance(encoding_class(name).module.reads_positions, property)]
         raise ConfigError(f"data.layout.positions={layout.positions} changes nothing for {pe.settings.label()}: it "
                           "reads no position indices, only the order of the tokens (and their documents); use "
-                          f"positions contiguous, or an encoding that reads positions: {', '.join(readers)}")
+                          f"positions contiguous, or an encoding that reads positions: {', '.join(readers)} (or "
+                          f"{'/'.join(wrappers)} over one)")
     if layout.reads_positions() and pe.longest is not None and layout.position_range > pe.longest:
         raise ConfigError(f"data.layout.position_range {layout.position_range} is more than the "
                           f"{pe.settings.label()} encoding's {pe.longest} positions; lower it or give the encoding "
                           f"that many (learnable.max_positions {layout.position_range})")
+
+
+def check_configured_layout(settings, backbone, block_size: int) -> None:
+    """The CLI's check, before anything is built: the data section's layout (a parsed namespace, a dict or None)
+    against the configured backbone (a BackboneConfig) at the data's block size, through a module of its encoding
+    alone."""
+    if settings is None:
+        return
+    backbone = dataclasses.replace(backbone, block_size=block_size)
+    values = settings.as_dict() if hasattr(settings, "as_dict") else dict(vars(settings)) if not isinstance(
+        settings, (dict, TrainingLayout)) else settings
+    layout = values if isinstance(values, TrainingLayout) else TrainingLayout.from_dict(values)
+    if layout.reads_positions():
+        check_encoding(layout, backbone.pos_encoding.build(backbone))
