@@ -92,8 +92,8 @@ def test_bad_layout_settings_are_one_line(settings, message):
 
 
 def run_rows(runs, pe):
-    return [json.loads(line) for f in sorted(glob.glob(os.path.join(runs, "test", pe, "version_*", "length_eval.jsonl")))
-            for line in open(f)]
+    files = sorted(glob.glob(os.path.join(runs, "test", pe, "version_*", "length_eval.jsonl")))
+    return [json.loads(line) for f in files for line in open(f)]
 
 
 SCHEDULED = ["--data.layout.documents", "train", "--data.layout.positions", "pose", "--data.layout.position_range",
