@@ -39,6 +39,8 @@ class Record:
     # What training saw of its blocks (data.layout's label: docs-train, randomized1024, linear32-128@400, ...); None:
     # packed blocks at contiguous positions, the whole block from the first step
     layout: Optional[str] = None
+    # A context extension: the length this run trained at after train_length (None: trained at train_length only)
+    extended_to: Optional[int] = None
 
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""

@@ -61,6 +61,10 @@ class LanguageModel(L.LightningModule):
         # encoding before anything runs
         self.layout = TrainingLayout.from_dict(self.data_info.layout if self.data_info is not None else None)
         check_encoding(self.layout, self.backbone.pe)
+        if self.config.trained_length and (self.backbone.pe.longest or self.config.block_size) < self.config.block_size:
+            raise ConfigError(f"{self.config.pos_encoding.label()} serves {self.backbone.pe.longest} positions (it was "
+                              f"trained at {self.config.trained_length}); it cannot be extended to block_size "
+                              f"{self.config.block_size}: extend an encoding that serves any length")
         self.val_nll = torch.nn.ModuleDict()
         self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
         self.length_results: list[LengthRecord] = []
@@ -94,10 +98,28 @@ class LanguageModel(L.LightningModule):
         checkpoint = read_checkpoint(path, weights_only=True)
         self.check_same_model(checkpoint, f"model.init_weights {path} is of another model: ",
                               "; configure the model it was trained with")
+        self.check_lineage(checkpoint, path)
         prefix = "backbone."
         weights = {k[len(prefix):]: v for k, v in saved_weights(checkpoint).items() if k.startswith(prefix)}
         self.backbone.load_state_dict(weights)
         self.print(f"initial weights from {path} (step {checkpoint.get('global_step')})")
+
+    def check_lineage(self, checkpoint: dict, path: str) -> None:
+        """Initial weights trained at another length than this run's are a context extension, which must say so:
+        ``backbone.trained_length`` is the length they were first trained at (what YaRN's original length and the
+        records read)."""
+        hparams = checkpoint.get("hyper_parameters") or {}
+        saved = hparams.get("backbone") if isinstance(hparams.get("backbone"), dict) else {}
+        trained = saved.get("trained_length") or (hparams.get("data") or {}).get("block_size")
+        if trained is None or trained == self.config.original_length:
+            return
+        if self.config.trained_length is None:
+            raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens and this run trains at "
+                              f"{self.config.block_size}: a context extension; say so with "
+                              f"--model.init_args.backbone.trained_length {trained} (RoPE's scalings and the records "
+                              "read it)")
+        raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens, not backbone.trained_length "
+                          f"{self.config.trained_length}; set --model.init_args.backbone.trained_length {trained}")
 
     def configure_model(self):
         # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
@@ -269,7 +291,9 @@ class LanguageModel(L.LightningModule):
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
             mode = "nonoverlap" if stride == length else "sliding"
-            row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.block_size, step=step,
+            extended_to = self.config.block_size if self.config.trained_length else None
+            row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length, step=step,
+                       extended_to=extended_to,
                        stage=self.trainer.state.fn.value, checkpoint=checkpoint, run_seed=self.run_seed, length=length,
                        mode=mode, stride=stride, layout=self.layout.label(self.config.block_size))
             if length in self.unsupported_lengths:

@@ -263,7 +263,7 @@ class PositionalEncoding(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.causal = config.causal
-        self.longest = settings.longest_length(config.block_size)
+        self.longest = settings.longest_length(config.original_length)
 
     def check_length(self, total_length: int) -> None:
         """Raise :class:`UnsupportedLengthError` if this encoding cannot serve ``total_length`` positions."""

@@ -51,7 +51,7 @@ class Fire(PositionalEncoding):
         self.w2 = nn.Parameter(torch.randn(n, heads, HIDDEN) * HIDDEN**-0.5)
         self.b2 = nn.Parameter(torch.zeros(n, heads))
         self.c_raw = nn.Parameter(torch.full((n,), 0.5413))  # softplus -> c = 1
-        self.threshold = nn.Parameter(torch.full((n,), float(config.block_size)))
+        self.threshold = nn.Parameter(torch.full((n,), float(config.original_length)))
 
     def score_bias(self, h, layer, offset, state, layout=None):
         return FireBias(

@@ -1,5 +1,7 @@
 """RoPE: rotary position embedding on q and k (Su et al., 2021), with optional context-extension
-scaling at evaluation: position interpolation (``linear``), NTK-aware base scaling (``ntk``), YaRN."""
+scaling at evaluation: position interpolation (``linear``), NTK-aware base scaling (``ntk``), YaRN. The scalings'
+original length is the length the weights were first trained at (``BackboneConfig.original_length``): in a context
+extension stage, not the new block size."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class Rope(PositionalEncoding):
     def __init__(self, settings: "rope", config):
         super().__init__(settings, config)
         inv_freq, self.position_divisor, self.mscale = rope_frequencies(
-            self.head_dim, settings.base, settings.scaling, settings.scaling_factor, config.block_size
+            self.head_dim, settings.base, settings.scaling, settings.scaling_factor, config.original_length
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

@@ -54,7 +54,7 @@ class LengthScaled(PositionalEncoding):
     def __init__(self, settings: "ssmax", config):
         super().__init__(settings, config)
         self.base = settings.base.build(config)
-        self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.block_size)))
+        self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.original_length)))
 
     @property
     def reads_positions(self):
