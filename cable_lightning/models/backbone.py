@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..positional import build_positional
-from ..positional.layout import Layout
+from ..positional.layout import Layout, with_layout
 from .attention import attention
 from .config import BackboneConfig
 
@@ -46,12 +46,6 @@ def length_groups(lengths: list[int], waste: float) -> list[list[int]]:
         else:
             groups.append([row])
     return groups
-
-
-def with_layout(layout: Layout | None) -> dict:
-    """The hooks' keyword for a layout, only when there is one: an encoding written before layouts (no ``layout``
-    parameter) runs as it did wherever none is given."""
-    return {} if layout is None else {"layout": layout}
 
 
 HOOKS = ("embed", "rotate", "score_bias")

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import ConfigError
 from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias
 from .cable import cable
+from .layout import with_layout
 from .registry import encoding_from, score_bias_encodings
 
 
@@ -88,16 +89,16 @@ class DapeV2(PositionalEncoding):
         self.base.check_layout(layout)
 
     def embed(self, x, offset, layout=None):
-        return self.base.embed(x, offset, layout)
+        return self.base.embed(x, offset, **with_layout(layout))
 
     def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
-        return self.base.rotate(q, k, offset, layer, key_padding, layout)
+        return self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
 
     def window(self, layer):
         return self.base.window(layer)
 
     def score_bias(self, h, layer, offset, state, layout=None):
-        return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state, layout))
+        return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state, **with_layout(layout)))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .base import Encoding, PositionalEncoding
+from .layout import with_layout
 from .registry import from_label
 from .ssmax import ssmax
 
@@ -59,17 +60,18 @@ class PerLayer(PositionalEncoding):
 
     def embed(self, x, offset, layout=None):
         for part in self.parts:  # an absolute encoding in the pattern acts on the input, once
-            x = part.embed(x, offset, layout)
+            x = part.embed(x, offset, **with_layout(layout))
         return x
 
     def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
-        return self.parts[self.part_of[layer]].rotate(q, k, offset, self.local[layer], key_padding, layout)
+        part = self.parts[self.part_of[layer]]
+        return part.rotate(q, k, offset, self.local[layer], key_padding, **with_layout(layout))
 
     def window(self, layer):
         return self.windows[layer]
 
     def score_bias(self, h, layer, offset, state, layout=None):
-        return self.parts[self.part_of[layer]].score_bias(h, self.local[layer], offset, state, layout)
+        return self.parts[self.part_of[layer]].score_bias(h, self.local[layer], offset, state, **with_layout(layout))
 
 
 @dataclass

@@ -20,6 +20,12 @@ import torch
 from torch import Tensor
 
 
+def with_layout(layout: "Layout | None") -> dict:
+    """A hook's keyword for a layout, only when there is one: an encoding written before layouts (hooks without a
+    ``layout`` parameter) runs as it did wherever none is given, also under a wrapper (DAPEv2, SSMax, layers)."""
+    return {} if layout is None else {"layout": layout}
+
+
 class Layout:
     """``positions`` (B, T) int64 and ``documents`` (B, T) int64 non-decreasing along each row, or None."""
 

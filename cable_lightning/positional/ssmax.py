@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Encoding, PositionalEncoding
+from .layout import with_layout
 from .registry import encoding_from
 from .rope import rope
 
@@ -68,10 +69,10 @@ class LengthScaled(PositionalEncoding):
         self.base.check_layout(layout)
 
     def embed(self, x, offset, layout=None):
-        return self.base.embed(x, offset, layout)
+        return self.base.embed(x, offset, **with_layout(layout))
 
     def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
-        q, k = self.base.rotate(q, k, offset, layer, key_padding, layout)
+        q, k = self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
         t = q.shape[-2]
         # a padded row's keys are its real ones (moved to the front), as when the row runs alone
         total = offset + t if key_padding is None else key_padding.sum(dim=-1, keepdim=True)  # (B, 1)
@@ -86,7 +87,7 @@ class LengthScaled(PositionalEncoding):
         return self.base.window(layer)
 
     def score_bias(self, h, layer, offset, state, layout=None):
-        return self.base.score_bias(h, layer, offset, state, layout)
+        return self.base.score_bias(h, layer, offset, state, **with_layout(layout))
 
 
 @dataclass
