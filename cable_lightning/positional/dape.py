@@ -32,7 +32,8 @@ class DapeScores(LogitScores):
     """One layer's DAPEv2 scores over a PE's bias (a :class:`ScoreBias`)."""
 
     def __init__(self, bias: ScoreBias, convolutions: "DapeConvolutions"):
-        super().__init__(bias.q_offset, bias.causal, bias.layout)  # its documents are zeroed before each convolution
+        # its documents are zeroed before each convolution
+        super().__init__(bias.q_offset, bias.causal, getattr(bias, "layout", None))
         self.bias, self.convolutions = bias, convolutions
         heads = convolutions.reduce.out_channels
         # features (2H), hidden (width), logits, bias, correction and scores at once
