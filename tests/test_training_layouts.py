@@ -114,6 +114,10 @@ def test_a_run_resumed_mid_schedule_ends_as_an_uninterrupted_one(tiny_corpus_dir
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
     labels = {row["layout"] for row in run_rows(str(tmp_path / "straight"), "rope")}
     assert labels == {"docs-train+pose128x2+linear8-32@4"}
+    # a validate without the layout's flags is still recorded as the run its checkpoint is
+    main(["validate", *args(tiny_corpus_dir, str(tmp_path / "straight"), pe="rope"), "--ckpt_path", middle])
+    validated = [row for row in run_rows(str(tmp_path / "straight"), "rope") if row["stage"] == "validate"]
+    assert validated and {row["layout"] for row in validated} == {"docs-train+pose128x2+linear8-32@4"}
 
 
 def test_positions_an_encoding_cannot_read_are_one_line_before_training(tiny_corpus_dir, tmp_path):

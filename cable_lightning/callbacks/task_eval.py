@@ -116,8 +116,8 @@ class TaskAccuracy(L.Callback):
                                    extended_to=config.block_size if config.trained_length else None,
                                    stage=trainer.state.fn.value, checkpoint=measured.checkpoint if measured else None,
                                    run_seed=getattr(pl_module, "run_seed", None), seed=self.seed,
-                                   layout=pl_module.layout.label(config.block_size) if hasattr(pl_module, "layout")
-                                   else None, **row)
+                                   layout=pl_module.layout_label() if hasattr(pl_module, "layout_label") else None,
+                                   **row)
                         for row in grid]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:

@@ -61,6 +61,7 @@ class LanguageModel(L.LightningModule):
         # encoding before anything runs
         self.layout = TrainingLayout.from_dict(self.data_info.layout if self.data_info is not None else None)
         check_encoding(self.layout, self.backbone.pe)
+        self.trained_layout: Optional[TrainingLayout] = None  # a loaded checkpoint's: what its weights were trained on
         if self.config.trained_length and (self.backbone.pe.longest or self.config.block_size) < self.config.block_size:
             raise ConfigError(f"{self.config.pos_encoding.label()} serves {self.backbone.pe.longest} positions (it was "
                               f"trained at {self.config.trained_length}); it cannot be extended to block_size "
@@ -163,6 +164,11 @@ class LanguageModel(L.LightningModule):
                      if train and self.layout.reads_positions() else None)
         return self.layout.build(inputs, self.data_info.eot_id, self.global_step, self.config.block_size, train,
                                  generator)
+
+    def layout_label(self) -> Optional[str]:
+        """Records' ``layout``: what the weights were trained on (a loaded checkpoint's data.layout, so a validate
+        with another command line is still recorded as that run), else this run's."""
+        return (self.trained_layout or self.layout).label(self.config.block_size)
 
     def batch_loss(self, batch, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(training loss, inputs) of a training batch: the mean NLL of its targets, or for a batch with task rows
@@ -295,7 +301,7 @@ class LanguageModel(L.LightningModule):
             row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length, step=step,
                        extended_to=extended_to,
                        stage=self.trainer.state.fn.value, checkpoint=checkpoint, run_seed=self.run_seed, length=length,
-                       mode=mode, stride=stride, layout=self.layout.label(self.config.block_size))
+                       mode=mode, stride=stride, layout=self.layout_label())
             if length in self.unsupported_lengths:
                 self.length_results.append(LengthRecord(**row, ppl=None))
                 continue
@@ -361,6 +367,8 @@ class LanguageModel(L.LightningModule):
         if "state_dict" in checkpoint:  # FSDP2 (ModelParallelStrategy) has loaded the weights itself and taken them
             checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
+        if "layout" in saved_data:  # written by a version with data.layout (absent: packed, contiguous)
+            self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
 
