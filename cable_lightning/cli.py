@@ -47,6 +47,7 @@ from .callbacks.preemption import PreemptionCheckpoint
 from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
+from .data.layouts import check_configured_layout
 from .errors import ConfigError, RunFailedError, error_boundary, space_left
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_model
@@ -250,6 +251,8 @@ class CableCLI(LightningCLI):
     def before_instantiate_classes(self):
         config = self.config[self.subcommand] if self.subcommand else self.config
         configured_backbone(config)  # fail fast: every model setting is checked before the data is prepared
+        if config.get("data") is not None:  # what training sees of a block, against the encoding (data/layouts.py)
+            check_configured_layout(config.data.get("layout"), configured_backbone(config), config.data.block_size)
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",

@@ -36,6 +36,11 @@ class Record:
     stage: str = "fit"  # or validate, test
     checkpoint: Optional[str] = None  # the checkpoint a validate/test measured (None: the weights of the running fit)
     run_seed: Optional[int] = None  # the run's seed_everything (TaskRecord.seed is the evaluation examples' own seed)
+    # What training saw of its blocks (data.layout's label: docs-train, randomized1024, linear32-128@400, ...); None:
+    # packed blocks at contiguous positions, the whole block from the first step
+    layout: Optional[str] = None
+    # A context extension: the length this run trained at after train_length (None: trained at train_length only)
+    extended_to: Optional[int] = None
 
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""

@@ -87,9 +87,12 @@ class TaskAccuracy(L.Callback):
         measured = pl_module.length_results[0] if pl_module.length_results else None  # this validation's step
         step = measured.step if measured else trainer.global_step
         config = pl_module.config
-        self.results = [TaskRecord(pe=config.pos_encoding.label(), train_length=config.block_size, step=step,
+        self.results = [TaskRecord(pe=config.pos_encoding.label(), train_length=config.original_length, step=step,
+                                   extended_to=config.block_size if config.trained_length else None,
                                    stage=trainer.state.fn.value, checkpoint=measured.checkpoint if measured else None,
-                                   run_seed=getattr(pl_module, "run_seed", None), seed=self.seed, **row)
+                                   run_seed=getattr(pl_module, "run_seed", None), seed=self.seed,
+                                   layout=pl_module.layout_label() if hasattr(pl_module, "layout_label") else None,
+                                   **row)
                         for row in grid]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:

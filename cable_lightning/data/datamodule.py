@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from cable_lightning.data.layouts import TrainingLayout
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
@@ -101,6 +102,8 @@ class TokenDataModule(L.LightningDataModule):
         task_fraction: the share of each training batch's rows that are task examples (the rest: the corpus).
         lm_loss_weight: the loss weight of a task row's tokens other than its answer (0: answer tokens only; 1:
             the ordinary language-model loss on the whole row). Corpus rows weigh 1 everywhere.
+        layout: what training sees of a block (``cable_lightning.data.layouts``): document masking
+            (``--data.layout.documents train``), randomized or PoSE positions, a length schedule.
     """
 
     def __init__(self, path: str | None = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
@@ -108,8 +111,11 @@ class TokenDataModule(L.LightningDataModule):
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
                  tasks: dict[str, dict | None] | None = None,
                  task_fraction: float = 1.0, lm_loss_weight: float = 0.0, cache_dir: str | None = None,
-                 max_cache_size: str | None = None, endpoint_url: str | None = None):
+                 max_cache_size: str | None = None, endpoint_url: str | None = None,
+                 layout: TrainingLayout = TrainingLayout()):
         super().__init__()
+        self.layout = layout if isinstance(layout, TrainingLayout) else TrainingLayout.from_dict(layout)
+        self.layout.check(block_size)
         for name, value in (("task_fraction", task_fraction), ("lm_loss_weight", lm_loss_weight)):
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
@@ -151,7 +157,8 @@ class TokenDataModule(L.LightningDataModule):
             return DataInfo(vocab_size=OWN_VOCABULARY, eot_id=0, mask_id=None, special_ids=(0,),
                             tokenizer={"kind": "task", "name": f"task-vocabulary-{OWN_VOCABULARY}",
                                        "hash": f"task-vocabulary-v1-{OWN_VOCABULARY}"},
-                            block_size=self.block_size, eval_specs=tuple(self.eval_specs()))
+                            block_size=self.block_size, eval_specs=tuple(self.eval_specs()),
+                            layout=self.layout.as_dict())
         if self._manifest is None:
             if self.store is not None:  # manifest, index, held-out arrays fetched once per node; chunk sizes checked
                 self.folder = self.store.mirror(self.cache_dir)
@@ -164,7 +171,7 @@ class TokenDataModule(L.LightningDataModule):
             self.check_tasks()  # a text task's length in tokens is known now
         return DataInfo(vocab_size=int(m["vocab_size"]), eot_id=int(m["eot_id"]), mask_id=m["mask_id"],
                         special_ids=tuple(m["special_ids"]), tokenizer=dict(m["tokenizer"]["identity"]),
-                        block_size=self.block_size, eval_specs=tuple(self.eval_specs()))
+                        block_size=self.block_size, eval_specs=tuple(self.eval_specs()), layout=self.layout.as_dict())
 
     def check_tasks(self) -> None:
         """The training length fits every task (task_fraction 0: no task row is trained on, only evaluated)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -113,6 +113,9 @@ class DataInfo:
     tokenizer: dict[str, str]  # identity: kind, name, vocabulary hash
     block_size: int
     eval_specs: tuple[tuple[int, int], ...]  # (length, stride) per evaluation loader
+    # What training sees of a block (documents, positions, length schedule): data.layout's settings, as plain values
+    # (data/layouts.py); empty: packed blocks at contiguous positions
+    layout: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DataInfo:

@@ -71,9 +71,17 @@ def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
+def run_name(row: Record) -> str:
+    """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``) and a
+    context extension's lineage (``>512``: trained at train_length, extended to 512)."""
+    layout = f" [{row.layout}]" if getattr(row, "layout", None) else ""
+    extended = f" >{row.extended_to}" if getattr(row, "extended_to", None) else ""
+    return f"{row.pe}{layout}{extended}"
+
+
 def run_key(row: Record) -> tuple:
-    """What makes a run: its encoding, training length and seed."""
-    return row.pe, row.train_length, row.run_seed
+    """What makes a run: its encoding (with its training layout and extension), training length and seed."""
+    return run_name(row), row.train_length, row.run_seed
 
 
 def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
@@ -129,7 +137,7 @@ def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Opt
     several = len({r.train_length for r in rows}) > 1
     cells: dict[tuple, Cell] = {}
     for r in rows:
-        cell = cells.setdefault((label(r), column_name(r.pe, r.train_length, several)), Cell({}, {}))
+        cell = cells.setdefault((label(r), column_name(run_name(r), r.train_length, several)), Cell({}, {}))
         cell.values[r.run_seed] = value(r)
         if windows is not None:
             cell.windows[r.run_seed] = windows(r)
@@ -190,7 +198,7 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
     seed's own in brackets when there are several."""
     tasks = sorted({r.task for r in rows})
     several = len({r.train_length for r in rows}) > 1
-    columns = sorted({column_name(r.pe, r.train_length, several) for r in rows})
+    columns = sorted({column_name(run_name(r), r.train_length, several) for r in rows})
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for task in tasks:
         cells = []

@@ -144,7 +144,7 @@ def hf_tokenizer(tok, max_length: int):
 
 def training_length(config: BackboneConfig) -> int:
     """The length the model was trained at, or the most its encoding can serve (a learnable table's size)."""
-    return config.pos_encoding.longest_length(config.block_size) or config.block_size
+    return config.pos_encoding.longest_length(config.original_length) or config.block_size
 
 
 def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False,

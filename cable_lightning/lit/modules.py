@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import read_checkpoint, shown_name
+from ..data.layouts import TrainingLayout, check_encoding, layout_generator
 from ..data.manifest import DataInfo
 from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
@@ -57,6 +58,15 @@ class LanguageModel(L.LightningModule):
         self.config = config
         self.backbone = build_backbone(self.config)
         self.backbone.activation_checkpointing = activation_checkpointing
+        # What training sees of a block (data.layout: documents, positions, length schedule), checked against the
+        # encoding before anything runs
+        self.layout = TrainingLayout.from_dict(self.data_info.layout if self.data_info is not None else None)
+        check_encoding(self.layout, self.backbone.pe)
+        self.trained_layout: Optional[TrainingLayout] = None  # a loaded checkpoint's: what its weights were trained on
+        if self.config.trained_length and (self.backbone.pe.longest or self.config.block_size) < self.config.block_size:
+            raise ConfigError(f"{self.config.pos_encoding.label()} serves {self.backbone.pe.longest} positions (it was "
+                              f"trained at {self.config.trained_length}); it cannot be extended to block_size "
+                              f"{self.config.block_size}: extend an encoding that serves any length")
         self.val_nll = torch.nn.ModuleDict()
         self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
         self.length_results: list[LengthRecord] = []
@@ -88,10 +98,28 @@ class LanguageModel(L.LightningModule):
         checkpoint = read_checkpoint(path, weights_only=True)
         self.check_same_model(checkpoint, f"model.init_weights {path} is of another model: ",
                               "; configure the model it was trained with")
+        self.check_lineage(checkpoint, path)
         prefix = "backbone."
         weights = {k[len(prefix):]: v for k, v in saved_weights(checkpoint).items() if k.startswith(prefix)}
         self.backbone.load_state_dict(weights)
         self.print(f"initial weights from {path} (step {checkpoint.get('global_step')})")
+
+    def check_lineage(self, checkpoint: dict, path: str) -> None:
+        """Initial weights trained at another length than this run's are a context extension, which must say so:
+        ``backbone.trained_length`` is the length they were first trained at (what YaRN's original length and the
+        records read)."""
+        hparams = checkpoint.get("hyper_parameters") or {}
+        saved = hparams.get("backbone") if isinstance(hparams.get("backbone"), dict) else {}
+        trained = saved.get("trained_length") or (hparams.get("data") or {}).get("block_size")
+        if trained is None or trained == self.config.original_length:
+            return
+        if self.config.trained_length is None:
+            raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens and this run trains at "
+                              f"{self.config.block_size}: a context extension; say so with "
+                              f"--model.init_args.backbone.trained_length {trained} (RoPE's scalings and the records "
+                              "read it)")
+        raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens, not backbone.trained_length "
+                          f"{self.config.trained_length}; set --model.init_args.backbone.trained_length {trained}")
 
     def configure_model(self):
         # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
@@ -125,14 +153,31 @@ class LanguageModel(L.LightningModule):
             register_fsdp_forward_method(self.backbone, method)
 
     # --- training ------------------------------------------------------------------------------
+    def batch_layout(self, inputs: torch.Tensor, train: bool, batch_idx: int = 0):
+        """The layout (documents, positions, the schedule's window) of a batch's inputs under ``data.layout``; None
+        where it is packed, contiguous and full-length (documents end at the end-of-text id, which masking for MLM never
+        replaces)."""
+        if not self.layout.active:
+            return None
+        generator = (layout_generator(self.run_seed or 0, self.global_step, batch_idx, self.global_rank)
+                     if train and self.layout.reads_positions() else None)
+        return self.layout.build(inputs, self.data_info.eot_id, self.global_step, self.config.block_size, train,
+                                 generator)
+
+    def layout_label(self) -> Optional[str]:
+        """Records' ``layout``: what the weights were trained on (a loaded checkpoint's data.layout, so a validate
+        with another command line is still recorded as that run), else this run's."""
+        return (self.trained_layout or self.layout).label(self.config.block_size)
+
     def batch_loss(self, batch, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(training loss, inputs) of a training batch: the mean NLL of its targets, or for a batch with task rows
         (``TokenDataModule.task_batch``) the mean weighted by each target's ``loss_weight``."""
         if isinstance(batch, dict):
             inputs, targets = self.split_batch(batch["tokens"], train=True, batch_idx=batch_idx)
-            return weighted_loss(self.backbone.token_nll(inputs, targets), batch["loss_weight"]), inputs
+            nll = self.backbone.token_nll(inputs, targets, layout=self.batch_layout(inputs, True, batch_idx))
+            return weighted_loss(nll, batch["loss_weight"]), inputs
         inputs, targets = self.split_batch(batch, train=True, batch_idx=batch_idx)
-        return self.backbone.loss(inputs, targets), inputs
+        return self.backbone.loss(inputs, targets, layout=self.batch_layout(inputs, True, batch_idx)), inputs
 
     def training_step(self, batch, batch_idx):
         loss, inputs = self.batch_loss(batch, batch_idx)
@@ -149,6 +194,8 @@ class LanguageModel(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens_seen", float(tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if self.layout.schedule != "none":
+            self.log("train/window", float(self.layout.window(self.global_step, self.config.block_size)))
         return loss
 
     def on_before_optimizer_step(self, optimizer):
@@ -222,7 +269,7 @@ class LanguageModel(L.LightningModule):
         targets = scored_targets(targets, batch["first_scored"])
         start = time.perf_counter()
         try:
-            nll = self.backbone.token_nll(inputs, targets)
+            nll = self.backbone.token_nll(inputs, targets, layout=self.batch_layout(inputs, False))
         except UnsupportedLengthError as err:
             self.unsupported_lengths.add(length)
             self.print(f"length {length}: unsupported ({err})")
@@ -249,9 +296,11 @@ class LanguageModel(L.LightningModule):
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
             mode = "nonoverlap" if stride == length else "sliding"
-            row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.block_size, step=step,
+            extended_to = self.config.block_size if self.config.trained_length else None
+            row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length, step=step,
+                       extended_to=extended_to,
                        stage=self.trainer.state.fn.value, checkpoint=checkpoint, run_seed=self.run_seed, length=length,
-                       mode=mode, stride=stride)
+                       mode=mode, stride=stride, layout=self.layout_label())
             if length in self.unsupported_lengths:
                 self.length_results.append(LengthRecord(**row, ppl=None))
                 continue
@@ -317,6 +366,8 @@ class LanguageModel(L.LightningModule):
         if "state_dict" in checkpoint:  # FSDP2 (ModelParallelStrategy) has loaded the weights itself and taken them
             checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
+        if "layout" in saved_data:  # written by a version with data.layout (absent: packed, contiguous)
+            self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
 

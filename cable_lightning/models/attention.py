@@ -18,6 +18,9 @@ itself, so no row is empty); every backend but ``flex`` takes it (``auto`` then 
 A sliding ``window`` (a layer's, from its encoding) limits each row to its last ``window`` positions on every backend:
 ``sdpa`` and ``fold`` run their kernels on blocks of rows against only the keys those rows can see, ``flex`` skips the
 other key blocks, ``chunked`` builds biases only for the keys in view; none builds a (T x T) mask.
+A ``layout`` with documents (:class:`~..positional.layout.Layout`) keeps every query inside its own document on every
+backend: ``flex`` through a block mask built once per layout, the others (``sdpa`` and ``fold`` then run as
+``chunked``) through a mask of the query rows in view.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..positional.base import LogitScores, ScoreBias, visible_keys
+from ..positional.layout import Layout
 
 Backend = Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"]
 BACKENDS = typing.get_args(Backend)
@@ -88,12 +92,15 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
-              backend: str = "auto", key_padding: Tensor | None = None, window: int | None = None) -> Tensor:
+              backend: str = "auto", key_padding: Tensor | None = None, window: int | None = None,
+              layout: Layout | None = None) -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
     :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v (or exp(scores + mask) v when the scores are
     log weights). The mask hides the future when ``causal``, padded keys (``key_padding``: (B, Tk), True at real
-    keys) and, with a ``window``, keys ``window`` or more positions away."""
+    keys), with a ``window``, keys ``window`` or more positions away, and with a ``layout``'s documents, keys of
+    another document."""
     backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None)
+    documents = layout if layout is not None and layout.documents is not None else None
     if backend == "fold" and bias is not None:
         if not bias.foldable:
             raise ConfigError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
@@ -101,26 +108,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
         head_dim = q.shape[-1]
         folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
         return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5,
-                         key_padding=key_padding, window=window)[..., :head_dim]
+                         key_padding=key_padding, window=window, documents=documents)[..., :head_dim]
     if backend in ("sdpa", "fold"):
         if bias is not None:
             raise ConfigError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
-        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding, window=window)
+        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding, window=window, documents=documents)
     if backend == "flex":
-        return _flex(q, k, v, bias, causal, q_offset, window)
+        return _flex(q, k, v, bias, causal, q_offset, window, documents)
     if backend == "chunked":
-        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding, window=window)
-    return _materialized(q, k, v, bias, causal, q_offset, key_padding, window)
+        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding, window=window, documents=documents)
+    return _materialized(q, k, v, bias, causal, q_offset, key_padding, window, documents)
 
 
 def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key_padding: Tensor | None,
-            device, first_key: int = 0, window: int | None = None) -> Tensor | None:
+            device, first_key: int = 0, window: int | None = None, documents: Layout | None = None) -> Tensor | None:
     """(B|1, 1, rows, keys) True where query rows [start, stop) may attend keys [first_key, n_keys): not in its
-    future (causal), inside its ``window``, and not padding (a padded query sees itself, so no row is empty); None
-    where every key is visible."""
+    future (causal), inside its ``window``, in its own document (a layout's ``documents``) and not padding (a padded
+    query sees itself, so no row is empty); None where every key is visible."""
     allowed = None
     if causal or window is not None:
         allowed = visible_keys(start, stop, first_key, n_keys, q_offset, causal, window, device)
+    if documents is not None:
+        same = documents.same_document(slice(q_offset + start, q_offset + stop), slice(first_key, n_keys))
+        allowed = same if allowed is None else same & allowed
     if key_padding is None:
         return allowed
     q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
@@ -129,9 +139,12 @@ def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key
     return seen if allowed is None else seen & allowed
 
 
-def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=None):
+def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=None, documents=None):
     """Plain attention with no mask tensor wherever the shapes allow, so SDPA may pick a fused kernel."""
     tq, tk = q.shape[-2], k.shape[-2]
+    if documents is not None:  # blocks of rows, each with its mask of documents
+        return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window,
+                        documents=documents)
     if window is not None and window < tk:  # blocks of rows, each against the keys it sees
         return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window)
     if key_padding is not None:
@@ -212,7 +225,7 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
 
 
 def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, key_padding=None,
-                 window=None):
+                 window=None, documents=None):
     """Attention of query rows [start, start + rows) whose scores are a function of their logits (against keys
     [0, Tk) whatever the window: the window masks keys after the scores are computed)."""
     wide = torch.promote_types(q.dtype, torch.float32)
@@ -220,18 +233,19 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)  # scaled q: no pass over the map
     out = scores.scores(logits, q, start, stop, key_padding)
     # In place; causal and unpadded only on the keys from the block's second row on: every earlier key is seen.
-    first = min(k.shape[-2], q_offset + start + 1) if causal and key_padding is None and window is None else 0
-    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window)
+    plain = causal and key_padding is None and window is None and documents is None
+    first = min(k.shape[-2], q_offset + start + 1) if plain else 0
+    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window, documents)
     if allowed is not None:
         out[..., first:].masked_fill_(~allowed, float("-inf"))
     return (scores.weights(out) @ v.to(wide)).to(q.dtype)
 
 
-def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None):
+def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None, documents=None):
     if isinstance(bias, LogitScores):
-        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window)
+        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window, documents)
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
-    weights = attention_map(q, k, bias, causal, q_offset, 0, key_padding, window).weights
+    weights = attention_map(q, k, bias, causal, q_offset, 0, key_padding, window, documents).weights
     return (weights @ v.to(wide)).to(q.dtype)
 
 
@@ -249,16 +263,19 @@ class AttentionMap:
 
 
 def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
-                  start: int = 0, key_padding: Tensor | None = None, window: int | None = None) -> AttentionMap:
+                  start: int = 0, key_padding: Tensor | None = None, window: int | None = None,
+                  documents: Layout | None = None) -> AttentionMap:
     """The weights attention applies to query rows [start, start + rows) (``q``: those rows, (B, H, rows, D), at
     positions q_offset + start + i) over keys ``k`` (B, H, Tk, D), through the score contract alone
     (:meth:`ScoreBias.scores`, :meth:`ScoreBias.weights`; no score object: softmax over the logits). The
-    ``materialized`` backend is this map times v, and every other backend is tested against it."""
+    ``materialized`` backend is this map times v, and every other backend is tested against it. ``documents``: a
+    layout whose documents keep each row inside its own."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
     logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)
     out = logits if scores is None else scores.scores(logits, q, start, stop, key_padding)
-    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window)
+    allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window,
+                      documents=documents)
     if allowed is not None:  # in place when nothing keeps `out` for a backward (it is new: the contract's scores are)
         out = out.masked_fill_(~allowed, float("-inf")) if not torch.is_grad_enabled() else \
             out.masked_fill(~allowed, float("-inf"))
@@ -270,7 +287,7 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
     return AttentionMap(scores.weights(out), out, shown)
 
 
-def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None):
+def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None, documents=None):
     b, h, tq, _ = q.shape
     tk = k.shape[-2]
     logit_scores = isinstance(bias, LogitScores)
@@ -290,10 +307,10 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, wind
         first_key = max(0, q_offset + start - window + 1) if windowed else 0
         if logit_scores:
             outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
-                                        q_offset, key_padding, window))
+                                        q_offset, key_padding, window, documents))
             continue
         mask = bias.rows(start, stop, n_keys, b, h, q.device, first_key) if bias is not None else None
-        allowed = visible(start, stop, n_keys, causal, q_offset, key_padding, q.device, first_key, window)
+        allowed = visible(start, stop, n_keys, causal, q_offset, key_padding, q.device, first_key, window, documents)
         if allowed is not None:
             if mask is None:
                 mask = allowed
@@ -330,7 +347,29 @@ def _window_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: in
     return create_block_mask(window_mask, None, None, tq, tk, device=device)
 
 
-def _flex(q, k, v, bias, causal, q_offset, window=None):
+def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, causal: bool, window: int | None):
+    """The block mask of a layout's documents (with the causal mask and a window), built once per layout and shape:
+    FlexAttention skips every key block outside a query block's documents."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = ("flex", tq, tk, q_offset, causal, window)
+    if key not in documents.masks:
+        ids = documents.documents
+
+        def document_mask(b, h, q_idx, kv_idx):
+            distance = q_idx + q_offset - kv_idx
+            inside = ids[b, q_idx + q_offset] == ids[b, kv_idx]
+            if causal:
+                inside = inside & (distance >= 0)
+            if window is not None:
+                inside = inside & (distance < window) & (distance > -window)
+            return inside
+
+        documents.masks[key] = create_block_mask(document_mask, ids.shape[0], None, tq, tk, device=ids.device)
+    return documents.masks[key]
+
+
+def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
@@ -338,6 +377,8 @@ def _flex(q, k, v, bias, causal, q_offset, window=None):
     block_mask = _causal_block_mask(tq, tk, q_offset, str(q.device)) if causal else None
     if window is not None:
         block_mask = _window_block_mask(tq, tk, q_offset, causal, window, str(q.device))
+    if documents is not None:
+        block_mask = _document_block_mask(documents, tq, tk, q_offset, causal, window)
     score_mod = bias.score_mod() if bias is not None else None
     if q.is_cuda:
         if _compiled_flex is None:

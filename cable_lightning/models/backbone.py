@@ -3,6 +3,9 @@
 Causal for language modelling, bidirectional for masked LM. Long sequences are safe: attention
 never builds a (T x T) bias outside the reference backend, and :meth:`Backbone.token_nll` runs the LM
 head and the loss over chunks of positions, so (T x vocab) logits are never whole.
+
+A :class:`Layout` (each token's position index and document; docs/training_distances.md) reaches every encoding hook
+and attention: documents keep attention inside each document, and the encoding reads the positions.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..positional import build_positional
+from ..positional.layout import Layout, with_layout
 from .attention import attention
 from .config import BackboneConfig
 
@@ -44,6 +48,21 @@ def length_groups(lengths: list[int], waste: float) -> list[list[int]]:
     return groups
 
 
+HOOKS = ("embed", "rotate", "score_bias")
+
+
+def check_takes_layout(pe) -> None:
+    """Every hook the encoding overrides must take a layout; one that does not is a one-line error, before any work."""
+    import inspect
+
+    for hook in HOOKS:
+        method = getattr(type(pe), hook)
+        if "layout" not in inspect.signature(method).parameters:
+            raise ValueError(f"encoding {pe.settings.label()}'s {type(pe).__name__}.{hook} takes no layout: it "
+                             "cannot run document masking or explicit positions; give the hook a layout=None "
+                             "parameter (docs/training_distances.md)")
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: BackboneConfig, layer: int):
         super().__init__()
@@ -53,23 +72,24 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(config.n_embd, config.n_embd)
 
     def queries_keys_values(self, h: Tensor, pe, offset: int, key_padding: Tensor | None = None,
-                            ) -> tuple[Tensor, Tensor, Tensor]:
+                            layout: Layout | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(B, H, T, D) each, after the PE's rotation."""
         b, t, c = h.shape
         q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
-        q, k = pe.rotate(q, k, offset, self.layer, key_padding)
+        q, k = pe.rotate(q, k, offset, self.layer, key_padding, **with_layout(layout))
         return q, k, v
 
-    def forward(self, h: Tensor, pe, offset: int, state: dict | None, key_padding: Tensor | None = None) -> Tensor:
+    def forward(self, h: Tensor, pe, offset: int, state: dict | None, key_padding: Tensor | None = None,
+                layout: Layout | None = None) -> Tensor:
         b, t, c = h.shape
-        q, k, v = self.queries_keys_values(h, pe, offset, key_padding)
+        q, k, v = self.queries_keys_values(h, pe, offset, key_padding, layout)
         if state is not None:
             if "k" in state:
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
-        scores = pe.score_bias(h, self.layer, offset, state)
+        scores = pe.score_bias(h, self.layer, offset, state, **with_layout(layout))
         y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding,
-                      window=pe.window(self.layer))
+                      window=pe.window(self.layer), layout=layout)
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -84,8 +104,8 @@ class Block(nn.Module):
                                  nn.Linear(hidden, config.n_embd))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pe, offset, state, key_padding=None):
-        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state, key_padding))
+    def forward(self, x, pe, offset, state, key_padding=None, layout=None):
+        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state, key_padding, layout))
         return x + self.dropout(self.mlp(self.ln_mlp(x)))
 
 
@@ -130,12 +150,15 @@ class Backbone(nn.Module):
         return self.config.causal
 
     def hidden_states(self, input_ids: Tensor, cache: KVCache | None = None, padding_mask: Tensor | None = None,
-                      ) -> Tensor:
+                      layout: Layout | None = None) -> Tensor:
         """Final-LayerNorm hidden states (B, T, C); with ``cache``, continue from its positions.
 
         ``padding_mask`` (B, T), 1 at real tokens, one run of them per row (left or right padding): the batch
         runs in one call and each row's real tokens get what running them alone would give (padding: zeros).
+        ``layout``: each token's position index and document (:class:`Layout`; None: 0..T-1, one document).
         """
+        if layout is not None:
+            return self._laid_out_hidden_states(input_ids, cache, padding_mask, layout)
         if padding_mask is not None and not bool(padding_mask.all()):
             if cache is not None:
                 raise ValueError("a padded batch cannot use the KV cache (each row would sit at another position); "
@@ -148,13 +171,28 @@ class Backbone(nn.Module):
             cache.length += input_ids.shape[1]
         return self.ln_f(x)
 
-    def _blocks(self, x: Tensor, offset: int, cache: KVCache | None, key_padding: Tensor | None = None) -> Tensor:
+    def _laid_out_hidden_states(self, input_ids: Tensor, cache: KVCache | None, padding_mask: Tensor | None,
+                                layout: Layout) -> Tensor:
+        if cache is not None or padding_mask is not None:
+            raise ValueError("a layout (positions or documents) is for a whole batch in one call; it cannot be "
+                             "combined with a KV cache or a padding_mask")
+        if tuple(layout.positions.shape) != tuple(input_ids.shape):
+            raise ValueError(f"the layout is for a batch of shape {tuple(layout.positions.shape)}, the input ids have "
+                             f"{tuple(input_ids.shape)}")
+        check_takes_layout(self.pe)
+        self.pe.check_layout(layout)
+        x = self._blocks(self.drop(self.pe.embed(self.wte(input_ids), 0, **with_layout(layout))), 0, None,
+                         layout=layout)
+        return self.ln_f(x)
+
+    def _blocks(self, x: Tensor, offset: int, cache: KVCache | None, key_padding: Tensor | None = None,
+                layout: Layout | None = None) -> Tensor:
         for i, block in enumerate(self.blocks):
             state = cache.layers[i] if cache is not None else None
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, self.pe, offset, state, key_padding, use_reentrant=False)
+                x = checkpoint(block, x, self.pe, offset, state, key_padding, layout, use_reentrant=False)
             else:
-                x = block(x, self.pe, offset, state, key_padding)
+                x = block(x, self.pe, offset, state, key_padding, layout)
         return x
 
     def _padded_hidden_states(self, input_ids: Tensor, real: Tensor) -> Tensor:
@@ -196,16 +234,17 @@ class Backbone(nn.Module):
         """The tied LM head, cut back to the real vocab (padding rows never win or leak mass)."""
         return F.linear(hidden, self.wte.weight[: self.config.vocab_size])
 
-    def forward(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
-        return self.logits(self.hidden_states(input_ids, cache))
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None, layout: Layout | None = None) -> Tensor:
+        return self.logits(self.hidden_states(input_ids, cache, layout=layout))
 
-    def token_nll(self, input_ids: Tensor, targets: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:
+    def token_nll(self, input_ids: Tensor, targets: Tensor, chunk: int = LOSS_CHUNK,
+                  layout: Layout | None = None) -> Tensor:
         """Per-token negative log-likelihood (B, T), 0 where ``targets == -100``.
 
         The head and softmax run ``chunk`` positions at a time; callers pick mean, sum or a
         scoring window (sliding-window evaluation) from the per-token values.
         """
-        hidden = self.hidden_states(input_ids)
+        hidden = self.hidden_states(input_ids, layout=layout)
         pieces = []
         for start in range(0, hidden.shape[1], chunk):
             logits = self.logits(hidden[:, start : start + chunk]).float()
@@ -227,9 +266,9 @@ class Backbone(nn.Module):
         return torch.cat([self.logits(hidden[:, s:s + chunk]).argmax(-1) for s in range(0, hidden.shape[1], chunk)],
                          dim=1)
 
-    def loss(self, input_ids: Tensor, targets: Tensor) -> Tensor:
+    def loss(self, input_ids: Tensor, targets: Tensor, layout: Layout | None = None) -> Tensor:
         """Mean token NLL over targets != -100."""
-        nll = self.token_nll(input_ids, targets)
+        nll = self.token_nll(input_ids, targets, layout=layout)
         return nll.sum() / (targets != -100).sum().clamp(min=1)
 
     @torch.no_grad()

@@ -46,6 +46,10 @@ class BackboneConfig:
     causal: Optional[bool] = None
     # Training length: the learnable table's default size, FIRE's initial threshold, YaRN's original length.
     block_size: int = 1024
+    # A context extension (docs/training_distances.md): the length the weights were first trained at, when this run
+    # trains them longer (block_size); encodings then read it where they read the training length (YaRN's original
+    # length, a learnable table's size), and records name the run "trained at trained_length, extended to block_size".
+    trained_length: Optional[int] = None
     pad_vocab_multiple: int = 64
     attention_backend: Backend = "auto"
 
@@ -56,6 +60,9 @@ class BackboneConfig:
         for name, value in {**_DEFAULTS, **PRESETS[self.preset]}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.trained_length is not None and (isinstance(self.trained_length, bool) or self.trained_length < 1):
+            raise ConfigError(f"trained_length must be a length >= 1 (or null: the block size), got "
+                              f"{self.trained_length!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         check_backend(self.attention_backend, self.pos_encoding, self.causal)
@@ -74,13 +81,19 @@ class BackboneConfig:
         return ((self.vocab_size + m - 1) // m) * m
 
     @property
+    def original_length(self) -> int:
+        """The length the weights were first trained at: ``trained_length`` in a context extension, else the block
+        size."""
+        return self.trained_length or self.block_size
+
+    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     def weight_settings(self) -> dict:
         """Every setting that defines the weights (shape and the encoding's own), flattened; the vocabulary and the
         training length come from the data and are checked there."""
-        skip = set(RUNTIME_FIELDS) | {"preset", "vocab_size", "block_size", "pos_encoding"}
+        skip = set(RUNTIME_FIELDS) | {"preset", "vocab_size", "block_size", "trained_length", "pos_encoding"}
         shape = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         return {**shape, **self.pos_encoding.weight_settings()}
 

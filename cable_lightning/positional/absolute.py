@@ -13,12 +13,16 @@ from .base import Encoding, PositionalEncoding
 
 
 class LearnedTable(PositionalEncoding):
+    relative = False
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.table = nn.Embedding(self.longest, config.n_embd)
         nn.init.normal_(self.table.weight, std=0.02)
 
-    def embed(self, x, offset):
+    def embed(self, x, offset, layout=None):
+        if layout is not None:  # each token's own row of the table
+            self.check_layout(layout)
+            return x + self.table.weight[layout.positions]
         self.check_length(offset + x.shape[1])
         return x + self.table.weight[offset : offset + x.shape[1]]
 
@@ -59,7 +63,11 @@ SINUSOIDAL_SCALE = 0.02 * 2**0.5
 
 
 class SinusoidalTable(PositionalEncoding):
-    def embed(self, x, offset):
+    relative = False
+    def embed(self, x, offset, layout=None):
+        if layout is not None:
+            table = sinusoidal_table(layout.positions.flatten(), x.shape[-1]).view(*layout.positions.shape, -1)
+            return x + SINUSOIDAL_SCALE * table.to(x.dtype)
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         return x + SINUSOIDAL_SCALE * sinusoidal_table(positions, x.shape[-1]).to(x.dtype)
 
@@ -71,8 +79,12 @@ class sinusoidal(Encoding):
     module = SinusoidalTable
 
 
+class OrderOnly(PositionalEncoding):
+    reads_positions = False  # nothing of position; under a layout, attention's document mask is all it sees
+
+
 @dataclass
 class nope(Encoding):
     """No positional information (causal masking alone carries order)."""
 
-    module = PositionalEncoding
+    module = OrderOnly

@@ -26,8 +26,8 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 class AlibiBias(ScoreBias):
-    def __init__(self, slopes, q_offset, causal):
-        super().__init__(q_offset, causal)
+    def __init__(self, slopes, q_offset, causal, layout=None):
+        super().__init__(q_offset, causal, layout)
         self.slopes = slopes
 
     @property
@@ -35,9 +35,11 @@ class AlibiBias(ScoreBias):
         return self.causal  # -m (i - j) = m . (j - i); the bidirectional -m |i - j| does not split
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return -self.slopes[h] * self.distance(q_idx, kv_idx)
+        return -self.slopes[h] * self.distance(q_idx, kv_idx, b)
 
     def factors(self, n_keys):
+        if self.layout is not None:  # each row's own positions (B, 1, n_keys, 1)
+            return self.slopes.view(1, -1, 1, 1), self.layout.positions[:, None, :n_keys, None].float()
         positions = torch.arange(n_keys, device=self.slopes.device, dtype=torch.float32)
         return self.slopes.view(1, -1, 1, 1), positions.view(1, 1, -1, 1)
 
@@ -47,8 +49,8 @@ class Alibi(PositionalEncoding):
         super().__init__(settings, config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
-    def score_bias(self, h, layer, offset, state):
-        return AlibiBias(self.slopes, offset, self.causal)
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return AlibiBias(self.slopes, offset, self.causal, layout)
 
 
 @dataclass

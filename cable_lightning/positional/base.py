@@ -22,6 +22,9 @@ apply: :meth:`~ScoreBias.scores` maps a block of query rows' scaled q.k logits t
 The reference attention path (``models.attention.attention_map``) is written with them alone, every other backend is
 tested against it, and the attention diagnostics (``eval.diagnostics``) read the weights through it: no encoding is a
 special case there.
+
+``embed``, ``rotate`` and ``score_bias`` also take a :class:`~.layout.Layout` (None: positions 0..T-1, one document):
+each token's position index and document, which the encoding honours itself (docs/training_distances.md).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from .layout import Layout
 
 # What an encoding adds to the q.k logits, which decides the attention backends that can run it:
 # nothing; a pointwise ScoreBias; a ScoreBias that also factorises when causal (the fold); LogitScores.
@@ -79,9 +83,10 @@ class ScoreBias:
     foldable = False
     softmax = True  # the weights are a softmax over logits + bias (the score contract; see LogitScores.softmax)
 
-    def __init__(self, q_offset: int, causal: bool):
+    def __init__(self, q_offset: int, causal: bool, layout: Layout | None = None):
         self.q_offset = q_offset
         self.causal = causal
+        self.layout = layout
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
@@ -97,9 +102,23 @@ class ScoreBias:
         """The score contract's second half: the weights attention applies, from :meth:`scores` masked with -inf."""
         return normalised(masked_scores, self.softmax)
 
-    def distance(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """Token distance |i - j| (for causal attention only j <= i is ever unmasked)."""
-        return (q_idx + self.q_offset - kv_idx).abs()
+    def query_position(self, b: Tensor, q_idx: Tensor) -> Tensor:
+        """The position index of query row ``q_idx`` of batch row ``b``: ``q_offset + q_idx``, or the layout's."""
+        return q_idx + self.q_offset if self.layout is None else self.layout.positions[b, q_idx + self.q_offset]
+
+    def key_position(self, b: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx if self.layout is None else self.layout.positions[b, kv_idx]
+
+    def relative(self, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Signed i - j of the query's and the key's position indices (>= 0 wherever causal attention looks)."""
+        return self.query_position(b, q_idx) - self.key_position(b, kv_idx)
+
+    def distance(self, q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None) -> Tensor:
+        """Distance |i - j| of the query's and the key's position indices (for causal attention only j <= i is
+        ever unmasked); a layout's positions differ by batch row ``b``."""
+        if b is None and self.layout is not None:
+            raise ValueError(f"{type(self).__name__}.distance needs the batch row b under a layout of positions")
+        return self.relative(b, q_idx, kv_idx).abs()
 
     def rows(self, start: int, end: int, n_keys: int, batch: int, heads: int, device, first_key: int = 0) -> Tensor:
         """The bias for query rows [start, end) against keys [first_key, n_keys): shape (batch|1, heads, rows, keys)
@@ -142,9 +161,10 @@ class LogitScores:
     # (stick-breaking's weights sum to at most 1 by construction).
     softmax = True
 
-    def __init__(self, q_offset: int, causal: bool):
+    def __init__(self, q_offset: int, causal: bool, layout: Layout | None = None):
         self.q_offset = q_offset
         self.causal = causal
+        self.layout = layout  # its documents: a key of another document is never seen (unseen, hide_)
 
     def scores(self, logits: Tensor, q: Tensor, start: int, stop: int, key_padding: Tensor | None = None) -> Tensor:
         raise NotImplementedError
@@ -165,6 +185,10 @@ class LogitScores:
         if key_padding is not None:
             padded = ~key_padding[:, None, None, :n_keys]
             hidden = padded if hidden is None else hidden | padded
+        if self.layout is not None and self.layout.documents is not None:
+            rows = slice(self.q_offset + start, self.q_offset + stop)
+            other = ~self.layout.same_document(rows, slice(0, n_keys))
+            hidden = other if hidden is None else hidden | other
         return hidden
 
     def hide_(self, x: Tensor, start: int, stop: int, value: float, key_padding: Tensor | None = None) -> Tensor:
@@ -173,7 +197,7 @@ class LogitScores:
         past, and a pass over all of a block's keys costs as much as a pass of the scores themselves (DAPEv2 fills
         three maps per block). ``x`` must be a tensor autograd does not keep for a backward."""
         n_keys = x.shape[-1]
-        if self.causal and key_padding is None:
+        if self.causal and key_padding is None and (self.layout is None or self.layout.documents is None):
             first = self.q_offset + start + 1
             if first < n_keys:
                 x[..., first:].masked_fill_(self.future(start, stop, n_keys, x.device, first), value)
@@ -267,7 +291,7 @@ class PositionalEncoding(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.causal = config.causal
-        self.longest = settings.longest_length(config.block_size)
+        self.longest = settings.longest_length(config.original_length)
 
     def check_length(self, total_length: int) -> None:
         """Raise :class:`UnsupportedLengthError` if this encoding cannot serve ``total_length`` positions."""
@@ -276,20 +300,33 @@ class PositionalEncoding(nn.Module):
                 f"sequence length {total_length} exceeds the {self.settings.name} encoding's {self.longest} "
                 f"positions; it cannot extrapolate: use lengths <= {self.longest} or a relative encoding")
 
-    def embed(self, x: Tensor, offset: int) -> Tensor:
+    # Whether the encoding reads position indices (RoPE, ALiBi, absolute tables, ...) or only the order of the tokens
+    # and their documents (NoPE, CABLE, FoX, CoPE, stick-breaking): randomized positions and PoSE's skips change
+    # nothing for the latter, so asking for them there is an error (lit.layouts).
+    reads_positions = True
+    # Whether only differences of positions matter (a constant shift of every position changes nothing): False for
+    # absolute tables and FIRE (its normaliser reads the query's own position).
+    relative = True
+
+    def check_layout(self, layout: Layout) -> None:
+        """Raise :class:`UnsupportedLengthError` if the layout's positions are more than the encoding serves."""
+        self.check_length(layout.extent)
+
+    def embed(self, x: Tensor, offset: int, layout: Layout | None = None) -> Tensor:
         return x
 
     def rotate(self, q: Tensor, k: Tensor, offset: int, layer: int = 0,
-               key_padding: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """q, k (B, H, T, D) of layer ``layer`` at positions offset..offset+T-1; ``key_padding`` (B, T), True at
-        real keys, in a padded bidirectional batch (real tokens first)."""
+               key_padding: Tensor | None = None, layout: Layout | None = None) -> tuple[Tensor, Tensor]:
+        """q, k (B, H, T, D) of layer ``layer`` at positions offset..offset+T-1 (or the ``layout``'s);
+        ``key_padding`` (B, T), True at real keys, in a padded bidirectional batch (real tokens first)."""
         return q, k
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``: how many of the latest positions a query sees (None: all)."""
         return None
 
-    def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None) -> ScoreBias | LogitScores | None:
-        """``h``: the layer's normalised input (B, T, C) at positions offset..offset+T-1;
+    def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None,
+                   layout: Layout | None = None) -> ScoreBias | LogitScores | None:
+        """``h``: the layer's normalised input (B, T, C) at positions offset..offset+T-1 (or the ``layout``'s);
         ``state``: this layer's decoding cache (a dict the PE may extend) or None."""
         return None

@@ -6,7 +6,8 @@ Per layer and head, from the layer's normalised input x_t:
     g_t = softplus(w_s . x_t) > 0     (CABLE_NW: g = 1)
     bias[i, j] = -g_i * (S_i - S_j)   causal;   -g_i * |S_i - S_j| bidirectional
     K-CABLE:     -log(1 + (g_i * (S_i - S_j))^2)
-With b = 1 and g = ALiBi's slope this is exactly ALiBi.
+With b = 1 and g = ALiBi's slope this is exactly ALiBi. The sums count tokens, not position indices: under a layout
+they restart at each document's first token (and ignore the layout's positions).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class CableBias(ScoreBias):
     """The bias from per-token cumulative sums. ``s_q``/``g_q``: (B, H, Tq) for queries; ``s_k``: (B, H, Tk)."""
 
     def __init__(self, s_q: Tensor, s_k: Tensor, g_q: Tensor | None, q_offset: int, causal: bool,
-                 kernel: str = "linear"):
-        super().__init__(q_offset, causal)
+                 kernel: str = "linear", layout=None):
+        super().__init__(q_offset, causal, layout)
         self.s_q, self.s_k, self.g_q, self.kernel = s_q, s_k, g_q, kernel
 
     @property
@@ -67,7 +68,9 @@ class CumulativeBias(PositionalEncoding):
                 nn.init.zeros_(p.bias)
         self.activation = settings.token_bias()
 
-    def score_bias(self, h, layer, offset, state):
+    reads_positions = False  # sums of per-token biases along the tokens, restarting at each document
+
+    def score_bias(self, h, layer, offset, state, layout=None):
         # Cumulative sums run in fp32 (or wider): at 15k tokens bf16 would lose the small differences S_i - S_j.
         proj = self.proj[layer]
         dtype = torch.promote_types(proj.weight.dtype, torch.float32)
@@ -76,7 +79,7 @@ class CumulativeBias(PositionalEncoding):
             out = F.linear(h.to(dtype), proj.weight.to(dtype), offsets).transpose(1, 2)  # (B, outputs*H, T)
             b = self.activation(out[:, : self.n_head])
             g = F.softplus(out[:, self.n_head :]) if self.weighted else None
-            s_q = torch.cumsum(b, dim=-1)
+            s_q = torch.cumsum(b, dim=-1) if layout is None else layout.restart_sums(b)
             if offset:
                 s_q = s_q + state["cable_s"][..., -1:]
                 s_k = torch.cat([state["cable_s"], s_q], dim=-1)
@@ -84,7 +87,7 @@ class CumulativeBias(PositionalEncoding):
                 s_k = s_q
             if state is not None:
                 state["cable_s"] = s_k
-        return CableBias(s_q, s_k, g, q_offset=offset, causal=self.causal, kernel=self.kernel)
+        return CableBias(s_q, s_k, g, q_offset=offset, causal=self.causal, kernel=self.kernel, layout=layout)
 
 
 @dataclass

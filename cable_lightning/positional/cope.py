@@ -26,8 +26,8 @@ from .base import Encoding, LogitScores, PositionalEncoding
 class CopeScores(LogitScores):
     maps_per_head = 8  # gates, their reversed copy, positions, the index, two gathered maps, the fraction, the scores
 
-    def __init__(self, table, q_offset, causal):
-        super().__init__(q_offset, causal)
+    def __init__(self, table, q_offset, causal, layout=None):
+        super().__init__(q_offset, causal, layout)
         self.table = table  # (head_dim, positions)
 
     def positions(self, logits, start, stop):
@@ -69,8 +69,10 @@ class Cope(PositionalEncoding):
         super().__init__(settings, config)
         self.table = nn.Parameter(torch.zeros(config.n_layer, self.head_dim, settings.positions))
 
-    def score_bias(self, h, layer, offset, state):
-        return CopeScores(self.table[layer], offset, self.causal)
+    reads_positions = False  # counts of gates over the keys between query and key: inside its document, or masked
+
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return CopeScores(self.table[layer], offset, self.causal, layout)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import ConfigError
 from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias
 from .cable import cable
+from .layout import with_layout
 from .registry import encoding_from, score_bias_encodings
 
 
@@ -31,7 +32,8 @@ class DapeScores(LogitScores):
     """One layer's DAPEv2 scores over a PE's bias (a :class:`ScoreBias`)."""
 
     def __init__(self, bias: ScoreBias, convolutions: "DapeConvolutions"):
-        super().__init__(bias.q_offset, bias.causal)
+        # its documents are zeroed before each convolution
+        super().__init__(bias.q_offset, bias.causal, getattr(bias, "layout", None))
         self.bias, self.convolutions = bias, convolutions
         heads = convolutions.reduce.out_channels
         # features (2H), hidden (width), logits, bias, correction and scores at once
@@ -76,17 +78,28 @@ class DapeV2(PositionalEncoding):
         self.layers = nn.ModuleList(DapeConvolutions(config.n_head, settings.width, settings.kernel)
                                     for _ in range(config.n_layer))
 
-    def embed(self, x, offset):
-        return self.base.embed(x, offset)
+    @property
+    def reads_positions(self):
+        return self.base.reads_positions
 
-    def rotate(self, q, k, offset, layer=0, key_padding=None):
-        return self.base.rotate(q, k, offset, layer, key_padding)
+    @property
+    def relative(self):
+        return self.base.relative
+
+    def check_layout(self, layout):
+        self.base.check_layout(layout)
+
+    def embed(self, x, offset, layout=None):
+        return self.base.embed(x, offset, **with_layout(layout))
+
+    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
+        return self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
 
     def window(self, layer):
         return self.base.window(layer)
 
-    def score_bias(self, h, layer, offset, state):
-        return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state))
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state, **with_layout(layout)))
 
 
 @dataclass

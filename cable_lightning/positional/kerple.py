@@ -12,12 +12,12 @@ from .base import Encoding, PositionalEncoding, ScoreBias
 
 
 class KerpleBias(ScoreBias):
-    def __init__(self, r1, r2, form, q_offset, causal):
-        super().__init__(q_offset, causal)
+    def __init__(self, r1, r2, form, q_offset, causal, layout=None):
+        super().__init__(q_offset, causal, layout)
         self.r1, self.r2, self.form = r1, r2, form
 
     def __call__(self, b, h, q_idx, kv_idx):
-        d = self.distance(q_idx, kv_idx).to(self.r1.dtype)
+        d = self.distance(q_idx, kv_idx, b).to(self.r1.dtype)
         if self.form == "log":
             return -self.r1[h] * torch.log1p(self.r2[h] * d)
         # d^r2 for d >= 1; 0 at d = 0 (clamped so the gradient wrt r2 never sees log(0)).
@@ -40,9 +40,9 @@ class Kerple(PositionalEncoding):
         r2 = F.softplus(self.r2_raw[layer]) if self.form == "log" else 2.0 * torch.sigmoid(self.r2_raw[layer])
         return r1, r2
 
-    def score_bias(self, h, layer, offset, state):
+    def score_bias(self, h, layer, offset, state, layout=None):
         r1, r2 = self.coefficients(layer)
-        return KerpleBias(r1, r2, self.form, offset, self.causal)
+        return KerpleBias(r1, r2, self.form, offset, self.causal, layout)
 
 
 @dataclass

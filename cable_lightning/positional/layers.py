@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .base import Encoding, PositionalEncoding
+from .layout import with_layout
 from .registry import from_label
 from .ssmax import ssmax
 
@@ -45,19 +46,32 @@ class PerLayer(PositionalEncoding):
             encoding = next(encoding for encoding, _ in per_layer if encoding.label() == label)
             self.parts.append(encoding.build(replace(config, pos_encoding=encoding, n_layer=self.part_of.count(part))))
 
-    def embed(self, x, offset):
+    @property
+    def reads_positions(self):
+        return any(part.reads_positions for part in self.parts)
+
+    @property
+    def relative(self):
+        return all(part.relative for part in self.parts)
+
+    def check_layout(self, layout):
+        for part in self.parts:
+            part.check_layout(layout)
+
+    def embed(self, x, offset, layout=None):
         for part in self.parts:  # an absolute encoding in the pattern acts on the input, once
-            x = part.embed(x, offset)
+            x = part.embed(x, offset, **with_layout(layout))
         return x
 
-    def rotate(self, q, k, offset, layer=0, key_padding=None):
-        return self.parts[self.part_of[layer]].rotate(q, k, offset, self.local[layer], key_padding)
+    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
+        part = self.parts[self.part_of[layer]]
+        return part.rotate(q, k, offset, self.local[layer], key_padding, **with_layout(layout))
 
     def window(self, layer):
         return self.windows[layer]
 
-    def score_bias(self, h, layer, offset, state):
-        return self.parts[self.part_of[layer]].score_bias(h, self.local[layer], offset, state)
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return self.parts[self.part_of[layer]].score_bias(h, self.local[layer], offset, state, **with_layout(layout))
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """RoPE: rotary position embedding on q and k (Su et al., 2021), with optional context-extension
-scaling at evaluation: position interpolation (``linear``), NTK-aware base scaling (``ntk``), YaRN."""
+scaling at evaluation: position interpolation (``linear``), NTK-aware base scaling (``ntk``), YaRN. The scalings'
+original length is the length the weights were first trained at (``BackboneConfig.original_length``): in a context
+extension stage, not the new block size."""
 
 from __future__ import annotations
 
@@ -48,14 +50,17 @@ class Rope(PositionalEncoding):
     def __init__(self, settings: "rope", config):
         super().__init__(settings, config)
         inv_freq, self.position_divisor, self.mscale = rope_frequencies(
-            self.head_dim, settings.base, settings.scaling, settings.scaling_factor, config.block_size
+            self.head_dim, settings.base, settings.scaling, settings.scaling_factor, config.original_length
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def rotate(self, q, k, offset, layer=0, key_padding=None):
+    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
         t = q.shape[-2]
-        pos = torch.arange(offset, offset + t, device=q.device, dtype=torch.float32) / self.position_divisor
-        angles = pos[:, None] * self.inv_freq[None, :]
+        if layout is not None:  # each row's positions: angles (B, 1, T, D/2)
+            pos = layout.positions[:, None, :].float() / self.position_divisor
+        else:
+            pos = torch.arange(offset, offset + t, device=q.device, dtype=torch.float32) / self.position_divisor
+        angles = pos[..., None] * self.inv_freq
         cos, sin = angles.cos() * self.mscale, angles.sin() * self.mscale
         return rotate(q, cos.to(q.dtype), sin.to(q.dtype)), rotate(k, cos.to(k.dtype), sin.to(k.dtype))
 

@@ -7,7 +7,8 @@ row by s log(n) after the base's rotation, which keeps every backend the base ru
 the fold, SDPA and FlexAttention paths as they are). What the base adds besides the logits (a bias, CoPE's
 positions) is not scaled. n counts the positions a query row sees, its own included: offset + i + 1 when causal,
 at most the layer's window; every position (within the window) when bidirectional. At evaluation past the training
-length n is the true count. s starts at 1 / log(training length), so a new model is its base at the training length.
+length n is the true count; under a layout, the count of its own document's tokens it sees (whatever the positions).
+s starts at 1 / log(training length), so a new model is its base at the training length.
 Runs, records and reports name it ``ssmax+<base>``.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Encoding, PositionalEncoding
+from .layout import with_layout
 from .registry import encoding_from
 from .rope import rope
 
@@ -37,31 +39,55 @@ def keys_seen(offset: int, t: int, causal: bool, window: int | None, total: int 
     return behind + ahead + 1
 
 
+def keys_seen_in(layout, causal: bool, window: int | None) -> Tensor:
+    """(B, T) how many positions each token sees inside its own document (a layout's), its own included."""
+    behind = layout.order
+    index = torch.arange(behind.shape[-1], device=behind.device)
+    ahead = torch.zeros_like(behind) if causal else layout.last - index
+    if window is not None:
+        behind, ahead = behind.clamp(max=window - 1), ahead.clamp(max=window - 1)
+    return behind + ahead + 1
+
+
 class LengthScaled(PositionalEncoding):
     """The base encoding's module, and s per layer and head scaling each query row by s log(n)."""
 
     def __init__(self, settings: "ssmax", config):
         super().__init__(settings, config)
         self.base = settings.base.build(config)
-        self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.block_size)))
+        self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.original_length)))
 
-    def embed(self, x, offset):
-        return self.base.embed(x, offset)
+    @property
+    def reads_positions(self):
+        return self.base.reads_positions
 
-    def rotate(self, q, k, offset, layer=0, key_padding=None):
-        q, k = self.base.rotate(q, k, offset, layer, key_padding)
+    @property
+    def relative(self):
+        return self.base.relative
+
+    def check_layout(self, layout):
+        self.base.check_layout(layout)
+
+    def embed(self, x, offset, layout=None):
+        return self.base.embed(x, offset, **with_layout(layout))
+
+    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
+        q, k = self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
         t = q.shape[-2]
         # a padded row's keys are its real ones (moved to the front), as when the row runs alone
         total = offset + t if key_padding is None else key_padding.sum(dim=-1, keepdim=True)  # (B, 1)
-        n = keys_seen(offset, t, self.causal, self.window(layer), total, q.device).clamp(min=1)  # (T,) or (B, T)
+        if layout is not None:
+            n = keys_seen_in(layout, self.causal, self.window(layer))  # (B, T)
+        else:
+            n = keys_seen(offset, t, self.causal, self.window(layer), total, q.device).clamp(min=1)  # (T,) or (B, T)
         factor = self.scale[layer].view(-1, 1, 1) * torch.log(n.to(self.scale.dtype)).unsqueeze(-1).unsqueeze(-3)
         return q * factor.to(q.dtype), k
 
     def window(self, layer):
         return self.base.window(layer)
 
-    def score_bias(self, h, layer, offset, state):
-        return self.base.score_bias(h, layer, offset, state)
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return self.base.score_bias(h, layer, offset, state, **with_layout(layout))
 
 
 @dataclass

@@ -47,8 +47,10 @@ class StickBreakingScores(LogitScores):
 
 
 class StickBreaking(PositionalEncoding):
-    def score_bias(self, h, layer, offset, state):
-        return StickBreakingScores(offset, self.causal)
+    reads_positions = False  # the order of the keys; a stick spans only keys of the query's document
+
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return StickBreakingScores(offset, self.causal, layout)
 
 
 @dataclass

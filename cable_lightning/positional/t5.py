@@ -31,12 +31,12 @@ def relative_bucket(rel, causal: bool, num_buckets: int = NUM_BUCKETS, max_dista
 
 
 class T5Bias(ScoreBias):
-    def __init__(self, table, q_offset, causal):
-        super().__init__(q_offset, causal)
+    def __init__(self, table, q_offset, causal, layout=None):
+        super().__init__(q_offset, causal, layout)
         self.table = table  # (buckets, heads)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        bucket = relative_bucket(q_idx + self.q_offset - kv_idx, self.causal)
+        bucket = relative_bucket(self.relative(b, q_idx, kv_idx), self.causal)
         return self.table[bucket, h]
 
 
@@ -45,8 +45,8 @@ class T5(PositionalEncoding):
         super().__init__(settings, config)
         self.table = nn.Parameter(torch.zeros(NUM_BUCKETS, config.n_head))
 
-    def score_bias(self, h, layer, offset, state):
-        return T5Bias(self.table, offset, self.causal)
+    def score_bias(self, h, layer, offset, state, layout=None):
+        return T5Bias(self.table, offset, self.causal, layout)
 
 
 @dataclass
