@@ -5,7 +5,6 @@ not say so, or of an encoding that cannot serve L', is one line."""
 import glob
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -13,11 +12,9 @@ from test_cli import args
 
 from cable_lightning.cli import main
 from cable_lightning.errors import ConfigError
+from cable_lightning.eval import report
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional.rope import rope
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
