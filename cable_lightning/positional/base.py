@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .layout import Layout
+from .layout import Layout, with_layout
 
 # What an encoding adds to the q.k logits, which decides the attention backends that can run it:
 # nothing; a pointwise ScoreBias; a ScoreBias that also factorises when causal (the fold); LogitScores.
@@ -330,3 +330,32 @@ class PositionalEncoding(nn.Module):
         """``h``: the layer's normalised input (B, T, C) at positions offset..offset+T-1 (or the ``layout``'s);
         ``state``: this layer's decoding cache (a dict the PE may extend) or None."""
         return None
+
+
+class OverBase(PositionalEncoding):
+    """The module of an encoding that works over another (``settings.base``: DAPEv2, SSMax): positions, layouts,
+    embeddings, rotations and windows are the base's, unless the wrapper adds to them."""
+
+    def __init__(self, settings, config):
+        super().__init__(settings, config)
+        self.base = settings.base.build(config)
+
+    @property
+    def reads_positions(self):
+        return self.base.reads_positions
+
+    @property
+    def relative(self):
+        return self.base.relative
+
+    def check_layout(self, layout):
+        self.base.check_layout(layout)
+
+    def embed(self, x, offset, layout=None):
+        return self.base.embed(x, offset, **with_layout(layout))
+
+    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
+        return self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
+
+    def window(self, layer):
+        return self.base.window(layer)

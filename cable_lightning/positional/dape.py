@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias
+from .base import Encoding, LogitScores, OverBase, ScoreBias
 from .cable import cable
 from .layout import with_layout
 from .registry import encoding_from, score_bias_encodings
@@ -69,34 +69,13 @@ class DapeConvolutions(nn.Module):
         return DapeScores(bias, self)
 
 
-class DapeV2(PositionalEncoding):
+class DapeV2(OverBase):
     """The base encoding's module and one pair of convolutions per layer over its scores."""
 
     def __init__(self, settings: "dape_v2", config):
         super().__init__(settings, config)
-        self.base = settings.base.build(config)
         self.layers = nn.ModuleList(DapeConvolutions(config.n_head, settings.width, settings.kernel)
                                     for _ in range(config.n_layer))
-
-    @property
-    def reads_positions(self):
-        return self.base.reads_positions
-
-    @property
-    def relative(self):
-        return self.base.relative
-
-    def check_layout(self, layout):
-        self.base.check_layout(layout)
-
-    def embed(self, x, offset, layout=None):
-        return self.base.embed(x, offset, **with_layout(layout))
-
-    def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
-        return self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
-
-    def window(self, layer):
-        return self.base.window(layer)
 
     def score_bias(self, h, layer, offset, state, layout=None):
         return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state, **with_layout(layout)))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .base import Encoding, PositionalEncoding
+from .base import Encoding, OverBase
 from .layout import with_layout
 from .registry import encoding_from
 from .rope import rope
@@ -49,30 +49,15 @@ def keys_seen_in(layout, causal: bool, window: int | None) -> Tensor:
     return behind + ahead + 1
 
 
-class LengthScaled(PositionalEncoding):
+class LengthScaled(OverBase):
     """The base encoding's module, and s per layer and head scaling each query row by s log(n)."""
 
     def __init__(self, settings: "ssmax", config):
         super().__init__(settings, config)
-        self.base = settings.base.build(config)
         self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.original_length)))
 
-    @property
-    def reads_positions(self):
-        return self.base.reads_positions
-
-    @property
-    def relative(self):
-        return self.base.relative
-
-    def check_layout(self, layout):
-        self.base.check_layout(layout)
-
-    def embed(self, x, offset, layout=None):
-        return self.base.embed(x, offset, **with_layout(layout))
-
     def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
-        q, k = self.base.rotate(q, k, offset, layer, key_padding, **with_layout(layout))
+        q, k = super().rotate(q, k, offset, layer, key_padding, layout)
         t = q.shape[-2]
         # a padded row's keys are its real ones (moved to the front), as when the row runs alone
         total = offset + t if key_padding is None else key_padding.sum(dim=-1, keepdim=True)  # (B, 1)
@@ -82,9 +67,6 @@ class LengthScaled(PositionalEncoding):
             n = keys_seen(offset, t, self.causal, self.window(layer), total, q.device).clamp(min=1)  # (T,) or (B, T)
         factor = self.scale[layer].view(-1, 1, 1) * torch.log(n.to(self.scale.dtype)).unsqueeze(-1).unsqueeze(-3)
         return q * factor.to(q.dtype), k
-
-    def window(self, layer):
-        return self.base.window(layer)
 
     def score_bias(self, h, layer, offset, state, layout=None):
         return self.base.score_bias(h, layer, offset, state, **with_layout(layout))
