@@ -266,6 +266,46 @@ def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir,
     assert work_folders(out) == []
 
 
+def test_a_process_a_worker_leaves_behind_is_ended_with_the_run(small_txt_dir, tmp_path, monkeypatch):
+    """A process a worker started whose parent exits before the watchdog looks (litdata starts helpers in its workers)
+    was re-parented to init, unseen, holding our stdout: the suite's `pytest | tail` once waited on such a process.
+    Here a worker's child forks it and exits at once; it must be gone (ended and reaped) when prepare returns."""
+    import signal
+    import time
+
+    import cable_lightning.data.prepare as prep
+
+    pid_file, real_tokenize = tmp_path / "orphan", prep.tokenize_work
+
+    def leaving(work, **kwargs):
+        if work[0] == (".txt", 2):
+            if os.fork() == 0:  # the worker's child: forks the orphan and exits before anyone looks
+                if os.fork() == 0:
+                    pid_file.write_text(str(os.getpid()))
+                    time.sleep(60)
+                os._exit(0)
+            for _ in range(200):  # the orphan's pid is written before the worker raises
+                if pid_file.exists() and pid_file.read_text():
+                    break
+                time.sleep(0.05)
+            raise ValueError("a worker's error after its child forked")
+        yield from real_tokenize(work, **kwargs)
+
+    monkeypatch.setattr(prep, "tokenize_work", leaving)
+    try:
+        with pytest.raises(RuntimeError, match="a worker's error after its child forked"):
+            fast_prepare(source=small_txt_dir, tokenizer="bpe:300", out=str(tmp_path / "out"), val_tokens=50,
+                         num_workers=2)
+        orphan = int(pid_file.read_text())
+        assert not os.path.exists(f"/proc/{orphan}"), f"process {orphan} outlived the run (or was left a zombie)"
+    finally:
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.parametrize("case", ["jsonl-row-with-other-fields", "txt-not-utf8"])
 def test_bad_file_read_by_a_worker_is_named_with_its_cause(case, tmp_path):
     """The bad file is past the validation head and the tokenizer is a file (no BPE training reads the corpus

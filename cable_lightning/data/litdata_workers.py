@@ -9,6 +9,7 @@ the process with status 0 mid-run, is kept out of the way.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import multiprocessing
@@ -75,7 +76,9 @@ class Watchdog(threading.Thread):
     """Watches the processes ``optimize`` starts. litdata 0.2.76 does not notice a worker that dies without raising
     (killed for memory, say): it finishes without that worker's share of the data, or waits for it. On such a death
     this thread ends the other workers, so ``optimize`` returns, and keeps the cause. :meth:`finish` also ends the
-    workers' own children (litdata's helpers), which a dead worker leaves behind holding our stdout."""
+    workers' own children (litdata's helpers), which a dead worker leaves behind holding our stdout. While it watches,
+    this process is the children's subreaper (Linux): a helper whose worker exited before a look saw it comes back to
+    us instead of to init, and is ended with the rest rather than outliving the run holding our stdout."""
 
     def __init__(self) -> None:
         super().__init__(name="prepare-watchdog", daemon=True)
@@ -87,6 +90,7 @@ class Watchdog(threading.Thread):
         self.cause: str | None = None
         self.stopping = False  # set when a stop signal ends optimize
         self.done = threading.Event()
+        self.was_subreaper = _subreaper(True)
 
     def run(self) -> None:
         while not self.done.wait(WATCH_SECONDS) and self.look() is None:
@@ -118,13 +122,30 @@ class Watchdog(threading.Thread):
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+        self.reap_adopted()
+
+    def reap_adopted(self) -> None:
+        """End and reap every child of ours that is neither from before nor a worker: an orphan of a worker that the
+        subreaper took back (a process, or a killed helper's zombie). They are not multiprocessing's to reap."""
+        for pid in set(_children(os.getpid())) - self.before_pids - set(self.workers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
     def finish(self) -> None:
-        """Stop watching (always: the thread never outlives ``optimize``), then a last look and clean-up."""
+        """Stop watching (always: the thread never outlives ``optimize``), then a last look and clean-up: the workers
+        are ended and waited for, so what they leave comes back to us and is reaped too."""
         self.done.set()
         self.join()
         self.look()
         self.end()
+        for proc in self.workers.values():
+            proc.join(timeout=10)
+        self.reap_adopted()
+        if self.was_subreaper is False:
+            _subreaper(False)
 
 
 def _start_resource_tracker() -> None:
@@ -138,6 +159,18 @@ def _start_resource_tracker() -> None:
         multiprocessing.resource_tracker.ensure_running()
     finally:
         sys.warnoptions[:] = flags
+
+
+def _subreaper(on: bool) -> bool | None:
+    """Make this process the subreaper of its descendants (``on``) or stop being one (Linux ``prctl``); returns whether
+    it was one before, None where that cannot be done."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc, was = ctypes.CDLL(None, use_errno=True), ctypes.c_int(0)
+    get, set_ = 37, 36  # PR_GET_CHILD_SUBREAPER, PR_SET_CHILD_SUBREAPER
+    if libc.prctl(get, ctypes.byref(was), 0, 0, 0) != 0 or libc.prctl(set_, int(on), 0, 0, 0) != 0:
+        return None
+    return bool(was.value)
 
 
 def _started_children() -> list:
