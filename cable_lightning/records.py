@@ -42,6 +42,17 @@ class Record:
     # A context extension: the length this run trained at after train_length (None: trained at train_length only)
     extended_to: Optional[int] = None
 
+    def run_name(self) -> str:
+        """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``)
+        and a context extension's lineage (``>512``: trained at train_length, extended to 512): a report column."""
+        layout = f" [{self.layout}]" if self.layout else ""
+        extended = f" >{self.extended_to}" if self.extended_to else ""
+        return f"{self.pe}{layout}{extended}"
+
+    def run_key(self) -> tuple:
+        """What makes a run: its encoding (with its training layout and extension), training length and seed."""
+        return self.run_name(), self.train_length, self.run_seed
+
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""
         for name, (low, high) in self.RANGES.items():

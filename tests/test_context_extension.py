@@ -46,8 +46,14 @@ def test_an_extension_stage_records_its_lineage_and_keeps_yarns_original_length(
     rows = [json.loads(line) for f in glob.glob(os.path.join(runs, "test", "rope", "version_*", "length_eval.jsonl"))
             for line in open(f)]
     assert {(r["pe"], r["train_length"], r["extended_to"]) for r in rows} == {("rope+yarn2", 32, 64)}
+    # the attention diagnostics of the same validations name the same run (and so reach the same report column)
+    context = ("pe", "train_length", "extended_to", "layout", "step", "stage", "run_seed")
+    attention = [json.loads(line) for f in glob.glob(os.path.join(runs, "test", "rope", "version_*", "attention.jsonl"))
+                 for line in open(f)]
+    assert {tuple(r[k] for k in context) for r in attention} == {tuple(r[k] for k in context) for r in rows}
     report.report([runs], str(tmp_path / "report"))
     assert "rope+yarn2 >64" in open(str(tmp_path / "report_nonoverlap.md")).read()
+    assert "| rows | length | rope+yarn2 >64 |" in open(str(tmp_path / "report_attention.md")).read()
 
 
 def test_an_extension_that_does_not_say_so_is_one_line(tiny_corpus_dir, short_run, tmp_path):

@@ -284,13 +284,16 @@ def test_report_tables_and_figures_with_seed_intervals(tmp_path):
                                           key_tokens=8 * seed, key_loss=1.0, key_loss_short=4.0, hurt_tokens=1,
                                           hurt_loss=5.0, hurt_loss_short=2.0))
     append_records(str(tmp_path / "gains"), rows)
+    # the same encoding trained with document masking is another run: its own column, not a fourth seed of rope's
+    append_records(str(tmp_path / "rope-docs"), [record("rope", 1, length, 0, 0, 9.0, layout="docs-train")
+                                                 for length in (32, 64)])
     tables = diagnostics_report([str(tmp_path)], str(tmp_path / "out" / "r"))
     # a run's layer value is its heads' mean: seed + 0.05 + 0.64 for rope at 64 tokens
     expected = seed_interval([seed + 0.05 + 0.64 for seed in (1, 2, 3)])
     line = next(x for x in tables["attention"].splitlines() if x.startswith("| layer 1 | 64 |"))
     assert f"{expected.mean:.3f} [{expected.low:.3f}, {expected.high:.3f}]" in line.split("|")[4]  # rope's column
     header = next(x for x in tables["attention"].splitlines() if x.startswith("| rows |"))
-    assert header == "| rows | length | alibi | rope |"
+    assert header == "| rows | length | alibi | rope | rope [docs-train] |"
     maxima = next(x for x in tables["attention"].split("### max_logit")[1].splitlines() if x.startswith("| all | 32"))
     assert maxima.count("2.000 [2.000, 2.000]") == 2  # the largest (head 1 + layer 1), the same every seed
     share = seed_interval([8 / 64, 16 / 64, 24 / 64])
@@ -299,4 +302,5 @@ def test_report_tables_and_figures_with_seed_intervals(tmp_path):
         assert (tmp_path / "out" / f"r_attention_{name}.png").stat().st_size > 1000
     assert (tmp_path / "out" / "r_long_context.png").stat().st_size > 1000
     lines = open(tmp_path / "out" / "r_attention.csv").read().splitlines()
-    assert len(lines) == 1 + len(QUANTITIES) * 3 * 2 * 2 * 3  # (all + 2 layers) x 2 lengths x 2 encodings x 3 seeds
+    # (all + 2 layers) x 2 lengths x 2 encodings x 3 seeds, and (all + layer 0) x 2 lengths for the masked run
+    assert len(lines) == 1 + len(QUANTITIES) * (3 * 2 * 2 * 3 + 2 * 2)

@@ -58,11 +58,7 @@ class AttentionDiagnostics(L.Callback):
             return
         stream = stream_of("val")
         config, backbone = pl_module.config, pl_module.backbone
-        measured = pl_module.length_results[0] if pl_module.length_results else None  # this validation's step
-        context = dict(pe=config.pos_encoding.label(), train_length=config.block_size,
-                       step=measured.step if measured else trainer.global_step, stage=trainer.state.fn.value,
-                       checkpoint=measured.checkpoint if measured else None,
-                       run_seed=getattr(pl_module, "run_seed", None))
+        context = pl_module.run_context  # this validation's run, step and checkpoint, as its length records
         self.attention, self.long_context = [], []
         was_training = backbone.training
         backbone.eval()

@@ -84,16 +84,8 @@ class TaskAccuracy(L.Callback):
                                  self.seed, self.batch_size, pl_module.device)
         finally:
             backbone.train(was_training)
-        measured = pl_module.length_results[0] if pl_module.length_results else None  # this validation's step
-        step = measured.step if measured else trainer.global_step
-        config = pl_module.config
-        self.results = [TaskRecord(pe=config.pos_encoding.label(), train_length=config.original_length, step=step,
-                                   extended_to=config.block_size if config.trained_length else None,
-                                   stage=trainer.state.fn.value, checkpoint=measured.checkpoint if measured else None,
-                                   run_seed=getattr(pl_module, "run_seed", None), seed=self.seed,
-                                   layout=pl_module.layout_label() if hasattr(pl_module, "layout_label") else None,
-                                   **row)
-                        for row in grid]
+        self.results = [TaskRecord(**pl_module.run_context, seed=self.seed, **row) for row in grid]
+        step = pl_module.run_context["step"]
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
@@ -103,7 +95,7 @@ class TaskAccuracy(L.Callback):
         if hasattr(experiment, "add_figure"):
             labels = list(dict.fromkeys(row_label(r) for r in self.results))
             cells = {(row_label(r), r.length): r.accuracy for r in self.results}
-            title = f"task accuracy: {pe}, trained at {config.block_size}, step {step}"
+            title = f"task accuracy: {pe}, trained at {pl_module.config.block_size}, step {step}"
             experiment.add_figure("tasks/accuracy", accuracy_heatmap(labels, lengths, cells, title, "task"), step)
             for task in tasks:
                 for length in lengths:

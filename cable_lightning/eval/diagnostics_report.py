@@ -44,12 +44,12 @@ def latest(files: list[str], kind: type[Record], cell: Callable) -> list[Record]
     runs: dict[tuple, dict[int, dict]] = {}
     for file in files:
         for row in read_records(file, kind):
-            runs.setdefault((row.pe, row.train_length, row.run_seed), {}).setdefault(row.step, {})[cell(row)] = row
+            runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
     return [row for steps in runs.values() for row in steps[max(steps)].values()]
 
 
 def column(row: Record, several: bool) -> str:
-    return f"{row.pe}@{row.train_length}" if several else row.pe
+    return f"{row.run_name()}@{row.train_length}" if several else row.run_name()
 
 
 def reduce(values: list[float], name: str) -> Optional[float]:

@@ -71,19 +71,6 @@ def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool
     return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
-def run_name(row: Record) -> str:
-    """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``) and a
-    context extension's lineage (``>512``: trained at train_length, extended to 512)."""
-    layout = f" [{row.layout}]" if getattr(row, "layout", None) else ""
-    extended = f" >{row.extended_to}" if getattr(row, "extended_to", None) else ""
-    return f"{row.pe}{layout}{extended}"
-
-
-def run_key(row: Record) -> tuple:
-    """What makes a run: its encoding (with its training layout and extension), training length and seed."""
-    return run_name(row), row.train_length, row.run_seed
-
-
 def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
                  cell=lambda row: (row.length, row.mode)) -> dict[tuple, dict[int, list[Record]]]:
     """{run: {step: rows}}: every evaluation of every run; within one (run, step) the later line of a ``cell`` wins,
@@ -92,7 +79,7 @@ def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
     runs: dict[tuple, dict[int, dict]] = {}
     for file in files:
         for row in read_records(file, kind):
-            runs.setdefault(run_key(row), {}).setdefault(row.step, {})[cell(row)] = row
+            runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
     return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
 
 
@@ -137,7 +124,7 @@ def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Opt
     several = len({r.train_length for r in rows}) > 1
     cells: dict[tuple, Cell] = {}
     for r in rows:
-        cell = cells.setdefault((label(r), column_name(run_name(r), r.train_length, several)), Cell({}, {}))
+        cell = cells.setdefault((label(r), column_name(r.run_name(), r.train_length, several)), Cell({}, {}))
         cell.values[r.run_seed] = value(r)
         if windows is not None:
             cell.windows[r.run_seed] = windows(r)
@@ -159,14 +146,14 @@ def ratio_table(rows: list[LengthRecord], mode: str) -> Table:
     ratio from its own rows (runs that did not evaluate their training length are left out). A one-seed interval
     resamples each window with the training-length windows that score the same tokens."""
     rows = [r for r in rows if r.mode == mode]
-    at_train = {(run_key(r), r.step): r for r in rows if r.length == r.train_length and r.ppl}
-    rows = [r for r in rows if (run_key(r), r.step) in at_train and r.length != r.train_length]
+    at_train = {(r.run_key(), r.step): r for r in rows if r.length == r.train_length and r.ppl}
+    rows = [r for r in rows if (r.run_key(), r.step) in at_train and r.length != r.train_length]
 
     def ratio(r):
-        return None if r.ppl is None else r.ppl / at_train[run_key(r), r.step].ppl
+        return None if r.ppl is None else r.ppl / at_train[r.run_key(), r.step].ppl
 
     def windows(r):
-        ref = at_train[run_key(r), r.step]
+        ref = at_train[r.run_key(), r.step]
         return ((r.window_nll, r.window_tokens), (ref.window_nll, ref.window_tokens)) if r.window_nll and \
             ref.window_nll else None
 
@@ -182,15 +169,15 @@ def depth_means(rows: list) -> dict[tuple, Optional[float]]:
     """{(run, length): accuracy averaged over the rows' depths}, None where any cell could not be run."""
     cells: dict[tuple, list] = {}
     for r in rows:
-        cells.setdefault((run_key(r), r.length), []).append(r.accuracy)
+        cells.setdefault((r.run_key(), r.length), []).append(r.accuracy)
     return {key: None if None in values else sum(values) / len(values) for key, values in cells.items()}
 
 
 def task_table(rows: list[TaskRecord]) -> Table:
     """One task's exact-match accuracy by length and encoding: each run's mean over depths, aggregated over seeds."""
     accuracy = depth_means(rows)
-    runs = list({(run_key(r), r.length): r for r in rows}.values())
-    return aggregate(runs, lambda r: r.length, lambda r: accuracy[run_key(r), r.length])
+    runs = list({(r.run_key(), r.length): r for r in rows}.values())
+    return aggregate(runs, lambda r: r.length, lambda r: accuracy[r.run_key(), r.length])
 
 
 def effective_table(rows: list[TaskRecord], threshold: float) -> str:
@@ -198,7 +185,7 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
     seed's own in brackets when there are several."""
     tasks = sorted({r.task for r in rows})
     several = len({r.train_length for r in rows}) > 1
-    columns = sorted({column_name(run_name(r), r.train_length, several) for r in rows})
+    columns = sorted({column_name(r.run_name(), r.train_length, several) for r in rows})
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for task in tasks:
         cells = []

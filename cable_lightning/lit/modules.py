@@ -70,6 +70,7 @@ class LanguageModel(L.LightningModule):
         self.val_nll = torch.nn.ModuleDict()
         self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
         self.length_results: list[LengthRecord] = []
+        self.run_context: dict = {}  # what every record of this validation carries (set at its end; see below)
         self.position_results: list[PositionRecord] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
@@ -292,15 +293,17 @@ class LanguageModel(L.LightningModule):
         loaded = self.trainer.state.fn != "fit" and self.trainer.ckpt_path and self.loaded_step is not None
         step = self.loaded_step if loaded else self.global_step
         checkpoint = shown_name(os.path.abspath(self.trainer.ckpt_path)) if loaded else None  # a URL, not its copy
+        # The run and evaluation every record of this validation names (lengths, tasks, attention diagnostics), so
+        # the report keeps runs apart by encoding, training layout, extension and seed whichever record it reads.
+        self.run_context = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
+                                extended_to=self.config.block_size if self.config.trained_length else None,
+                                layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
+                                checkpoint=checkpoint, run_seed=self.run_seed)
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
             mode = "nonoverlap" if stride == length else "sliding"
-            extended_to = self.config.block_size if self.config.trained_length else None
-            row = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length, step=step,
-                       extended_to=extended_to,
-                       stage=self.trainer.state.fn.value, checkpoint=checkpoint, run_seed=self.run_seed, length=length,
-                       mode=mode, stride=stride, layout=self.layout_label())
+            row = dict(**self.run_context, length=length, mode=mode, stride=stride)
             if length in self.unsupported_lengths:
                 self.length_results.append(LengthRecord(**row, ppl=None))
                 continue
