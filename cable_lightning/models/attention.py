@@ -50,6 +50,10 @@ FOLD_HEAD_MULTIPLE = 8
 FOLD_PIECES_LOW_PRECISION = 3
 
 _compiled_flex = None
+FLEX_COMPILE = dict(dynamic=False)  # how flex_kernel compiles FlexAttention on CUDA
+# The most entries (heads x positions^2, fp32: 256 MiB) of the table a positional bias is read from in a FlexAttention
+# training step (flex_score_mod); a longer training length computes the bias at each score instead.
+FLEX_TABLE_ELEMENTS = 2**26
 
 
 def backends_for(scores: str, causal: bool) -> tuple[str, ...]:
@@ -369,20 +373,40 @@ def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, cau
     return documents.masks[key]
 
 
-def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None):
+def flex_kernel(device: torch.device):
+    """FlexAttention compiled once per shape on CUDA (``dynamic=False``: a training step's shape never changes, and
+    each evaluation length gets its own kernel), eager on CPU (forward only on the CPU build: evaluation and tests)."""
+    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, **FLEX_COMPILE)
+    return _compiled_flex
+
+
+def flex_score_mod(bias: ScoreBias | None, heads: int, extent: int, device):
+    """The score_mod FlexAttention runs for ``bias``. Where a gradient flows, a :attr:`ScoreBias.positional` bias is
+    tabulated first (:meth:`ScoreBias.position_table`, heads x ``extent``^2 entries, at most
+    :data:`FLEX_TABLE_ELEMENTS`) and read from the table: FlexAttention's backward scatters the gradient of whatever
+    the score_mod reads with one atomic add per score, and a per-head parameter (KERPLE's r1 and r2, FIRE's MLP, T5's
+    table) read at every score made those adds collide on a few addresses (the flex path trained at 0.03x NoPE on an
+    H200). Without a gradient, or past the table's size, the bias is computed at each score."""
+    if bias is None:
+        return None
+    if torch.is_grad_enabled() and bias.positional and heads * extent**2 <= FLEX_TABLE_ELEMENTS:
+        return bias.table_score_mod(bias.position_table(heads, extent, device))
+    return bias.score_mod()
+
+
+def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None):
     tq, tk = q.shape[-2], k.shape[-2]
     block_mask = _causal_block_mask(tq, tk, q_offset, str(q.device)) if causal else None
     if window is not None:
         block_mask = _window_block_mask(tq, tk, q_offset, causal, window, str(q.device))
     if documents is not None:
         block_mask = _document_block_mask(documents, tq, tk, q_offset, causal, window)
-    score_mod = bias.score_mod() if bias is not None else None
-    if q.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    # CPU: the uncompiled path (forward only on the CPU build; evaluation and tests).
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    extent = bias.layout.extent if bias is not None and bias.layout is not None else tk
+    score_mod = flex_score_mod(bias, q.shape[1], extent, q.device)
+    return flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask)

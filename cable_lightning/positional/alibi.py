@@ -26,6 +26,8 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 class AlibiBias(ScoreBias):
+    positional = True
+
     def __init__(self, slopes, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.slopes = slopes

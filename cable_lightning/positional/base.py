@@ -29,6 +29,7 @@ each token's position index and document, which the encoding honours itself (doc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from typing import Callable, ClassVar, Literal, Optional
@@ -82,6 +83,9 @@ class ScoreBias:
 
     foldable = False
     softmax = True  # the weights are a softmax over logits + bias (the score contract; see LogitScores.softmax)
+    # A function of the head and the query's and key's position indices alone, not of the tokens (KERPLE, T5, FIRE,
+    # ALiBi): then it can be tabulated over (head, query position, key position) (:meth:`position_table`).
+    positional = False
 
     def __init__(self, q_offset: int, causal: bool, layout: Layout | None = None):
         self.q_offset = q_offset
@@ -140,6 +144,23 @@ class ScoreBias:
             return score + self(b, h, q_idx, kv_idx).to(score.dtype)
 
         return add_bias
+
+    def position_table(self, heads: int, extent: int, device) -> Tensor:
+        """(heads, extent, extent): the bias of query position i against key position j, for a :attr:`positional`
+        bias (its formula at offset 0 with no layout, whose positions then index the table)."""
+        plain = copy.copy(self)
+        plain.q_offset, plain.layout = 0, None
+        return plain.rows(0, extent, extent, 1, heads, device)[0].clone()
+
+    def table_score_mod(self, table: Tensor) -> Callable:
+        """A score_mod that reads the bias from :meth:`position_table`'s ``table`` at the query's and key's position
+        indices. It reads the table and the positions only: FlexAttention's backward adds the gradient of every
+        tensor a score_mod reads, one atomic add per score, so a captured per-head parameter would take B x T^2 adds
+        into H addresses, and the table takes B into each entry."""
+        def add_table(score, b, h, q_idx, kv_idx):
+            return score + table[h, self.query_position(b, q_idx), self.key_position(b, kv_idx)].to(score.dtype)
+
+        return add_table
 
 
 class LogitScores:

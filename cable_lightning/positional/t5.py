@@ -31,6 +31,8 @@ def relative_bucket(rel, causal: bool, num_buckets: int = NUM_BUCKETS, max_dista
 
 
 class T5Bias(ScoreBias):
+    positional = True
+
     def __init__(self, table, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.table = table  # (buckets, heads)
