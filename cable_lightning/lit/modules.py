@@ -123,15 +123,9 @@ class LanguageModel(L.LightningModule):
                           f"{self.config.trained_length}; set --model.init_args.backbone.trained_length {trained}")
 
     def configure_model(self):
-        # Compile block by block (in place, so checkpoint keys stay the same); attention's FlexAttention
-        # kernels are compiled on CUDA either way. Lightning calls this once per fit/validate: it must be idempotent.
+        # Lightning calls this once per fit/validate: it must be idempotent.
         if self.hparams.compile:
-            # Dynamo compiles each block for its layer number (the encoding indexes its per-layer weights by it); at its
-            # default limit of 8 compilations per function, the blocks past the 8th would run eager (with a warning).
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, self.config.n_layer)
-            for block in self.backbone.blocks:
-                block.compile()
+            self.backbone.compile_blocks()
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, ModelParallelStrategy) and not isinstance(self.backbone, FSDPModule):
             self.shard(self.device_mesh["data_parallel"], self.trainer.precision)

@@ -132,6 +132,23 @@ class Backbone(nn.Module):
         # A padded batch's groups: the most padding a row may get, as a share of its group's longest row
         # (length_groups; 1.0 runs every row in one group, padded to the batch's longest).
         self.padding_waste = PADDING_WASTE
+        # The blocks compiled for training steps (compile_blocks), a plain list: the weights stay the blocks' own.
+        self.compiled_blocks: list | None = None
+
+    def compile_blocks(self) -> None:
+        """Compile each block for the steps that need a gradient (training); evaluation runs the same blocks eagerly.
+
+        Dynamo compiles a block once per layer (each reads its layer's weights by the layer's number, a constant to
+        Dynamo), and again for every grad mode and new shape: an evaluation at several lengths added a compile per
+        layer and length, and a 12-layer fit hit Dynamo's recompile limit at its first validation (on an H200),
+        falling back to eager. Training steps keep one shape (a length schedule, a second and then a dynamic one),
+        so a fit compiles 1-2 graphs per layer; evaluation is forward only, through the same fused kernels (SDPA, the
+        fold; FlexAttention is compiled on CUDA either way), and compiles nothing. Idempotent."""
+        if self.compiled_blocks is not None:
+            return
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(self.blocks))
+        self.compiled_blocks = [torch.compile(block) for block in self.blocks]
 
     def _init_gpt2(self):
         """GPT-2 init: N(0, 0.02) weights, zero biases; residual projections scaled by (2 x layers)^-0.5."""
@@ -187,9 +204,11 @@ class Backbone(nn.Module):
 
     def _blocks(self, x: Tensor, offset: int, cache: KVCache | None, key_padding: Tensor | None = None,
                 layout: Layout | None = None) -> Tensor:
-        for i, block in enumerate(self.blocks):
+        training = torch.is_grad_enabled()
+        blocks = self.compiled_blocks if self.compiled_blocks is not None and training else self.blocks
+        for i, block in enumerate(blocks):
             state = cache.layers[i] if cache is not None else None
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and training:
                 x = checkpoint(block, x, self.pe, offset, state, key_padding, layout, use_reentrant=False)
             else:
                 x = block(x, self.pe, offset, state, key_padding, layout)
