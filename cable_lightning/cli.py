@@ -332,3 +332,9 @@ def run(args: list[str] | None = None) -> None:
                   + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
                   file=sys.stderr, flush=True)
             sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # an entry point once: say which verb replaced it, never exit 0 having done nothing
+    from cable_lightning.__main__ import replaced_entry_point
+
+    replaced_entry_point(__spec__.name)
