@@ -296,7 +296,9 @@ def table(result) -> str:
 
 def main(argv=None):
     parser = ArgumentParser(prog="python -m cable_lightning bench", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="With no arguments it runs the full benchmark: every encoding at the defaults "
+                            "above (on a CPU, it takes long).")
     parser.add_argument("--preset", default="gpt2-tiny")
     parser.add_argument("--n-layer", dest="n_layer", type=int)
     parser.add_argument("--n-head", dest="n_head", type=int)

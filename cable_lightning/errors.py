@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import resource
 import shutil
@@ -53,6 +54,17 @@ def space_left(path: str, written: Optional[int] = None) -> str:
     if limited:
         notes.append(f"file-size limit (ulimit -f) {limit / 2**20:g} MiB")
     return ", ".join(notes) or "its folder is gone"
+
+
+def full_disk(exc: BaseException) -> OSError | None:
+    """The full disk (ENOSPC, a quota, the file-size limit) behind ``exc``, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class MissingFileError(ConfigError, FileNotFoundError):

@@ -366,7 +366,9 @@ def _first_chars(docs: Iterator[str], limit: int) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m cable_lightning prepare", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m cable_lightning prepare", description=__doc__.splitlines()[0],
+                       epilog="With no arguments it prepares the defaults: the offline python-docs corpus with a "
+                       "bpe:4096 tokenizer into data/pydocs-bpe4096 (the quickstart's data).")
     p.add_argument("--source", default="python-docs", help=VALID_SOURCES)
     p.add_argument("--tokenizer", default="bpe:4096", help=VALID_SPECS)
     p.add_argument("--out", default="data/pydocs-bpe4096", help="output folder, or s3://bucket/prefix")

@@ -197,8 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     inputs = (args.tokenizer if os.path.exists(args.tokenizer) else None, args.source)
     check_replaceable(args.out, "retrieval set", args.overwrite, inputs)  # before reading the source
     tokenizer = get_tokenizer(args.tokenizer)
-    source = get_source(args.source)
-    rows = build(list(source.documents()), tokenizer, settings)
+    try:  # the sources' own errors about the source (unknown, missing, unreadable): one line, as prepare's
+        source = get_source(args.source)
+        documents = list(source.documents())
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--source {args.source}: {exc}") from exc
+    rows = build(documents, tokenizer, settings)
     manifest = {"format": FORMAT, "kind": "retrieval set", "source": source.describe(),
                 "tokenizer": args.tokenizer, **asdict(settings),
                 "counts": {name: len(rows[name]) for name in ("corpus", "queries", "train_pairs")}}

@@ -219,6 +219,9 @@ def read_export_config(folder: str) -> dict:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} cannot be read ({type(exc).__name__}: {exc}); export the checkpoint again") from None
     if "core_files" in config:
+        if not os.path.isdir(os.path.join(folder, CORE)):  # transformers would look for it on the hub
+            raise ConfigError(f"{folder} is not a complete export: its {CORE}/ folder (the model's code) is missing; "
+                              "export the checkpoint again")
         from types import SimpleNamespace
 
         from .remote.modeling_cable import core_paths

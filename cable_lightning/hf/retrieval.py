@@ -76,6 +76,9 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and hard negatives); save the result
     as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
     (``overwrite``) that holds neither input, swapped in by rename."""
+    if not os.path.isdir(model):  # transformers would take it for a hub id and fail in a traceback
+        raise MissingFileError(f"--model {model} is not a folder; give an encoder folder written by "
+                               "`python -m cable_lightning export`")
     import tempfile
 
     from safetensors.torch import save_file
