@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 # verb: (module whose main(argv) runs it, what it does)
 COMMANDS = {
@@ -35,7 +36,16 @@ def usage() -> str:
             "Train short, test long: positional-encoding research on Lightning.\n\nverbs:\n" + "\n".join(lines))
 
 
+def replaced_entry_point(module: str) -> NoReturn:
+    """What ``python -m <a verb's module>`` does: some were entry points once (``python -m
+    cable_lightning.data.prepare``), and a script that still calls one must fail, not exit 0 having done nothing."""
+    verbs = " or ".join(f"'python -m cable_lightning {verb}'" for verb, (name, _) in COMMANDS.items() if name == module)
+    print(f"error: python -m {module} was replaced by {verbs}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(usage())
@@ -51,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     module = importlib.import_module(COMMANDS[verb][0])
     with error_boundary():
-        if verb in LIGHTNING_VERBS:
-            module.run(argv)
+        if verb in LIGHTNING_VERBS:  # LightningCLI reads sys.argv itself (given both, it warns that they may differ)
+            module.run(None if from_command_line else argv)
         else:
             module.main(argv[1:])
     return 0

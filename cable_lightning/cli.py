@@ -33,10 +33,12 @@ import random
 import re
 import signal
 import sys
+import threading
 from typing import Optional
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -48,7 +50,7 @@ from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ck
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout
-from .errors import ConfigError, RunFailedError, error_boundary, space_left
+from .errors import DEBUG_VARIABLE, ConfigError, RunFailedError, error_boundary, full_disk, space_left, user_error
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_model
 from .models.config import BackboneConfig, moved_setting
@@ -150,6 +152,9 @@ def setting_error(message: str) -> Optional[str]:
     if choice:  # a fixed-choice setting (attention_backend chunkd): the innermost report names it
         key, choices, value = choice[-1]
         return f"unknown value {value.strip()!r} for {key}; choose one of {choices}"
+    union = union_error(message)
+    if union:
+        return union
     setting = re.search(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted", message)
     if not setting:
         return None
@@ -170,6 +175,31 @@ def setting_error(message: str) -> Optional[str]:
         return f"unknown backbone setting {option!r}; {moved}"
     settings = ", ".join(p for p, v in inspect.signature(cls).parameters.items() if v.kind is v.POSITIONAL_OR_KEYWORD)
     return f"unknown {'backbone' if backbone else name} setting {option!r}; its settings: {settings}"
+
+
+SIMPLE_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "NoneType": "null"}
+
+
+def union_error(message: str) -> Optional[str]:
+    """jsonargparse's report of a value that fits none of a setting's types, when those are fixed choices and simple
+    types (``--trainer.precision bf16-mixd``, ``--seed_everything one``), as one line naming the choices; None for
+    any other report."""
+    union = re.search(r'Parser key "([\w.]+)":\s+Does not validate against any of the Union subtypes\s+Subtypes: '
+                     r'\[(.*)\]$', message, flags=re.M)
+    given = re.search(r"^  Given value: (.*)$", message, flags=re.M)  # the outermost union's (nested ones indent more)
+    if not union or not given:
+        return None
+    key, subtypes = union.groups()
+    parts = re.findall(r"typing\.Literal\[([^\]]*)\]|<class '(\w+)'>", subtypes)
+    if re.sub(r"typing\.Literal\[[^\]]*\]|<class '\w+'>|, ", "", subtypes) or any(
+            name not in SIMPLE_TYPES for _, name in parts if name):
+        return None  # a type with settings of its own: jsonargparse's report says which one failed
+    choices = list(dict.fromkeys(item.strip().strip("'\"") for literal, _ in parts if literal
+                                 for item in literal.split(",")))
+    value = given.group(1).strip()
+    if choices:
+        return f"unknown value {value!r} for {key}; choose one of {', '.join(choices)}"
+    return f"invalid value {value!r} for {key}; expected {' or '.join(SIMPLE_TYPES[name] for _, name in parts)}"
 
 
 class TerseParser(LightningArgumentParser):
@@ -266,6 +296,14 @@ class CableCLI(LightningCLI):
             config.trainer.val_check_interval = config.checkpoint.every_n_train_steps
             config.trainer.check_val_every_n_epoch = None
 
+    def _set_seed(self):
+        """A seed seed_everything would refuse with a traceback is one line, before anything runs."""
+        seed = self._get(self.config, "seed_everything")
+        if type(seed) is int and not min_seed_value <= seed <= max_seed_value:
+            raise ConfigError(f"seed_everything {seed} is out of range: a seed is an integer from {min_seed_value} to "
+                              f"{max_seed_value} (true: a random one, false: none)")
+        super()._set_seed()
+
     def after_instantiate_classes(self):
         seed = self._get(self.config, "seed_everything")  # an int once _set_seed ran, unless seeding is off
         self.model.run_seed = None if isinstance(seed, bool) else seed
@@ -293,6 +331,14 @@ class CableCLI(LightningCLI):
     def _run_subcommand(self, subcommand):
         try:
             super()._run_subcommand(subcommand)
+        except Exception as exc:  # a full disk where a logger writes (TensorBoard's events), one line as every write
+            full = full_disk(exc)
+            if full is None or user_error(exc) is not None:
+                raise
+            where = full.filename or f"the logs in {self.trainer.log_dir or '.'}"
+            raise RunFailedError(f"could not write {where} ({type(full).__name__}: {full}; "
+                                 f"{space_left(self.trainer.log_dir or '.')}); the checkpoints written before it are "
+                                 "intact") from exc
         finally:  # the checkpoint folder's lock ends with the run, also when it fails
             if getattr(self, "_folder_lock", None) is not None:
                 self._folder_lock.close()
@@ -316,12 +362,22 @@ def main(args: list[str] | None = None) -> CableCLI:
                     parser_kwargs={"prog": "python -m cable_lightning"})
 
 
+def quiet_writer_thread(args, report=threading.__excepthook__) -> None:
+    """TensorBoard's event writer thread that meets a full disk keeps the error and raises it again at the run's
+    next write or flush, which ends the run in one line (CableCLI._run_subcommand): its own traceback would come
+    first. Every other thread's error keeps its report."""
+    if (full_disk(args.exc_value) is None or not type(args.thread).__module__.startswith("tensorboard.")
+            or os.environ.get(DEBUG_VARIABLE)):
+        report(args)
+
+
 def run(args: list[str] | None = None) -> None:
     """``python -m cable_lightning``: :func:`main` with user errors as one line and an exit status for schedulers:
     2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
     after SIGTERM and 130 after Ctrl-C (``last.ckpt`` saved; continue with ``--ckpt_path last``). Bugs keep their
     traceback."""
     quiet_library_chatter()  # other libraries' notes that say nothing about this run (see console.py)
+    threading.excepthook = quiet_writer_thread
     with error_boundary():
         try:
             main(args)
@@ -332,3 +388,9 @@ def run(args: list[str] | None = None) -> None:
                   + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
                   file=sys.stderr, flush=True)
             sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # an entry point once: say which verb replaced it, never exit 0 having done nothing
+    from cable_lightning.__main__ import replaced_entry_point
+
+    replaced_entry_point(__spec__.name)

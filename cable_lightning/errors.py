@@ -3,10 +3,13 @@ anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import errno
 import os
 import resource
 import shutil
+import signal
 import sys
 from typing import Optional
 
@@ -53,6 +56,17 @@ def space_left(path: str, written: Optional[int] = None) -> str:
     return ", ".join(notes) or "its folder is gone"
 
 
+def full_disk(exc: BaseException) -> OSError | None:
+    """The full disk (ENOSPC, a quota, the file-size limit) behind ``exc``, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class MissingFileError(ConfigError, FileNotFoundError):
     """A data folder, tokenizer file or checkpoint that is not there."""
 
@@ -66,12 +80,26 @@ def error_boundary():
     """The error boundary of every entry point (every verb of ``python -m cable_lightning``, and the scripts in
     ``tools/``): a user error inside is printed as one line, ``error: ...``, and the process exits with 2 (a bad
     setting, file or checkpoint) or 1 (a run that failed); anything else is a bug and keeps its traceback, as does
-    every error with ``CABLE_LIGHTNING_DEBUG=1``."""
+    every error with ``CABLE_LIGHTNING_DEBUG=1``. A reader of stdout that goes away ends the command quietly, with
+    128 + SIGPIPE."""
     try:
         yield
+        sys.stdout.flush()  # inside the boundary: a reader that went away is met here, not at interpreter exit
+    except BrokenPipeError:  # the reader went away (`report ... | head`): stop quietly, as cat and grep do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush goes nowhere
+        sys.exit(128 + signal.SIGPIPE)
     except Exception as exc:
         known = user_error(exc)
         if known is None or os.environ.get(DEBUG_VARIABLE):
             raise
         print(f"error: {known}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR if isinstance(known, ConfigError) else EXIT_RUN_FAILED)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every argparse verb: a usage error is one ``error:`` line with exit status 2, like every other
+    user error (argparse would print the usage text first); ``--help`` still prints it."""
+
+    def error(self, message: str):
+        print(f"error: {message} ({self.prog} --help lists the settings)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)

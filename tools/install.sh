@@ -17,6 +17,9 @@ if [ "$LOCK" = none ]; then
     TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 else
     [ -f "$LOCK" ] || { echo "error: lock file $LOCK does not exist; valid: a file from tools/lock.sh, or CABLE_LOCK=none" >&2; exit 2; }
+    # every line a pin (name==version), else pip's own error names the temporary constraints file, not the lock
+    bad="$(awk '!/^[[:space:]]*(#|$)/ && !/^[A-Za-z0-9][A-Za-z0-9._-]*==[^[:space:]=]+$/ { print FNR ": " $0; exit }' "$LOCK")"
+    [ -z "$bad" ] || { echo "error: $LOCK:$bad is not a pin (name==version); fix that line, or write the lock again with bash tools/lock.sh update" >&2; exit 2; }
     locked_torch="$(sed -n 's/^torch==//p' "$LOCK")"
     TORCH_VERSION="${TORCH_VERSION:-${locked_torch:-2.13.0}}"
     grep -v '^torch==' "$LOCK" > "$constraints"

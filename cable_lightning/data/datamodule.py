@@ -109,7 +109,7 @@ class TokenDataModule(L.LightningDataModule):
     def __init__(self, path: str | None = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
                  num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
-                 tasks: dict[str, dict | None] | None = None,
+                 tasks: dict[str, Any] | None = None,  # each task's settings checked by TaskMix, in one line
                  task_fraction: float = 1.0, lm_loss_weight: float = 0.0, cache_dir: str | None = None,
                  max_cache_size: str | None = None, endpoint_url: str | None = None,
                  layout: TrainingLayout = TrainingLayout()):

@@ -20,13 +20,12 @@ have a ``title``), ``qrels.tsv`` with a header and ``query-id<TAB>corpus-id<TAB>
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
 import shutil
 
-from cable_lightning.errors import ConfigError, MissingFileError
+from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
 from cable_lightning.records import RetrievalRecord, append_records, read_jsonl
 
@@ -77,6 +76,9 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and hard negatives); save the result
     as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
     (``overwrite``) that holds neither input, swapped in by rename."""
+    if not os.path.isdir(model):  # transformers would take it for a hub id and fail in a traceback
+        raise MissingFileError(f"--model {model} is not a folder; give an encoder folder written by "
+                               "`python -m cable_lightning export`")
     import tempfile
 
     from safetensors.torch import save_file
@@ -276,7 +278,7 @@ def _named_models(pairs: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cable_lightning retrieval", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m cable_lightning retrieval", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     tune = commands.add_parser("finetune", help="MultipleNegativesRankingLoss on query/positive/negative triples")
     tune.add_argument("--model", required=True, help="an exported encoder (python -m cable_lightning export)")
@@ -327,3 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         append_records(args.records, [record for name, folder in models.items()
                                       for record in retrieval_records(folder, {n: row[name] for n, row in
                                                                                scores.items()}, dataset, ends)])
+
+
+if __name__ == "__main__":  # an entry point once: say which verb replaced it, never exit 0 having done nothing
+    from cable_lightning.__main__ import replaced_entry_point
+
+    replaced_entry_point(__spec__.name)

@@ -1,0 +1,166 @@
+"""Every door answers a mistake in one line with exit status 2 (1 for a run that failed), never a traceback or the
+usage text; and no old module entry point exits 0 having done nothing (docs/faults.md)."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import warnings
+
+import pytest
+from test_cli import args
+from test_reliability import one_error_line, user_error_line
+from test_trust import ROOT, ROW, tool
+
+from cable_lightning.__main__ import COMMANDS
+from cable_lightning.__main__ import main as verbs
+
+
+def only_line(capsys, argv, status=2) -> str:
+    """Runs a verb; asserts the exit status and that stderr is one ``error:`` line (no usage text, no traceback)."""
+    with pytest.raises(SystemExit) as stop:
+        verbs(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == status and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+# --- argparse verbs ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", ["one", "-1"])
+def test_a_bad_sweep_seed_is_one_line_before_anything_runs(capsys, seed):
+    assert only_line(capsys, ["sweep", "--config", "c.yaml", "--pes", "cable", "--seeds", "0", seed]) == (
+        f"error: argument --seeds: a seed is an integer from 0 to 4294967295, got {seed!r} (python -m cable_lightning "
+        "sweep --help lists the settings)")
+
+
+@pytest.mark.parametrize("verb, default", [("prepare", "python-docs corpus"), ("bench", "full benchmark")])
+def test_help_says_what_a_verb_without_arguments_does(capsys, verb, default):
+    with pytest.raises(SystemExit):
+        verbs([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # help text is wrapped to the terminal
+    assert "With no arguments it" in out and default in out, out
+
+
+def test_a_reader_that_goes_away_ends_report_quietly(tmp_path, monkeypatch, capsys):
+    """``report ... | true``: the pipe is closed before report writes its table."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "length_eval.jsonl").write_text(json.dumps(ROW) + "\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", open(write_end, "w"))
+    with pytest.raises(SystemExit) as stop:
+        verbs(["report", str(tmp_path / "run"), "--out", str(tmp_path / "report")])
+    assert stop.value.code == 128 + 13 and capsys.readouterr().err == ""  # 128 + SIGPIPE, as a shell reports it
+
+
+def test_a_missing_retrieval_set_source_is_one_line(tiny_corpus_dir, tmp_path, capsys):
+    missing = str(tmp_path / "nosuch.jsonl")
+    assert only_line(capsys, ["retrieval-set", "--source", missing, "--tokenizer",
+                              os.path.join(tiny_corpus_dir, "tokenizer.json"), "--out", str(tmp_path / "set")]) == (
+        f"error: --source {missing}: no .txt/.jsonl/.parquet files match {missing!r}; valid sources: python-docs, "
+        "fineweb-edu[:config], wikitext-103, or a path/dir/glob of .txt/.jsonl/.parquet files")
+
+
+def test_retrieval_refuses_a_missing_model_or_an_export_without_its_code(tmp_path, capsys):
+    assert only_line(capsys, ["retrieval", "finetune", "--model", str(tmp_path / "nope"), "--triples", "t.jsonl",
+                              "--out", str(tmp_path / "out")]) == (
+        f"error: --model {tmp_path / 'nope'} is not a folder; give an encoder folder written by `python -m "
+        "cable_lightning export`")
+    export = tmp_path / "export"  # an export whose cable_core/ was deleted
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"core_files": ["__init__.py"], "backbone": {}}))
+    assert only_line(capsys, ["retrieval", "evaluate", "--models", f"a={export}", "--lengths", "8", "--mldr", "--out",
+                              str(tmp_path / "out"), "--trust_remote_code"]) == (
+        f"error: {export} is not a complete export: its cable_core/ folder (the model's code) is missing; export the "
+        "checkpoint again")
+
+
+def test_a_torn_row_in_a_local_lm_eval_task_is_named_before_the_model_loads(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    from test_lm_eval import write_task
+
+    write_task(tmp_path)
+    rows = (tmp_path / "docs.jsonl").read_text().splitlines()
+    (tmp_path / "docs.jsonl").write_text("\n".join([rows[0], rows[1][:25], rows[2]]) + "\n")  # a torn second row
+    line = only_line(capsys, ["lm-eval", "--model", str(tmp_path / "never-loaded"), "--tasks", "tiny_mc",
+                              "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out")])
+    assert line.startswith(f"error: {tmp_path / 'docs.jsonl'}:2: not a JSON row (Unterminated string"), line
+    assert line.endswith("task tiny_mc cannot read its data: fix or remove that line"), line
+
+
+def test_a_lock_with_a_bad_line_is_named_with_its_line(tmp_path):
+    lock = tmp_path / "bad.lock"
+    lock.write_text("# a lock\nabsl-py==2.5.1\naccelerate=1.15.0\n")  # pip could not read the third line
+    done = subprocess.run(["bash", os.path.join(ROOT, "tools", "install.sh")], capture_output=True, text=True,
+                          env={**os.environ, "CABLE_LOCK": str(lock)})
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.splitlines() == [f"error: {lock}:3: accelerate=1.15.0 is not a pin (name==version); fix that "
+                                        "line, or write the lock again with bash tools/lock.sh update"]
+
+
+# --- fit, validate, test ----------------------------------------------------------------------------------------------
+
+def test_a_misspelt_precision_is_one_line_and_lightning_is_not_given_argv_twice(monkeypatch, capsys):
+    """From the command line, LightningCLI reads sys.argv itself: given it as ``args`` too, it warns on every run."""
+    monkeypatch.setattr(sys, "argv", ["cable_lightning", "fit", "--trainer.precision", "bf16-mixd"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = one_error_line(capsys, verbs)
+    assert line == ("error: unknown value 'bf16-mixd' for trainer.precision; choose one of 64, 32, 16, "
+                    "transformer-engine, transformer-engine-float16, 16-true, 16-mixed, bf16-true, bf16-mixed, "
+                    "32-true, 64-true, bf16")
+    assert not [w for w in caught if "args parameter" in str(w.message)]
+
+
+@pytest.mark.parametrize("setting, value, expected", [
+    ("--seed_everything", "-1", "error: seed_everything -1 is out of range: a seed is an integer from 0 to 4294967295 "
+                                "(true: a random one, false: none)"),
+    ("--seed_everything", "one", "error: invalid value 'one' for seed_everything; expected bool or int"),
+    ("--data.tasks", '{"needle": 3}', "error: task needle: settings must be a mapping ({setting: value}), got 3; its "
+                                      "settings: keys, value_tokens"),
+], ids=["negative-seed", "word-seed", "task-settings"])
+def test_a_bad_seed_or_task_setting_is_one_line_before_anything_runs(tiny_corpus_dir, tmp_path, capsys, setting, value,
+                                                                      expected):
+    assert user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), setting, value]) == expected
+    assert not os.path.exists(tmp_path / "test")  # no run folder: nothing ran
+
+
+def test_a_full_disk_under_tensorboard_is_one_line(tiny_corpus_dir, tmp_path, capsys, monkeypatch):
+    """TensorBoard writes its events in a thread: the thread's traceback came first, then the run's own."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def disk_full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "write", disk_full)
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2, every=2)], status=1)
+    assert line.startswith(f"error: could not write the logs in {tmp_path / 'test' / 'cable' / 'version_0'} (OSError: "
+                           "[Errno 28] No space left on device; "), line
+    assert line.endswith("the checkpoints written before it are intact"), line
+
+
+# --- old module entry points ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module", sorted({module for module, _ in COMMANDS.values()}))
+def test_a_verbs_module_run_as_a_program_names_the_verb_that_replaced_it(module, capsys):
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as stop:
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy's: the module is imported already, in this process
+        runpy.run_module(module, run_name="__main__")
+    verbs_of = [f"'python -m cable_lightning {verb}'" for verb, (name, _) in COMMANDS.items() if name == module]
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"error: python -m {module} was replaced by {' or '.join(verbs_of)}\n"
+
+
+def test_an_old_entry_point_run_by_python_fails_in_one_line(tmp_path):
+    """As a script or job array runs it (the command an error line of the last release advised)."""
+    out = tmp_path / "prepared"
+    done = tool("-m", "cable_lightning.data.prepare", "--source", "python-docs", "--tokenizer", "bpe:4096", "--out",
+                str(out))
+    assert done.returncode == 2 and not out.exists()
+    assert done.stderr == ("error: python -m cable_lightning.data.prepare was replaced by 'python -m cable_lightning "
+                           "prepare'\n")
+    # runpy warns first when the package imported the module it runs: the hf package must not import export itself
+    loaded = tool("-c", "import sys, cable_lightning.hf; print('cable_lightning.hf.export' in sys.modules)")
+    assert loaded.stdout == "False\n", loaded.stderr
