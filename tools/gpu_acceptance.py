@@ -124,7 +124,7 @@ def main(argv=None) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     lines = [f"## Measured on a GPU: {name}", "",
              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, `python tools/gpu_acceptance.py`; MFU against "
-             f"the {peak_source} ({peak / 1e12:.1f} TFLOP/s)", ""]
+             f"the {peak_source} ({peak / 1e12:.3g} TFLOP/s)", ""]
 
     print("1/4 CUDA-only tests", flush=True)
     lines += [f"`python -m pytest tests -q -k \"flex or fold\"`: {run_tests() if cuda else 'not run (no CUDA)'}", ""]
