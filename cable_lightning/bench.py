@@ -6,9 +6,10 @@ process. On CPU, peak memory is the peak RSS of a fresh spawned process that run
 (so one PE's allocations cannot hide another's); on CUDA it is ``max_memory_allocated``.
 
 MFU (model FLOPs utilisation) of each training step: its model FLOPs (``Backbone.training_flops_per_token``, 6 per
-parameter plus the attention matmuls) per second over a peak: on CUDA the device's datasheet dense bf16 peak
-(Lightning's table), on CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype measured in this process
-with its threads, before and after the PEs (a CPU has no datasheet figure that its threads reach; on a machine
+parameter plus the attention matmuls) per second over a peak (:func:`cable_lightning.hardware.peak_flops`): on CUDA
+the device's datasheet dense bf16 peak (a GPU the project's table lacks: a bf16 matmul measured in this process), on
+CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype measured in this process with its threads, before
+and after the PEs (a CPU has no datasheet figure that its threads reach; on a machine
 shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s).
 
     python -m cable_lightning bench --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
@@ -25,8 +26,10 @@ import time
 
 import torch
 
-from cable_lightning.errors import ArgumentParser, ConfigError
+from cable_lightning.errors import ArgumentParser
+from cable_lightning.hardware import measured_matmul_peak, peak_flops, sync
 from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.models.attention import FLEX_MIN_HEAD_DIM
 from cable_lightning.positional import available, from_label
 
 
@@ -49,22 +52,17 @@ def row_name(variant: str) -> str:
     return from_label(name).label() + colon + backend
 
 
-def default_variants(device) -> list[str]:
+def default_variants(device, head_dim: int) -> list[str]:
     """Every registered encoding, then CABLE and ALiBi on the bias paths ``auto`` no longer picks for them (it folds
     them), the naive CABLE, and DAPEv2 over KERPLE (with DAPEv2 over CABLE, its default base: the CABLE paper's cost
     comparison)."""
-    bias_path = "flex" if device.type == "cuda" else "chunked"
+    bias_path = "flex" if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else "chunked"
     return available() + [f"cable:{bias_path}", f"alibi:{bias_path}", "cable:materialized", "dape_v2+kerple_log"]
 
 
 def out_of_memory(err: Exception) -> bool:
     return (isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
             or isinstance(err, MemoryError))
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device, repeats):
@@ -77,31 +75,6 @@ def timed(fn, device, repeats):
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def measured_matmul_peak(dtype, size: int = 1024, repeats: int = 20) -> float:
-    """FLOP/s of the fastest of ``repeats`` (size x size) @ (size x size) matmuls on the CPU, in ``dtype``."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def peak_flops(device, dtype) -> tuple[float, str]:
-    """(FLOP/s, where it comes from) that MFU divides by."""
-    if device.type == "cuda":
-        from lightning.fabric.utilities.throughput import get_available_flops
-
-        peak = get_available_flops(device, torch.bfloat16)
-        if peak is None:
-            raise ConfigError(f"no datasheet bf16 peak for {torch.cuda.get_device_name(device)} in Lightning's table; "
-                              "MFU needs one (run on a listed GPU, or --device cpu)")
-        return float(peak), f"datasheet dense bf16 peak of {torch.cuda.get_device_name(device)}"
-    return measured_matmul_peak(dtype), f"{dtype} 1024x1024 matmul measured in this process"
 
 
 def train_tokens_per_second(model, t, tokens_per_step, device, dtype, repeats):
@@ -204,7 +177,7 @@ def eval_peak_mib(model, t, device, dtype):
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    pes = args.pes or default_variants(device)
+    pes = args.pes or default_variants(device, make_config(args, "nope", max(args.train_lengths)).head_dim)
     if "nope" not in pes:
         pes = ["nope"] + pes
     peak, peak_source = peak_flops(device, dtype)

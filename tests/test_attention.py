@@ -27,7 +27,7 @@ def test_each_encoding_declares_what_its_score_bias_returns():
         assert isinstance(pe.score_bias(torch.randn(1, 3, 32), 0, 0, None), kinds[pe.settings.scores]), name
 
 
-def make_inputs(pe_name, causal, t, seed=0):
+def make_inputs(pe_name, causal, t, seed=0, head_dim=8):
     torch.manual_seed(seed)
     config = BackboneConfig(pos_encoding=pe_name, n_layer=2, n_head=4, n_embd=32, causal=causal, block_size=16)
     pe = build_positional(config)
@@ -35,7 +35,7 @@ def make_inputs(pe_name, causal, t, seed=0):
         for p in pe.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     h = torch.randn(2, t, 32, requires_grad=True)
-    q, k, v = (torch.randn(2, 4, t, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, t, head_dim, requires_grad=True) for _ in range(3))
     return pe, h, q, k, v
 
 
@@ -84,7 +84,7 @@ def test_flex_matches_reference(pe_name, t, causal):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA on this torch build")
 @pytest.mark.parametrize("pe_name", BIAS_PES)
 def test_flex_gradients_on_cuda(pe_name):
-    pe, h, q, k, v = make_inputs(pe_name, True, 129)
+    pe, h, q, k, v = make_inputs(pe_name, True, 129, head_dim=attn_mod.FLEX_MIN_HEAD_DIM)  # its CUDA kernels' least
     pe, h, q, k, v = (pe.cuda(), h.detach().cuda().requires_grad_(),
                       *(x.detach().cuda().requires_grad_() for x in (q, k, v)))
     tensors = [q, k, v, h] + list(pe.parameters())
@@ -188,6 +188,28 @@ def test_auto_backend_choice():
             assert resolve_backend("auto", AlibiBias(alibi_slopes(4), offset, True), device, offset) == "fold"
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         resolve_backend("fast", bias, cpu)
+
+
+def test_heads_below_16_leave_flex_on_cuda_in_one_line():
+    """FlexAttention's CUDA kernels need head size >= 16 (on a GPU: "NYI: embedding dimension ... must be at least 16
+    but got E=8"): ``auto`` takes the chunked path there, an explicit ``flex`` is refused before the model is built
+    and at the attention call, where CPU (forward only) still runs it at any head size."""
+    from cable_lightning.models.attention import resolve_backend
+
+    kerple = build_positional(BackboneConfig(pos_encoding="kerple_log", n_layer=1, n_head=4, n_embd=32))
+    bias = kerple.score_bias(torch.randn(1, 3, 32), 0, 0, None)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", bias, cuda, head_dim=8) == "chunked"
+    assert resolve_backend("auto", bias, cuda, head_dim=16) == "flex"
+    assert resolve_backend("flex", bias, cuda, head_dim=16) == "flex"
+    assert resolve_backend("flex", bias, cpu, head_dim=8) == "flex"
+    one_line = (r"^attention backend 'flex' needs a head size of at least 16 \(FlexAttention's CUDA kernels\), got 8; "
+                r"valid: auto, chunked, materialized$")
+    with pytest.raises(ValueError, match=one_line):
+        resolve_backend("flex", bias, cuda, head_dim=8)
+    with pytest.raises(ValueError, match=one_line.replace("auto, ", "auto, fold, ")):
+        BackboneConfig(pos_encoding="alibi", n_layer=1, n_head=4, n_embd=32, attention_backend="flex")
+    BackboneConfig(pos_encoding="alibi", n_layer=1, n_head=2, n_embd=32, attention_backend="flex")  # 16 wide
 
 
 # --- fold: factorisable causal biases as extra head dimensions (attention.fold_bias) ---

@@ -115,19 +115,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not args.rehearse_on_cpu:
         require_cuda()
-    from lightning.fabric.utilities.throughput import get_available_flops
-
     from cable_lightning import bench
 
     size, cuda = sizes(args.rehearse_on_cpu), not args.rehearse_on_cpu
     device = torch.device("cuda" if cuda else "cpu")
     name = torch.cuda.get_device_name(device) if cuda else "CPU rehearsal (not GPU figures)"
-    peak = get_available_flops(device, torch.bfloat16) if cuda else bench.measured_matmul_peak(torch.bfloat16)
+    peak, peak_source = bench.peak_flops(device, torch.bfloat16)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     lines = [f"## Measured on a GPU: {name}", "",
              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, `python tools/gpu_acceptance.py`; MFU against "
-             + (f"the datasheet dense bf16 peak ({peak / 1e12:.0f} TFLOP/s)" if cuda and peak else
-                "a bf16 matmul measured in this process" if peak else "no known peak (-)"), ""]
+             f"the {peak_source} ({peak / 1e12:.3g} TFLOP/s)", ""]
 
     print("1/4 CUDA-only tests", flush=True)
     lines += [f"`python -m pytest tests -q -k \"flex or fold\"`: {run_tests() if cuda else 'not run (no CUDA)'}", ""]
@@ -152,7 +149,7 @@ def main(argv=None) -> None:
                                             "--model.init_args.compile", compiled,
                                             "--experiment", f"{stamp}-compile-{compiled}"], size["warmup"])
             rate = clock.tokens / clock.seconds
-            mfu = f"{rate * clock.flops_per_token / peak:.1%}" if peak else "-"
+            mfu = f"{rate * clock.flops_per_token / peak:.1%}"
             lines.append(f"| {pe} | {compiled} | {rate:,.0f} | {mfu} | {fmt_gib(clock.peak_mib)} | "
                          f"{clock.losses[max(clock.losses)]:.3f} |")
             print(lines[-1], flush=True)

@@ -8,8 +8,13 @@
 #
 #   CABLE_LOCK=FILE   another lock; CABLE_LOCK=none: the newest releases pyproject's ranges allow (tools/lock.sh)
 #   TORCH_VERSION=V   another torch build (default: the lock's, or 2.13.0 without one)
+#   TORCH_VERSION=installed   keep the torch this Python already has (a CUDA build on a GPU machine), pinned as it is
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${TORCH_VERSION:-}" = installed ]; then
+    TORCH_VERSION="$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
+        || { echo "error: TORCH_VERSION=installed, but $(command -v python) has no torch to keep" >&2; exit 2; }
+fi
 LOCK="${CABLE_LOCK:-tools/requirements.lock}"
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT

@@ -48,6 +48,9 @@ FOLD_HEAD_MULTIPLE = 8
 # bf16/fp16 hold 8/11 significant bits; the folded key column is split into this many pieces of that
 # dtype, which sum back to it to about fp32 precision (CABLE's S and ALiBi's positions reach thousands).
 FOLD_PIECES_LOW_PRECISION = 3
+# FlexAttention's CUDA kernels need heads at least this wide ("NYI: embedding dimension of the query, key, and value
+# must be at least 16"); ``auto`` takes ``chunked`` below it, an explicit ``flex`` is refused.
+FLEX_MIN_HEAD_DIM = 16
 
 _compiled_flex = None
 FLEX_COMPILE = dict(dynamic=False)  # how flex_kernel compiles FlexAttention on CUDA
@@ -66,20 +69,31 @@ def backends_for(scores: str, causal: bool) -> tuple[str, ...]:
     return ("auto", *fold, "flex", "chunked", "materialized")
 
 
-def check_backend(backend: str, encoding, causal: bool) -> None:
-    """Before anything is built: ``backend`` must be one that can run ``encoding`` (an :class:`Encoding`)."""
+def check_backend(backend: str, encoding, causal: bool, head_dim: int | None = None) -> None:
+    """Before anything is built: ``backend`` must be one that can run ``encoding`` (an :class:`Encoding`), and
+    ``flex`` needs heads FlexAttention's CUDA kernels take (on CPU it runs forward only, so no fit could use it)."""
     valid = backends_for(encoding.scores, causal)
     if backend not in valid:
         raise ConfigError(f"attention_backend {backend!r} cannot run {encoding.label()} "
                           f"({'causal' if causal else 'bidirectional'}); valid: {', '.join(valid)}")
+    if backend == "flex" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ConfigError(_flex_head_error(head_dim, [b for b in valid if b != "flex"]))
+
+
+def _flex_head_error(head_dim: int, valid) -> str:
+    return (f"attention backend 'flex' needs a head size of at least {FLEX_MIN_HEAD_DIM} (FlexAttention's CUDA "
+            f"kernels), got {head_dim}; valid: {', '.join(valid)}")
 
 
 def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: torch.device, q_offset: int = 0,
-                    padded: bool = False) -> str:
+                    padded: bool = False, head_dim: int | None = None) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if padded and backend == "flex":
         raise ConfigError("attention backend 'flex' cannot take a key padding mask; use auto, chunked or materialized")
+    small_heads = device.type == "cuda" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
+    if backend == "flex" and small_heads and not isinstance(bias, LogitScores):
+        raise ConfigError(_flex_head_error(head_dim, ("auto", "chunked", "materialized")))
     if isinstance(bias, LogitScores):
         if backend not in ("auto", "chunked", "materialized"):
             raise ConfigError(f"attention backend {backend!r} cannot run {type(bias).__name__}: its scores need the "
@@ -92,7 +106,7 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
     if bias.foldable:
         return "fold"
     # Decoding onto a cache goes chunked: O(t) per token, and no FlexAttention recompile per offset.
-    return "flex" if device.type == "cuda" and q_offset == 0 and not padded else "chunked"
+    return "flex" if device.type == "cuda" and q_offset == 0 and not padded and not small_heads else "chunked"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
@@ -103,7 +117,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
     log weights). The mask hides the future when ``causal``, padded keys (``key_padding``: (B, Tk), True at real
     keys), with a ``window``, keys ``window`` or more positions away, and with a ``layout``'s documents, keys of
     another document."""
-    backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None)
+    backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None, head_dim=q.shape[-1])
     documents = layout if layout is not None and layout.documents is not None else None
     if backend == "fold" and bias is not None:
         if not bias.foldable:

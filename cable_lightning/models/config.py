@@ -65,7 +65,7 @@ class BackboneConfig:
                               f"{self.trained_length!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        check_backend(self.attention_backend, self.pos_encoding, self.causal)
+        check_backend(self.attention_backend, self.pos_encoding, self.causal, self.head_dim)
         self.pos_encoding.check(self)
 
     @classmethod

@@ -1,0 +1,63 @@
+"""The peak FLOP/s that MFU divides by, for the bench and the fit's TensorBoard MFU.
+
+On CUDA: the GPU's datasheet dense bf16 tensor-core peak from this project's table (Lightning's has no "NVIDIA H200"
+entry and lists the 2:4-sparse figure for H200 and H100 NVL); a GPU the table lacks gets a bf16 matmul measured in
+this process, and the source string says so. On CPU: always measured (no datasheet figure a CPU's threads reach).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+# (GPU, pattern its lower-cased torch.cuda.get_device_name() matches, dense bf16 FLOP/s, source). The first row that
+# matches wins, so a variant precedes its family ("nvidia h100 nvl" before "nvidia h100 80gb hbm3"). NVIDIA's
+# datasheets print most tensor-core figures with 2:4 sparsity (marked "*"); the dense figure is half of it.
+DENSE_BF16_PEAKS = (
+    ("A100", r"\ba100\b", 312e12, "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense (SXM and PCIe)"),
+    ("H100 NVL", r"\bh100\b.*\bnvl\b", 1671e12 / 2, "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,671 TFLOPS*"),
+    ("H100 PCIe", r"\bh100\b.*\b(pcie|hbm2e)\b", 1513e12 / 2,
+     "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,513 TFLOPS*"),
+    ("H100 SXM", r"\bh100\b", 1979e12 / 2, "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS*"),
+    ("H200 NVL", r"\bh200\b.*\bnvl\b", 1671e12 / 2, "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,671 TFLOPS*"),
+    ("H200 SXM", r"\bh200\b", 1979e12 / 2, "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS*"),
+    ("L40S", r"\bl40s\b", 362.05e12, "NVIDIA L40S datasheet: BF16 362.05 TFLOPS dense (733* with sparsity)"),
+    ("L4", r"\bl4\b", 242e12 / 2, "NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS*"),
+    ("B200", r"\bb200\b", 4.5e15 / 2, "NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS*"),
+)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured_matmul_peak(dtype, device: torch.device = torch.device("cpu"), repeats: int = 20) -> float:
+    """FLOP/s of the fastest of ``repeats`` square matmuls in ``dtype`` on ``device`` (1024 wide on CPU, 8192 on a
+    GPU, where smaller ones do not fill the tensor cores)."""
+    size = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype=torch.bfloat16) -> tuple[float, str]:
+    """(FLOP/s, where it comes from) that MFU divides by: on CUDA the dense bf16 peak whatever ``dtype`` (one scale
+    for every precision), on CPU a matmul in ``dtype``."""
+    if device.type != "cuda":
+        return measured_matmul_peak(dtype, device), f"{dtype} 1024x1024 matmul measured in this process"
+    name = torch.cuda.get_device_name(device)
+    for gpu, pattern, flops, source in DENSE_BF16_PEAKS:
+        if re.search(pattern, name.lower()):
+            return flops, f"datasheet dense bf16 peak of {name} as {gpu} ({source})"
+    return (measured_matmul_peak(torch.bfloat16, device),
+            f"torch.bfloat16 8192x8192 matmul measured in this process ({name} is not in cable_lightning/hardware.py)")
