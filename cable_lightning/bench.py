@@ -24,6 +24,7 @@ import platform
 import statistics
 import time
 
+import lightning as L
 import torch
 
 from cable_lightning.errors import ArgumentParser
@@ -234,6 +235,64 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows}
 
 
+class StepClock(L.Callback):
+    """The host time between consecutive training batches' starts: one whole loop iteration (the next batch from the
+    stream, the step, the optimizer, callbacks and logging), synchronised with the device at each start."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        sync(pl_module.device)
+        self.starts.append(time.perf_counter())
+
+
+def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: int = 10, repeats: int = 40,
+                  shape: tuple[int, int, int] = (2, 4, 128), block_size: int = 128, batch: int = 8) -> dict:
+    """A fit's training step over the bare step of the same model, shape and batch, measured in this process: the
+    loop's overhead. The fit runs through the CLI (LitData's stream of ``data_path``, Lightning's loop, the project's
+    callbacks and logging, no validation inside the steps timed); the bare step is forward, backward, the optimizer's
+    step and zero_grad on one fixed batch (the fit's optimizer, built by the same function). Medians of the steps after
+    ``warmup``; the fit's step also counts the gap to the next batch (loading, callbacks)."""
+    import tempfile
+
+    from cable_lightning.cli import main as cli_main
+    from cable_lightning.lit.optim import build_optimizer
+
+    n_layer, n_head, n_embd = shape
+    with tempfile.TemporaryDirectory() as runs:
+        cli = cli_main(["fit", "--model", "cable_lightning.lit.CausalLM",
+                        "--model.init_args.backbone.pos_encoding", pe,
+                        "--model.init_args.backbone.n_layer", str(n_layer),
+                        "--model.init_args.backbone.n_head", str(n_head),
+                        "--model.init_args.backbone.n_embd", str(n_embd),
+                        "--data.path", data_path, "--data.block_size", str(block_size),
+                        "--data.micro_batch_size", str(batch), "--data.eval_lengths", f"[{block_size}]",
+                        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+                        "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
+                        "--trainer.callbacks+=cable_lightning.bench.StepClock",
+                        "--checkpoint.every_n_train_steps", str(steps), "--runs_dir", runs,
+                        "--experiment", "loop_overhead"])
+    clock = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepClock))
+    fit_step = statistics.median(b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1:]))
+    model = cli.model
+    device = model.device
+    optimizer = build_optimizer(model.backbone, 1e-4, 1e-5, 10, steps, (0.9, 0.95), 1e-8, 0.1)["optimizer"]
+    x = torch.randint(0, model.config.vocab_size, (batch, block_size + 1), device=device)
+
+    def step():
+        model.backbone.loss(x[:, :-1], x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    bare_step = timed(step, device, repeats)
+    return {"pe": pe, "shape": shape, "block_size": block_size, "batch": batch, "fit_step_s": fit_step,
+            "bare_step_s": bare_step, "ratio": fit_step / bare_step, "fit_steps_timed": len(clock.starts) - warmup - 1,
+            "threads": torch.get_num_threads(), "device": str(device)}
+
+
 def fmt(value, spec, ratio=None) -> str:
     if value is None:
         return "-"
@@ -295,7 +354,19 @@ def main(argv=None):
                         "groups the rows (0: skip)")
     parser.add_argument("--padded-longest", type=int, default=512, help="the padded rows' longest length")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--loop-overhead", metavar="DATA_PATH",
+                        help="instead of the table: a tiny model's fit step (through the CLI, on this prepared data "
+                        "folder) over its bare step, the loop's overhead (docs/speed.md)")
     args = parser.parse_args(argv)
+    if args.loop_overhead:
+        result = loop_overhead(args.loop_overhead)
+        print(f"loop overhead ({result['pe']}, layers/heads/width {result['shape']}, {result['batch']} x "
+              f"{result['block_size']} tokens, {result['threads']} threads): fit step {result['fit_step_s'] * 1e3:.1f} "
+              f"ms, bare step {result['bare_step_s'] * 1e3:.1f} ms, ratio {result['ratio']:.3f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
     result = run(args)
     print(json.dumps(result["meta"]))
     print(f"MFU against {result['meta']['peak_source']}: {result['meta']['peak_flops'] / 1e9:.1f} GFLOP/s")

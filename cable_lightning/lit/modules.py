@@ -195,11 +195,24 @@ class LanguageModel(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        self._grad_norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        norm = self._grad_norm
         if isinstance(norm, DTensor):  # sharded (FSDP2): the norm of every rank's shard
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         self.stop_if_diverged(norm)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Clip by the norm :meth:`on_before_optimizer_step` measured (one pass over the gradients, not two), here
+        rather than in Lightning's precision plugin, which refuses to clip for a fused optimizer (under a grad scaler
+        the optimizer is not fused: its gradients are unscaled before this, as the norm needs)."""
+        if not gradient_clip_val:
+            return
+        params = [p for p in self.backbone.parameters() if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self._grad_norm)
 
     def stop_if_diverged(self, norm: torch.Tensor) -> None:
         """A non-finite loss or gradient stops the run before the optimizer applies it, so the weights (and every
@@ -231,8 +244,10 @@ class LanguageModel(L.LightningModule):
 
     def configure_optimizers(self):
         h = self.hparams
+        # fp16's grad scaler unscales the gradients before clipping; a fused optimizer would unscale them itself
+        fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
         return build_optimizer(self.backbone, h.lr, h.min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
-                               h.weight_decay)
+                               h.weight_decay, fused=fused)
 
     # --- validation: one loader per (length, stride) window set -----------------------------------
     def eval_specs(self) -> list[tuple[int, int]]:
