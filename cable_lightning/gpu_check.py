@@ -4,14 +4,15 @@ keeps what finished.
 
 1. Real fits through the CLI, one per encoding, grouped into one part per attention backend (the group each encoding
    takes on CUDA, from the registry and ``attention.backends_for``): gpt2-small shape, 1024 tokens, 16 sequences a
-   step, bf16-mixed, ``compile: true``, 3 warm-up steps (compilation among them) then 10 steady steps, one
-   validation at 1024 tokens with the default diagnostics, one checkpoint. A step's time is the interval between
-   consecutive ``on_train_batch_start`` hooks measured with CUDA events: the whole period of a steady step, loading,
-   hooks and logging included, which is the rate a fit trains at (the interval from a step's start to its own end
-   would leave the loop's work between steps out). Validation, diagnostics and checkpoint saves are timed
-   separately with the device synchronised (host-side phases of seconds; events add nothing there). The table gives
-   the median steady step, tokens/s, MFU (``bench.peak_flops``), the training peak memory beside its estimate,
-   Dynamo's compiles in the warm-up, the steady steps and the validation (steady must be 0), and graph breaks.
+   step, bf16-mixed, ``compile: true``, 3 warm-up steps (compilation among them), 10 steady steps, a validation at
+   1024 tokens with the default diagnostics and a checkpoint, one more step, and the validation that ends every fit
+   (the first validation compiles; the second's costs are reported). A step's time is the interval between
+   consecutive ``on_train_batch_start`` hooks measured with CUDA events: the whole period of a step, loading, hooks
+   and logging included, the rate a fit trains at (from a step's start to its own end would leave the loop's work
+   between steps out). Validation, diagnostics and checkpoint saves are timed apart with the device synchronised
+   (phases of seconds, some on the host; events add nothing there). The row gives the median steady step, tokens/s,
+   MFU (``bench.peak_flops``), the steady steps' peak memory beside its estimate, Dynamo's compiles in the warm-up,
+   the steady steps (0 unless something recompiles) and the validations, and graph breaks.
 2. ``bench``: the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): seconds and peak memory
    against NoPE, for every chosen encoding except those on the chunked path (no target, and the slow part that ran
    the first GPU measurement out of time).
@@ -21,21 +22,21 @@ process) is caught by a handler on the ``torch._dynamo`` logger: the run goes on
 the function. A part that fails is a row too; the run then exits 1.
 
 The plan for one H100 or H200, compile included (not yet measured on a GPU): each fit has 24 s (it stops training at
-its budget, keeping the steps it timed; its validation still runs), each part 24 s per fit (a fit that would start
-after its part's budget is spent is a "skipped" row); ``bench`` has 36 s (an encoding that would start after it is
-skipped). Eleven fits (sdpa 48 s, fold 72 s, flex 72 s, chunked 72 s) and the bench: 300 s, plus about 20 s to import
-and start: under 6 minutes.
+its budget, keeping the steps it timed; the validation that ends a fit still runs), each part 24 s per fit (a fit
+that would start after its part's budget is spent is a "skipped" row); ``bench`` has 36 s (an encoding that would
+start after it is skipped). Eleven fits (sdpa 48 s, fold 72 s, flex 72 s, chunked 72 s) and the bench: 300 s, plus
+about 20 s to import and start: under 6 minutes.
 
-Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the
+Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
 validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`). The fits
 pass ``--throughput.log_peak_memory false``: that callback resets the peak statistics at every step's end, which is
 why the old ``tools/gpu_acceptance.py`` reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model (it read
 the peak at the end of training, after the last reset: the final validation over the weights, gradients and AdamW
 state, not a training step).
 
-``--rehearse-on-cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, a few steps), the first encoding
-of each part only, CPU clocks for the events, Dynamo's ``eager`` backend for inductor (compiling is the GPU's part;
-Dynamo's counters and the recompile watch still run); its figures are not GPU figures.
+``--rehearse-on-cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, 1 warm-up and 2 steady steps),
+the first encoding of each part only, CPU clocks for the events, Dynamo's ``eager`` backend for inductor (compiling
+is the GPU's part; Dynamo's counters and the recompile watch still run); its figures are not GPU figures.
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ class FitClock(L.Callback):
 
     def __init__(self, warmup: int, deadline: float, cuda: bool):
         self.warmup, self.deadline, self.cuda = warmup, deadline, cuda
-        self.marks, self.counts = [], {}
-        self.validation = self.diagnostics = self.checkpoint = self.evaluation = 0.0
+        self.marks, self.counts, self.interrupted = [], {}, set()  # interrupted: marks whose period holds a validation
+        self.validations: list[tuple[float, float, float]] = []  # (seconds, evaluation, diagnostics) of each
+        self.diagnostics = self.checkpoint = 0.0
         self.train_peak, self.stopped, self.model, self.tokens, self.flops = None, False, None, 0, 0.0
 
     def now(self) -> float:
@@ -231,24 +233,27 @@ class FitClock(L.Callback):
         if time.monotonic() >= self.deadline and not trainer.should_stop:
             trainer.should_stop, self.stopped = True, True
 
-    def end_of_training(self):
-        if "validation" not in self.counts:
-            self.counts["validation"] = dynamo_counts()
+    def steady_done(self):
+        """At the first validation (or the end of training): the steady steps' peak memory and counters."""
+        if "validations" not in self.counts:
+            self.counts["validations"] = dynamo_counts()
             if self.cuda and len(self.marks) > self.warmup:
                 self.train_peak = torch.cuda.max_memory_allocated()
 
     def on_train_end(self, trainer, pl_module):
-        self.end_of_training()
+        self.steady_done()
 
     def on_validation_start(self, trainer, pl_module):
-        self.end_of_training()
+        self.steady_done()
+        if trainer.state.fn == "fit":  # inside fit: the period of the step before it is no steady step
+            self.interrupted.add(len(self.marks) - 1)
         self.window = (self.now(), self.diagnostics, self.checkpoint)
 
     def on_validation_end(self, trainer, pl_module):
         start, diagnostics, checkpoint = self.window
-        seconds = self.now() - start
-        self.validation += seconds  # the evaluation: what is left without the diagnostics and checkpoint saves
-        self.evaluation += seconds - (self.diagnostics - diagnostics) - (self.checkpoint - checkpoint)
+        seconds, diagnostics = self.now() - start, self.diagnostics - diagnostics
+        # the evaluation: what the validation spent besides the diagnostics and checkpoint saves
+        self.validations.append((seconds, seconds - diagnostics - (self.checkpoint - checkpoint), diagnostics))
 
     def teardown(self, trainer, pl_module, stage):
         self.counts["end"] = dynamo_counts()
@@ -259,10 +264,11 @@ class FitClock(L.Callback):
         return self.marks[last] - self.marks[first]
 
     def steps(self) -> list[float]:
-        """Seconds of each steady step (the last step's period would end in validation: not one)."""
+        """Seconds of each steady step: each period from a step's start to the next's, but one holding a
+        validation."""
         if self.cuda:
             torch.cuda.synchronize()
-        return [self.elapsed(i, i + 1) for i in range(self.warmup, len(self.marks) - 1)]
+        return [self.elapsed(i, i + 1) for i in range(self.warmup, len(self.marks) - 1) if i not in self.interrupted]
 
     def warmup_seconds(self) -> float:
         return self.elapsed(0, self.warmup) if len(self.marks) > self.warmup else float("nan")
@@ -296,8 +302,8 @@ class Report:
 
 FIT_HEAD = ["part", "encoding", "backend", "steady steps", "step ms (median)", "tokens/s", "x NoPE", "MFU",
             "warm-up s (compile)", "fit s (all)", "train peak GiB", "estimate GiB: state + activations + logits",
-            "Dynamo compiles: warm-up / steady / validation", "graph breaks", "evaluation s",
-            "diagnostics s (x evaluation)", "checkpoint s", "note"]
+            "Dynamo compiles: warm-up / steady / validations", "graph breaks", "first validation s",
+            "evaluation s", "diagnostics s (x evaluation)", "checkpoint s", "note"]
 
 
 def gib(n: float | None) -> str:
@@ -314,14 +320,16 @@ def encoding_argument(label: str) -> str:
 
 def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, experiment: str) -> list[str]:
     """A fit's command line, complete without a config file (a pip install has no configs/)."""
-    steps = sizes.warmup + sizes.steady + 1  # the last step's period ends in validation
+    # validation after the steady steps, then one more step, then CableCLI's validation at the end of fit: the
+    # first validation compiles, the second shows what a validation costs once compiled
+    steps = sizes.warmup + sizes.steady + 1
     shape = [arg for name, value in sizes.shape.items() for arg in (f"--model.init_args.backbone.{name}", str(value))]
     return ["fit", "--model.class_path", "cable_lightning.lit.CausalLM", "--model.init_args.compile", "true",
             "--model.init_args.backbone.preset", sizes.preset, *shape, *data,
             "--data.block_size", str(sizes.block), "--data.micro_batch_size", str(sizes.micro),
             "--data.eval_lengths", f"[{sizes.block}]", "--data.eval_tokens", str(sizes.micro * sizes.block),
             "--trainer.accelerator", device, "--trainer.devices", "1", "--trainer.precision", sizes.precision,
-            "--trainer.max_steps", str(steps), "--trainer.num_sanity_val_steps", "0",
+            "--trainer.max_steps", str(steps + 1), "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),
             "--throughput.log_peak_memory", "false", "--seed_everything", "0",
             "--runs_dir", runs_dir, "--experiment", experiment, *sizes.extra]
@@ -383,16 +391,19 @@ class Run:
         notes += [f"RECOMPILE LIMIT: {function} ({reason})" for function, reason in self.watch.hits[hits:]]
         state, activations, logits = memory_estimate(clock.model, sizes.micro, sizes.block)
         compiles = " / ".join(str(clock.phase("compiles", a, b)) for a, b in
-                              (("start", "steady"), ("steady", "validation"), ("validation", "end")))
-        diagnostics = f"{clock.diagnostics:.2f}" + (f" ({clock.diagnostics / clock.evaluation:.2f})"
-                                                     if clock.evaluation > 0 else "")
+                              (("start", "steady"), ("steady", "validations"), ("validations", "end")))
+        first = clock.validations[0][0] if clock.validations else 0.0
+        _, evaluation, diagnostics = clock.validations[-1] if clock.validations else (0.0, 0.0, 0.0)
+        if len(clock.validations) < 2:
+            notes.append("one validation: its evaluation and diagnostics include compiling")
         self.report.row([
             part, label, backend, len(steps), f"{step * 1000:.1f}" if step else "-", f"{rate:,.0f}" if rate else "-",
             f"{rate / self.nope_rate:.2f}" if rate and self.nope_rate else "-",
             f"{rate * clock.flops / self.peak:.1%}" if rate and self.peak else "-", f"{clock.warmup_seconds():.1f}",
             f"{seconds:.1f}", gib(clock.train_peak),
             f"{gib(state)} + {gib(activations)} + {gib(logits)} = {gib(state + activations + logits)}",
-            compiles, clock.phase("graph_breaks", "start", "end"), f"{clock.evaluation:.2f}", diagnostics,
+            compiles, clock.phase("graph_breaks", "start", "end"), f"{first:.2f}", f"{evaluation:.2f}",
+            f"{diagnostics:.2f}" + (f" ({diagnostics / evaluation:.2f})" if evaluation > 0 else ""),
             f"{clock.checkpoint:.2f}", "; ".join(notes)])
 
     def bench(self, part: str, labels: list[str], head: list[str]) -> None:

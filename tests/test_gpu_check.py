@@ -23,17 +23,19 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path):
     out = tmp_path / "gpu_check.md"
     assert verb(["gpu-check", "--rehearse-on-cpu", "--data-path", tiny_corpus_dir, "--out", str(out),
                  "--runs-dir", str(tmp_path / "runs")]) == 0
-    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| fit ")]
-    assert [row[0][2:] for row in rows] == list(gpu_check.parts_of(gpu_check.ENCODINGS))
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| fit ")]
+    assert [row[0] for row in rows] == list(gpu_check.parts_of(gpu_check.ENCODINGS))
     head = gpu_check.FIT_HEAD
     for row in rows:
         cell = dict(zip(head, row))
         assert cell["steady steps"] == str(gpu_check.REHEARSAL.steady), row
-        warmup, steady, _ = map(int, cell["Dynamo compiles: warm-up / steady / validation"].split(" / "))
+        warmup, steady, _ = map(int, cell["Dynamo compiles: warm-up / steady / validations"].split(" / "))
         assert warmup >= 1 and steady == 0, row  # compiled in the warm-up, no recompile in the steady steps
         assert float(cell["tokens/s"].replace(",", "")) > 0
-        for name in ("evaluation s", "diagnostics s (x evaluation)", "checkpoint s"):
+        for name in ("first validation s", "evaluation s", "diagnostics s (x evaluation)", "checkpoint s"):
             assert float(cell[name].split()[0]) > 0, (name, row)
+        assert cell["note"] == "", row  # two validations (the second's costs reported), within the budget
     bench_rows = [line for line in out.read_text().splitlines() if line.startswith("| bench |")]
     assert len(bench_rows) == 3 and all("failed" not in row and "skipped" not in row for row in bench_rows)
     assert torch.compile.__name__ == "compile"  # the rehearsal's eager backend is undone
