@@ -13,19 +13,19 @@ keeps what finished.
    (phases of seconds, some on the host; events add nothing there). The row gives the median steady step, tokens/s,
    MFU (``bench.peak_flops``), the steady steps' peak memory beside its estimate, Dynamo's compiles in the warm-up,
    the steady steps (0 unless something recompiles) and the validations, and graph breaks.
-2. ``bench``: the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): seconds and peak memory
-   against NoPE, for every chosen encoding except those on the chunked path (no target, and the slow part that ran
-   the first GPU measurement out of time).
+2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): seconds
+   and peak memory against NoPE, for every chosen encoding except those on the chunked path (no target, and the slow
+   part that ran the first GPU measurement out of time).
 
 Dynamo's warning that a function hit its recompile limit (it then runs that function eagerly for the rest of the
 process) is caught by a handler on the ``torch._dynamo`` logger: the run goes on, then exits 1 with a line naming
 the function. A part that fails is a row too; the run then exits 1.
 
-The plan for one H100 or H200, compile included (not yet measured on a GPU): each fit has 24 s (it stops training at
-its budget, keeping the steps it timed; the validation that ends a fit still runs), each part 24 s per fit (a fit
-that would start after its part's budget is spent is a "skipped" row); ``bench`` has 36 s (an encoding that would
-start after it is skipped). Eleven fits (sdpa 48 s, fold 72 s, flex 72 s, chunked 72 s) and the bench: 300 s, plus
-about 20 s to import and start: under 6 minutes.
+The plan for one H100 or H200, compile included (not yet measured on a GPU): ``bench`` first, 36 s (an encoding that
+would start after it is a "skipped" row); then each fit has 24 s (it stops training at its budget, keeping the steps
+it timed; the validation that ends a fit still runs) and each part 24 s per fit (a fit that would start after it is
+a "skipped" row): sdpa 48 s, fold 72 s, flex 72 s, chunked 72 s. 300 s, plus about 20 s to import and start;
+nothing starts after 330 s, so the run ends near 5.5 minutes even when compiling takes longer than planned.
 
 Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
 validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`). The fits
@@ -51,7 +51,7 @@ import re
 import statistics
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 
 import lightning as L
 import torch
@@ -62,8 +62,9 @@ from .errors import ConfigError, RunFailedError
 # The issue's choice (issue 47): three encodings per backend where there are three, NoPE (the baseline) first.
 ENCODINGS = ["nope", "rope", "cable", "alibi", "fox", "kerple_log", "fire", "t5", "cope", "dape_v2+cable",
              "stick_breaking"]
-FIT_BUDGET_S = 24.0
+FIT_BUDGET_S = 24.0  # a fit's, and its part's per fit
 BENCH_BUDGET_S = 36.0
+RUN_BUDGET_S = 330.0  # nothing starts after it: the fit then in flight and its last validation end the run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,14 +261,13 @@ class FitClock(L.Callback):
 
     def elapsed(self, first: int, last: int) -> float:
         if self.cuda:
+            torch.cuda.synchronize()  # both events done
             return self.marks[first].elapsed_time(self.marks[last]) / 1000
         return self.marks[last] - self.marks[first]
 
     def steps(self) -> list[float]:
         """Seconds of each steady step: each period from a step's start to the next's, but one holding a
         validation."""
-        if self.cuda:
-            torch.cuda.synchronize()
         return [self.elapsed(i, i + 1) for i in range(self.warmup, len(self.marks) - 1) if i not in self.interrupted]
 
     def warmup_seconds(self) -> float:
@@ -285,6 +285,9 @@ class Report:
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path, self.file = path, open(path, "w", encoding="utf-8")
+
+    def close(self) -> None:
+        self.file.close()
 
     def line(self, text: str = "") -> None:
         self.file.write(text + "\n")
@@ -406,7 +409,7 @@ class Run:
             f"{diagnostics:.2f}" + (f" ({diagnostics / evaluation:.2f})" if evaluation > 0 else ""),
             f"{clock.checkpoint:.2f}", "; ".join(notes)])
 
-    def bench(self, part: str, labels: list[str], head: list[str]) -> None:
+    def bench(self, part: str, labels: list[str], head: list[str], deadline: float) -> None:
         """The bench's model-only evaluation at ``eval_length``, eager (the preset's vocabulary, as the bench's)."""
         from . import bench
         from .models import build_backbone
@@ -414,11 +417,10 @@ class Run:
         sizes, dtype = self.sizes, self.sizes.dtype
         shape = argparse.Namespace(**{"preset": sizes.preset, "vocab_size": None, "n_layer": None, "n_head": None,
                                       "n_embd": None, **sizes.shape})
-        deadline = time.monotonic() + BENCH_BUDGET_S * self.args.budget_scale
         for label in labels:
             cells = [part, label, backend_of(label)]
             if time.monotonic() >= deadline:
-                self.report.row(cells + ["skipped: the part's budget is spent"] + [""] * (len(head) - 4))
+                self.report.row(cells + ["skipped: its budget is spent"] + [""] * (len(head) - 4))
                 continue
             try:
                 torch._dynamo.reset()
@@ -456,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="every part on the CPU at toy sizes, to check this command (not GPU figures)")
     args = parser.parse_args(argv)
     started, cuda = time.monotonic(), not args.rehearse_on_cpu
+    if not args.budget_scale > 0:
+        raise ConfigError(f"--budget-scale must be > 0, got {args.budget_scale}")
     if cuda and not torch.cuda.is_available():
         raise ConfigError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                           "--rehearse-on-cpu runs its parts on the CPU at toy sizes")
@@ -474,23 +478,26 @@ def main(argv: list[str] | None = None) -> None:
     report.line(f"{sizes.preset}{f' ({shape})' if shape else ''} at {sizes.block} tokens, {sizes.micro} sequences a "
                 f"step, {sizes.precision}, compile true, {sizes.warmup} warm-up and {sizes.steady} steady steps; MFU "
                 f"against {run.peak_source}" + (f" ({run.peak / 1e12:.3g} TFLOP/s)" if run.peak else ""))
-    with run.watch.watching(), (eager_dynamo() if args.rehearse_on_cpu else nullcontext()):
-        report.table(FIT_HEAD)
-        for part, labels in parts.items():
-            deadline = time.monotonic() + FIT_BUDGET_S * args.budget_scale * len(labels)
-            for label in labels:
-                if time.monotonic() < deadline:
-                    run.fit(part, label, deadline)
-                else:
-                    report.row([part, label, backend_of(label), "skipped: the part's budget is spent"]
-                               + [""] * (len(FIT_HEAD) - 4))
+    scale, run_deadline = args.budget_scale, started + RUN_BUDGET_S * args.budget_scale
+    with run.watch.watching(), (eager_dynamo() if args.rehearse_on_cpu else nullcontext()), closing(report):
+        # the bench first: bounded and cheap, so a fit that overruns cannot take the evaluation targets with it
         head = ["part", "encoding", "backend", f"eval s @{sizes.eval_length}", "x NoPE",
                 f"eval peak MiB @{sizes.eval_length}", "x NoPE", "note"]
         report.table(head)
         benched = [label for labels in parts.values() for label in labels if backend_of(label) != "chunked"]
-        run.bench("bench", ["nope"] + [label for label in benched if label != "nope"], head)
-    report.line()
-    report.line(f"finished in {time.monotonic() - started:.0f} s")
+        run.bench("bench", ["nope"] + [label for label in benched if label != "nope"], head,
+                  min(time.monotonic() + BENCH_BUDGET_S * scale, run_deadline))
+        report.table(FIT_HEAD)
+        for part, labels in parts.items():
+            deadline = min(time.monotonic() + FIT_BUDGET_S * scale * len(labels), run_deadline)
+            for label in labels:
+                if time.monotonic() < deadline:
+                    run.fit(part, label, deadline)
+                else:
+                    report.row([part, label, backend_of(label), "skipped: its budget is spent"]
+                               + [""] * (len(FIT_HEAD) - 4))
+        report.line()
+        report.line(f"finished in {time.monotonic() - started:.0f} s")
     problems = [f"Dynamo hit its recompile limit in {function}: {reason}" for function, reason in run.watch.hits]
     if problems or run.failures:
         raise RunFailedError(f"gpu-check: {'; '.join(problems + run.failures)} (results so far in {args.out})")

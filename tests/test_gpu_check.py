@@ -41,6 +41,14 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path):
     assert torch.compile.__name__ == "compile"  # the rehearsal's eager backend is undone
 
 
+def test_a_spent_budget_skips_each_part_with_a_row(tmp_path):
+    out = tmp_path / "gpu_check.md"
+    assert verb(["gpu-check", "--rehearse-on-cpu", "--budget-scale", "1e-9", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    parts = ["bench"] + list(gpu_check.parts_of(gpu_check.ENCODINGS))
+    assert {row.split(" | ")[0][2:] for row in rows if "skipped: its budget is spent" in row} == set(parts)
+
+
 def test_a_recompile_limit_hit_fails_the_verb_naming_the_function(monkeypatch, tmp_path, capsys):
     """Dynamo's real warning (a function recompiled past its limit) is caught, and the verb exits 1 naming it."""
 
