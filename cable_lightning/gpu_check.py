@@ -30,9 +30,9 @@ nothing starts after 330 s, so the run ends near 5.5 minutes even when compiling
 Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
 validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`). The fits
 pass ``--throughput.log_peak_memory false``: that callback resets the peak statistics at every step's end, which is
-why the old ``tools/gpu_acceptance.py`` reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model (it read
-the peak at the end of training, after the last reset: the final validation over the weights, gradients and AdamW
-state, not a training step).
+why the old ``tools/gpu_acceptance.py`` reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model (by its code
+and the arithmetic: it read the peak at the end of training, after the last reset, so the figure was the final
+validation and checkpoint over the weights, gradients and AdamW state, 1.3 GiB, not a training step).
 
 ``--rehearse-on-cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, 1 warm-up and 2 steady steps),
 the first encoding of each part only, CPU clocks for the events, Dynamo's ``eager`` backend for inductor (compiling
@@ -89,9 +89,9 @@ class Sizes:
 
 GPU = Sizes("gpt2-small", {}, block=1024, micro=16, warmup=3, steady=10, eval_length=16384, repeats=2,
             precision="bf16-mixed")
-# fp32: a CPU without bf16 instructions runs bf16 many times slower (a 1024 x 1024 bf16 matmul peak took 129 s
-# here); no logger: TensorBoard figures take seconds of matplotlib a validation on 2 cores, and say nothing of
-# the command.
+# fp32: a CPU without bf16 instructions runs bf16 many times slower (the bf16 matmul peak took 129 s to measure on
+# the shared 2-core machine); no logger: TensorBoard figures take seconds of matplotlib a validation on 2 cores, and
+# say nothing of the command.
 REHEARSAL = Sizes("gpt2-tiny", {"n_layer": 2, "n_head": 2, "n_embd": 32}, block=32, micro=2, warmup=1, steady=2,
                   eval_length=128, repeats=1, precision="32-true", extra=("--trainer.logger", "false"))
 
@@ -156,9 +156,8 @@ def eager_dynamo():
     compile_ = torch.compile
 
     def eager(*args, **kwargs):
-        kwargs.update(backend="eager")
-        kwargs.pop("mode", None), kwargs.pop("options", None)
-        return compile_(*args, **kwargs)
+        kwargs = {name: value for name, value in kwargs.items() if name not in ("mode", "options")}  # inductor's
+        return compile_(*args, **{**kwargs, "backend": "eager"})
 
     torch.compile = eager
     try:
