@@ -321,7 +321,8 @@ def encoding_argument(label: str) -> str:
 
 
 def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, experiment: str) -> list[str]:
-    """A fit's command line, complete without a config file (a pip install has no configs/)."""
+    """A fit's command line, complete without a config file (a pip install has no configs/). Its records go under
+    ``runs_dir`` also without a logger (the rehearsal's), not into the working directory."""
     # validation after the steady steps, then one more step, then CableCLI's validation at the end of fit: the
     # first validation compiles, the second shows what a validation costs once compiled
     steps = sizes.warmup + sizes.steady + 1
@@ -334,7 +335,8 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
             "--trainer.max_steps", str(steps + 1), "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),
             "--throughput.log_peak_memory", "false", "--seed_everything", "0",
-            "--runs_dir", runs_dir, "--experiment", experiment, *sizes.extra]
+            "--runs_dir", runs_dir, "--experiment", experiment,
+            "--trainer.default_root_dir", os.path.join(runs_dir, experiment), *sizes.extra]
 
 
 class Run:

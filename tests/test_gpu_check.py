@@ -17,10 +17,12 @@ def test_parts_follow_the_backend_each_encoding_takes_on_cuda():
     assert {f"fit {gpu_check.backend_of(name)}" for name in available()} <= set(gpu_check.parts_of(gpu_check.ENCODINGS))
 
 
-def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path):
+def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch):
     """Every part runs on the CPU at toy sizes: a real fit through the CLI per backend (compiled by Dynamo, timed,
     validated with diagnostics, checkpointed) and the bench's evaluation, each a row of the file."""
-    out = tmp_path / "gpu_check.md"
+    out, cwd = tmp_path / "gpu_check.md", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     assert verb(["gpu-check", "--rehearse-on-cpu", "--data-path", tiny_corpus_dir, "--out", str(out),
                  "--runs-dir", str(tmp_path / "runs")]) == 0
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.read_text().splitlines()
@@ -39,6 +41,7 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path):
     bench_rows = [line for line in out.read_text().splitlines() if line.startswith("| bench |")]
     assert len(bench_rows) == 3 and all("failed" not in row and "skipped" not in row for row in bench_rows)
     assert torch.compile.__name__ == "compile"  # the rehearsal's eager backend is undone
+    assert list(cwd.iterdir()) == []  # every record under --runs-dir
 
 
 def test_a_spent_budget_skips_each_part_with_a_row(tmp_path):
