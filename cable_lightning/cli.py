@@ -227,6 +227,10 @@ class SavedConfig(SaveConfigCallback):
 
 
 class CableCLI(LightningCLI):
+    def __init__(self, *args, extra_callbacks: tuple = (), **kwargs):
+        self.extra_callbacks = list(extra_callbacks)  # appended last (gpu-check's clock): see instantiate_trainer
+        super().__init__(*args, **kwargs)
+
     def parse_arguments(self, parser, args):
         self._args = args  # parsed again over a checkpoint's model settings (see _parse_ckpt_path)
         super().parse_arguments(parser, args)
@@ -318,6 +322,7 @@ class CableCLI(LightningCLI):
         trainer.callbacks.append(PreemptionCheckpoint(self.config[self.subcommand].checkpoint.dirpath))
         trainer.callbacks = [ParameterSummary(max_depth=cb._max_depth) if type(cb) in (ModelSummary, RichModelSummary)
                              else cb for cb in trainer.callbacks]  # Lightning's default summary, without FLOPs 0
+        trainer.callbacks += self.extra_callbacks  # after every configured callback: their hooks run first
         return trainer
 
     def before_fit(self):
@@ -355,10 +360,12 @@ class CableCLI(LightningCLI):
                   f"{self.config['fit'].checkpoint.dirpath}", flush=True)
 
 
-def main(args: list[str] | None = None) -> CableCLI:
-    """The CLI as a library call; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``. Errors propagate."""
+def main(args: list[str] | None = None, extra_callbacks: tuple = ()) -> CableCLI:
+    """The CLI as a library call; ``args`` (for tests and scripts) replaces ``sys.argv[1:]``; ``extra_callbacks`` join
+    the Trainer's, after its own. Errors propagate."""
     return CableCLI(LanguageModel, TokenDataModule, subclass_mode_model=True, args=args,
-                    save_config_callback=SavedConfig, save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
+                    extra_callbacks=extra_callbacks, save_config_callback=SavedConfig,
+                    save_config_kwargs={"overwrite": True}, parser_class=TerseParser,
                     parser_kwargs={"prog": "python -m cable_lightning"})
 
 

@@ -26,7 +26,7 @@ LAYERS = [
     {"eval"},
     {"lit", "callbacks"},
     {"hf", "cli"},
-    {"sweep", "bench", "__main__"},
+    {"sweep", "bench", "gpu_check", "__main__"},
 ]
 # Copied into every export (hf/export.py, CORE_SOURCES): they may import only each other.
 CORE = {"errors", "models", "positional"}

@@ -60,7 +60,7 @@ def test_bf16_mixed_training_step_is_finite_and_near_fp32(name, monkeypatch):
 
 # The backends whose code is this project's own, in a training step: the fold (CABLE) and the chunked path with
 # logit scores (CoPE). Inductor takes 17-25 s a test with a cold cache, 5-9 s from its on-disk cache (2 cores, not
-# alone); SDPA and FlexAttention are compiled on a GPU by tools/gpu_acceptance.py.
+# alone); SDPA and FlexAttention are compiled on a GPU by python -m cable_lightning gpu-check.
 COMPILED = {"cable": "fold", "cope": "chunked"}
 
 
