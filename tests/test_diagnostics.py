@@ -5,16 +5,20 @@ import cmath
 import math
 import os
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cable_lightning.callbacks import AttentionDiagnostics
 from cable_lightning.cli import main
+from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval.diagnostics import QUANTITIES, context_gain, row_quantities, short_context_nll
 from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import seed_interval
+from cable_lightning.eval.work import DeviceWork
+from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.attention import attention, attention_map
 from cable_lightning.positional import available, build_positional
@@ -304,3 +308,36 @@ def test_report_tables_and_figures_with_seed_intervals(tmp_path):
     lines = open(tmp_path / "out" / "r_attention.csv").read().splitlines()
     # (all + 2 layers) x 2 lengths x 2 encodings x 3 seeds, and (all + layer 0) x 2 lengths for the masked run
     assert len(lines) == 1 + len(QUANTITIES) * (3 * 2 * 2 * 3 + 2 * 2)
+
+
+def counted(work: DeviceWork, fn):
+    def run(*args, **kwargs):
+        with work:
+            return fn(*args, **kwargs)
+    return run
+
+
+def test_diagnostics_work_is_bounded_by_the_length_evaluations(tiny_corpus_dir, tmp_path):
+    """Counted on CPU (what a GPU would launch and wait for; docs/diagnostics.md#cost), one validation at 1x, 2x and
+    4x the training length: the diagnostics pass through the model at most twice per length (the recorded forward
+    and one short-context forward), so at most twice as often as the length evaluation, which makes at least one
+    pass per length; they read back to the host at most twice per length (the attention statistics and the key
+    tokens' figures), not once per layer, head and quantity."""
+    lengths = [32, 64, 128]
+    dm = TokenDataModule(tiny_corpus_dir, block_size=32, micro_batch_size=4, eval_lengths=lengths, eval_tokens=128)
+    torch.manual_seed(0)
+    model = CausalLM(BackboneConfig(pos_encoding="alibi", n_layer=2, n_head=2, n_embd=32), data=dm.describe())
+    diagnostics = AttentionDiagnostics()
+    evaluation, diagnosed = DeviceWork(model.backbone), DeviceWork(model.backbone)
+    model.validation_step = counted(evaluation, model.validation_step)
+    model.on_validation_epoch_end = counted(evaluation, model.on_validation_epoch_end)
+    diagnostics.on_validation_end = counted(diagnosed, diagnostics.on_validation_end)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[diagnostics])
+    trainer.validate(model, datamodule=dm, verbose=False)
+    print(f"evaluation {evaluation.counts()}, diagnostics {diagnosed.counts()}")
+    assert len({r.length for r in diagnostics.attention}) == len(lengths)
+    assert evaluation.forwards >= len(lengths)
+    assert diagnosed.forwards <= 2 * len(lengths) - 1  # none past the training length at 1x
+    assert diagnosed.forwards <= 2 * evaluation.forwards
+    assert diagnosed.transfers <= 2 * len(lengths)

@@ -31,7 +31,8 @@ class AttentionDiagnostics(L.Callback):
     training length advancing by ``short_stride`` (default a quarter of it), run ``batch_size`` at a time."""
 
     def __init__(self, enabled: bool = True, windows: int = 2, sink: int = DEFAULT_SINK, local: Optional[int] = None,
-                 threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None, batch_size: int = 8):
+                 threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None,
+                 batch_size: Optional[int] = None):
         for name, value, low in (("windows", windows, 1), ("sink", sink, 1), ("local", local, 1),
                                  ("short_stride", short_stride, 1), ("batch_size", batch_size, 1)):
             if value is not None and value < low:
