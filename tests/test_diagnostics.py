@@ -235,6 +235,24 @@ def test_bad_settings_name_the_value():
         AttentionDiagnostics(windows=0)
     with pytest.raises(ConfigError, match=r"diagnostics.threshold must be > 0 nats, got -1"):
         AttentionDiagnostics(threshold=-1.0)
+    with pytest.raises(ConfigError, match=r"diagnostics.budget must be > 0 \(times the length evaluation\) or null"):
+        AttentionDiagnostics(budget=0.0)
+
+
+def test_the_schedule_runs_the_first_the_final_and_others_within_the_budget():
+    """Seconds set by hand: after 3 s of diagnostics against 2 s of length evaluation (1.5x), a budget of 0.5x skips
+    validations until the evaluations reach 6 s; the first and a final one (a validate, a fit's last) always run."""
+    diagnostics = AttentionDiagnostics(budget=0.5)
+    assert diagnostics.due(final=False)
+    diagnostics.runs, diagnostics.spent, diagnostics.evaluated = 1, 3.0, 2.0
+    assert not diagnostics.due(final=False) and diagnostics.due(final=True)
+    diagnostics.evaluated = 5.9
+    assert not diagnostics.due(final=False)
+    diagnostics.evaluated = 6.0
+    assert diagnostics.due(final=False)
+    every = AttentionDiagnostics(budget=None)
+    every.runs, every.spent, every.evaluated = 1, 100.0, 1.0
+    assert every.due(final=False)
 
 
 def cli_args(data, runs, command="fit", lengths="[32, 64]"):

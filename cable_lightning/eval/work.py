@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 # Operators that allocate or describe memory without computing anything (views are told by their schema).
-NO_KERNEL = {"empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg"}
+NO_KERNEL = {"empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "_unsafe_view", "promote_types"}
 # Operators that return a Python number (under inference mode ``item`` and ``is_nonzero`` are not decomposed).
 SCALAR_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
 # Tensor methods that read a whole tensor back. (``.to("cpu")`` is not told apart from a move to the model's device
