@@ -2,9 +2,12 @@
 
 For each encoding and length: the length evaluation's work (every non-overlapping window of ``--eval-tokens`` targets
 through ``token_nll``, batched as the datamodule batches them: ``--micro-batch`` windows up to the training length,
-one past it) and the diagnostics' (``--windows`` windows: the forward with the attention recorded, then the
-short-context pass), each the fastest of ``--repeats`` runs, so that a busy machine's stalls drop out; wall seconds
-and this process's CPU seconds. The weights do not change the cost, so the model is a fresh one of the given shape.
+one past it; the bare forwards, without the metric updates and reads back of the real validation) and the
+diagnostics' (``diagnose`` of ``--windows`` windows: the forward with the attention recorded, the short-context pass
+and the read back), each the fastest of ``--repeats`` runs, so that a busy machine's stalls drop out; wall seconds and
+this process's CPU seconds; then, from one more run of each, what a GPU would be asked for (``eval/work.py``): passes
+through the model, operators launched and reads back to the host. The weights do not change the cost, so the model is
+a fresh one of the given shape.
 
     python tools/diagnostics_cost.py --pes cable rope stick_breaking
 """
@@ -17,7 +20,8 @@ import time
 import torch
 
 from cable_lightning.data.windows import EvalWindows
-from cable_lightning.eval.diagnostics import AttentionStats, recording, short_context_nll
+from cable_lightning.eval.diagnostics import diagnose
+from cable_lightning.eval.work import DeviceWork
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
 
@@ -51,23 +55,21 @@ def measure(pe: str, args) -> list[dict]:
                 backbone.token_nll(chunk[:, :-1], chunk[:, 1:])
 
         few = torch.stack(tokens[: args.windows])
-        inputs, targets = few[:, :-1], few[:, 1:]
 
-        def recorded():
-            with recording(backbone, AttentionStats(local=max(1, args.train_length // 8))):
-                backbone.token_nll(inputs, targets)
-
-        def short():
-            if length > args.train_length:
-                short_context_nll(backbone, inputs, targets, args.train_length, max(1, args.train_length // 4))
+        def diagnostics():
+            diagnose(backbone, few[:, :-1], few[:, 1:], args.train_length)
 
         row = {"pe": pe, "length": length}
-        for name, fn in (("evaluation", evaluation), ("attention", recorded), ("short", short)):
+        for name, fn in (("evaluation", evaluation), ("diagnostics", diagnostics)):
             row[name], row[name + "_cpu"] = fastest(fn, args.repeats)
+            work = DeviceWork(backbone)
+            with work:
+                fn()
+            row[name + "_work"] = work.counts()
         rows.append(row)
-        cpu = row["attention_cpu"] + row["short_cpu"]
-        print(f"{pe:>16} {length:>6}: evaluation {row['evaluation']:6.2f} s, diagnostics {row['attention']:6.2f} + "
-              f"{row['short']:6.2f} s (CPU {row['evaluation_cpu']:6.2f} vs {cpu:6.2f})", flush=True)
+        print(f"{pe:>16} {length:>6}: evaluation {row['evaluation']:6.2f} s, diagnostics {row['diagnostics']:6.2f} s "
+              f"(CPU {row['evaluation_cpu']:6.2f} vs {row['diagnostics_cpu']:6.2f}); evaluation "
+              f"{row['evaluation_work']}, diagnostics {row['diagnostics_work']}", flush=True)
     return rows
 
 
@@ -86,16 +88,18 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     print(f"threads {torch.get_num_threads()}; quickstart shape unless given; fastest of {args.repeats}", flush=True)
-    lines = ["| encoding | length evaluation (s) | diagnostics (s) | of which short-context (s) | ratio | CPU ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| encoding | length evaluation (s) | diagnostics (s) | ratio | CPU ratio | forwards | operators | "
+             "reads back |", "|---|---|---|---|---|---|---|---|"]
     for pe in args.pes:
         rows = measure(pe, args)
         evaluation = sum(r["evaluation"] for r in rows)
-        diagnostics = sum(r["attention"] + r["short"] for r in rows)
-        short = sum(r["short"] for r in rows)
-        cpu = sum(r["attention_cpu"] + r["short_cpu"] for r in rows) / sum(r["evaluation_cpu"] for r in rows)
-        lines.append(f"| {pe} | {evaluation:.1f} | {diagnostics:.1f} | {short:.1f} | {diagnostics / evaluation:.2f} | "
-                     f"{cpu:.2f} |")
+        diagnostics = sum(r["diagnostics"] for r in rows)
+        cpu = sum(r["diagnostics_cpu"] for r in rows) / sum(r["evaluation_cpu"] for r in rows)
+        work = {key: " vs ".join(str(sum(r[f"{name}_work"][key] for r in rows)) for name in ("diagnostics",
+                                                                                             "evaluation"))
+                for key in ("forwards", "kernels", "transfers")}
+        lines.append(f"| {pe} | {evaluation:.1f} | {diagnostics:.1f} | {diagnostics / evaluation:.2f} | {cpu:.2f} | "
+                     f"{work['forwards']} | {work['kernels']} | {work['transfers']} |")
     print("\n".join(lines))
 
 

@@ -17,8 +17,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # Operators that allocate or describe memory without computing anything (views are told by their schema).
 NO_KERNEL = {"empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "_unsafe_view", "promote_types"}
-# Operators that return a Python number (under inference mode ``item`` and ``is_nonzero`` are not decomposed).
-SCALAR_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
+# Operators that return a Python number.
+SCALAR_READS = {"_local_scalar_dense", "equal"}
 # Tensor methods that read a whole tensor back. (``.to("cpu")`` is not told apart from a move to the model's device
 # when the model runs on the CPU, so it is not counted: the package reads back with these.)
 READS = {"tolist", "numpy", "cpu"}
@@ -70,7 +70,12 @@ class _Kernels(TorchDispatchMode):
         self.work = work
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        with self:  # an operator made of others (as ``one_hot`` reaches here under inference mode): count those
+            out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+        out = func(*args, **kwargs)
         inputs = tree_leaves((args, kwargs))
         if self.work.on_host(inputs):  # host memory in, host memory out
             for t in tree_leaves(out):
