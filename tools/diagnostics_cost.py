@@ -10,6 +10,10 @@ through the model, operators launched and reads back to the host. The weights do
 a fresh one of the given shape.
 
     python tools/diagnostics_cost.py --pes cable rope stick_breaking
+    python tools/diagnostics_cost.py --pes alibi cable --n-head 12 --per-block   # operators per row block
+
+``--per-block``: the operators one layer's recorded attention launches per block of rows and besides (by two block
+counts), from which the count at any length and block size follows (docs/diagnostics.md#cost).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import time
 
 import torch
 
+import cable_lightning.eval.diagnostics as diagnostics_module
 from cable_lightning.data.windows import EvalWindows
-from cable_lightning.eval.diagnostics import diagnose
+from cable_lightning.eval.diagnostics import AttentionStats, diagnose
 from cable_lightning.eval.work import DeviceWork
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
@@ -73,6 +78,31 @@ def measure(pe: str, args) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def per_block(pe: str, args) -> tuple[float, float]:
+    """(operators per row block, operators per layer besides) of one layer's recorded attention, ``--windows``
+    windows and ``--n-head`` heads, from 4 and 8 blocks of a 256-token layer."""
+    config = BackboneConfig(preset="gpt2-tiny", pos_encoding=from_label(pe), n_layer=2, n_head=args.n_head,
+                            n_embd=8 * args.n_head, block_size=256)
+    backbone = build_backbone(config)
+    shape = (args.windows, args.n_head, 256, 8)
+    q, k, h = torch.randn(shape), torch.randn(shape), torch.randn(args.windows, 256, 8 * args.n_head)
+    scores = backbone.pe.score_bias(h, 0, 0, None)
+    counts, kept = {}, diagnostics_module.BLOCK_ELEMENTS
+    try:
+        for blocks in (4, 8):
+            maps = diagnostics_module.MAPS + getattr(scores, "maps_per_head", 1)
+            diagnostics_module.BLOCK_ELEMENTS = 256 // blocks * args.windows * args.n_head * maps * 256
+            work = DeviceWork()
+            with work:
+                AttentionStats(local=32).add(0, q, k, scores, True, None)
+            counts[blocks] = work.kernels
+    finally:
+        diagnostics_module.BLOCK_ELEMENTS = kept
+    block = (counts[8] - counts[4]) / 4
+    return block, counts[4] - 4 * block
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pes", nargs="+", default=["cable", "rope", "stick_breaking"])
@@ -86,7 +116,15 @@ def main(argv=None):
     parser.add_argument("--micro-batch", dest="micro_batch", type=int, default=16)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--per-block", dest="per_block", action="store_true",
+                        help="count the operators per block of rows only")
     args = parser.parse_args(argv)
+    if args.per_block:
+        for pe in args.pes:
+            block, layer = per_block(pe, args)
+            print(f"{pe}: {block:g} operators per block of rows, {layer:g} per layer besides ({args.windows} windows, "
+                  f"{args.n_head} heads)")
+        return
     print(f"threads {torch.get_num_threads()}; quickstart shape unless given; fastest of {args.repeats}", flush=True)
     lines = ["| encoding | length evaluation (s) | diagnostics (s) | ratio | CPU ratio | forwards | operators | "
              "reads back |", "|---|---|---|---|---|---|---|---|"]

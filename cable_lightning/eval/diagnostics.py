@@ -15,7 +15,8 @@ against; no encoding is a special case):
 - ``mass``: the weight the row applies in all (1 for softmax; stick-breaking keeps the rest of its stick).
 
 Shares and distances are averaged over the rows that put weight anywhere, over every row of the windows. Rows are
-reduced one block at a time, so memory is O(rows x length), never O(length^2) per head.
+computed one block at a time, so memory is O(rows x length), never O(length^2) per head; each layer's per-row values
+are reduced once and every length's read back to the host once (docs/diagnostics.md#cost).
 
 Tokens that need the long context (LongPPL's key tokens, Fang et al., 2025, with the model itself as the reference
 instead of a separate evaluator model): each target's loss with the whole window against its loss when the model sees
