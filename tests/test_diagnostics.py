@@ -328,6 +328,26 @@ def test_report_tables_and_figures_with_seed_intervals(tmp_path):
     assert len(lines) == 1 + len(QUANTITIES) * (3 * 2 * 2 * 3 + 2 * 2)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_device_work_counts_operators_reads_back_and_forwards(mode):
+    """Reads back: a scalar (float, bool) or a whole tensor (.cpu, .tolist) of device memory; what was read back is
+    host memory, free afterwards. Operators: what computes (not views). Forwards: passes through the blocks."""
+    backbone, t = tiny_model(), torch.randn(4, 3)
+    work = DeviceWork(backbone)
+    with mode(), work:
+        a = (t * 2).sum(0)  # 2 operators
+        float(a[0]), bool(a[1] > 0)  # 2 reads, 1 operator
+        host = a.cpu()  # 1 read, the copy 1 operator
+        host.tolist(), float(host[0]), (host * 3).tolist()  # host memory
+        t.tolist()  # 1 read
+    assert work.counts() == {"forwards": 0, "kernels": 4, "transfers": 4}
+    tokens = torch.randint(0, 40, (2, 9))
+    with mode(), work:
+        backbone.token_nll(tokens[:, :-1], tokens[:, 1:])
+        backbone.token_nll(tokens[:, :-1], tokens[:, 1:])
+    assert work.forwards == 2 and work.kernels > 4
+
+
 def counted(work: DeviceWork, fn):
     def run(*args, **kwargs):
         with work:
@@ -353,9 +373,9 @@ def test_diagnostics_work_is_bounded_by_the_length_evaluations(tiny_corpus_dir, 
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path), callbacks=[diagnostics])
     trainer.validate(model, datamodule=dm, verbose=False)
-    print(f"evaluation {evaluation.counts()}, diagnostics {diagnosed.counts()}")
+    counts = f"evaluation {evaluation.counts()}, diagnostics {diagnosed.counts()}"  # docs/diagnostics.md's table
     assert len({r.length for r in diagnostics.attention}) == len(lengths)
-    assert evaluation.forwards >= len(lengths)
-    assert diagnosed.forwards <= 2 * len(lengths) - 1  # none past the training length at 1x
-    assert diagnosed.forwards <= 2 * evaluation.forwards
-    assert diagnosed.transfers <= 2 * len(lengths)
+    assert evaluation.forwards >= len(lengths), counts
+    assert diagnosed.forwards <= 2 * len(lengths) - 1, counts  # no short-context pass at 1x
+    assert diagnosed.forwards <= 2 * evaluation.forwards, counts
+    assert diagnosed.transfers <= 2 * len(lengths) - 1, counts
