@@ -3,8 +3,9 @@ reads back to the host, and passes through a model (docs/diagnostics.md#cost).
 
 On a GPU each operator is at least one kernel launch (microseconds, however small its tensor), and each read back
 (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``, ``.numpy()``) waits for every
-queued kernel to finish: code that is quick on a CPU can be launch- or sync-bound there. Both counts are the same on
-every device, so the CPU tests bound them.
+queued kernel to finish: code that is quick on a CPU can be launch- or sync-bound there. Both are counted at the
+operator level, where the package's own code asks the same of every device (inside an operator a device's kernels
+may differ), so CPU tests can bound them.
 """
 
 from __future__ import annotations
