@@ -11,7 +11,8 @@ What it adds to the stock CLI:
   the data to the model, set once in the data section; the data is prepared first when it asks for that.
 - validation every checkpoint interval at every evaluation length (and window mode), recorded by
   :class:`LengthEvalRecorder` (perplexity and loss by position) and :class:`AttentionDiagnostics` (attention per
-  layer and head, and the tokens that need the long context; ``--diagnostics.enabled false`` turns them off); a last
+  layer and head, and the tokens that need the long context, at the first and last validations and others within
+  ``--diagnostics.budget`` of the evaluation's time; ``--diagnostics.enabled false`` turns them off); a last
   one at the end of fit; with ``--data.tasks``
   (the passkey among them), exact-match accuracy on the tasks after each (:class:`TaskAccuracy`).
 - checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM,

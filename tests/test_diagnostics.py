@@ -5,16 +5,20 @@ import cmath
 import math
 import os
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cable_lightning.callbacks import AttentionDiagnostics
 from cable_lightning.cli import main
+from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval.diagnostics import QUANTITIES, context_gain, row_quantities, short_context_nll
 from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import seed_interval
+from cable_lightning.eval.work import DeviceWork
+from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.attention import attention, attention_map
 from cable_lightning.positional import available, build_positional
@@ -231,6 +235,24 @@ def test_bad_settings_name_the_value():
         AttentionDiagnostics(windows=0)
     with pytest.raises(ConfigError, match=r"diagnostics.threshold must be > 0 nats, got -1"):
         AttentionDiagnostics(threshold=-1.0)
+    with pytest.raises(ConfigError, match=r"diagnostics.budget must be > 0 \(times the length evaluation\) or null"):
+        AttentionDiagnostics(budget=0.0)
+
+
+def test_the_schedule_runs_the_first_the_final_and_others_within_the_budget():
+    """Seconds set by hand: after 3 s of diagnostics against 2 s of length evaluation (1.5x), a budget of 0.5x skips
+    validations until the evaluations reach 6 s; the first and a final one (a validate, a fit's last) always run."""
+    diagnostics = AttentionDiagnostics(budget=0.5)
+    assert diagnostics.due(final=False)
+    diagnostics.runs, diagnostics.spent, diagnostics.evaluated = 1, 3.0, 2.0
+    assert not diagnostics.due(final=False) and diagnostics.due(final=True)
+    diagnostics.evaluated = 5.9
+    assert not diagnostics.due(final=False)
+    diagnostics.evaluated = 6.0
+    assert diagnostics.due(final=False)
+    every = AttentionDiagnostics(budget=None)
+    every.runs, every.spent, every.evaluated = 1, 100.0, 1.0
+    assert every.due(final=False)
 
 
 def cli_args(data, runs, command="fit", lengths="[32, 64]"):
@@ -304,3 +326,56 @@ def test_report_tables_and_figures_with_seed_intervals(tmp_path):
     lines = open(tmp_path / "out" / "r_attention.csv").read().splitlines()
     # (all + 2 layers) x 2 lengths x 2 encodings x 3 seeds, and (all + layer 0) x 2 lengths for the masked run
     assert len(lines) == 1 + len(QUANTITIES) * (3 * 2 * 2 * 3 + 2 * 2)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_device_work_counts_operators_reads_back_and_forwards(mode):
+    """Reads back: a scalar (float, bool) or a whole tensor (.cpu, .tolist) of device memory; what was read back is
+    host memory, free afterwards. Operators: what computes (not views). Forwards: passes through the blocks."""
+    backbone, t = tiny_model(), torch.randn(4, 3)
+    work = DeviceWork(backbone)
+    with mode(), work:
+        a = (t * 2).sum(0)  # 2 operators
+        float(a[0]), bool(a[1] > 0)  # 2 reads, 1 operator
+        host = a.cpu()  # 1 read, the copy 1 operator
+        host.tolist(), float(host[0]), (host * 3).tolist()  # host memory
+        t.tolist()  # 1 read
+    assert work.counts() == {"forwards": 0, "kernels": 4, "transfers": 4}
+    tokens = torch.randint(0, 40, (2, 9))
+    with mode(), work:
+        backbone.token_nll(tokens[:, :-1], tokens[:, 1:])
+        backbone.token_nll(tokens[:, :-1], tokens[:, 1:])
+    assert work.forwards == 2 and work.kernels > 4
+
+
+def counted(work: DeviceWork, fn):
+    def run(*args, **kwargs):
+        with work:
+            return fn(*args, **kwargs)
+    return run
+
+
+def test_diagnostics_work_is_bounded_by_the_length_evaluations(tiny_corpus_dir, tmp_path):
+    """Counted on CPU (what a GPU would launch and wait for; docs/diagnostics.md#cost), one validation at 1x, 2x and
+    4x the training length: the diagnostics pass through the model at most twice per length (the recorded forward
+    and one short-context forward), so at most twice as often as the length evaluation, which makes at least one
+    pass per length; they read back to the host at most twice per length (the attention statistics and the key
+    tokens' figures), not once per layer, head and quantity."""
+    lengths = [32, 64, 128]
+    dm = TokenDataModule(tiny_corpus_dir, block_size=32, micro_batch_size=4, eval_lengths=lengths, eval_tokens=128)
+    torch.manual_seed(0)
+    model = CausalLM(BackboneConfig(pos_encoding="alibi", n_layer=2, n_head=2, n_embd=32), data=dm.describe())
+    diagnostics = AttentionDiagnostics()
+    evaluation, diagnosed = DeviceWork(model.backbone), DeviceWork(model.backbone)
+    model.validation_step = counted(evaluation, model.validation_step)
+    model.on_validation_epoch_end = counted(evaluation, model.on_validation_epoch_end)
+    diagnostics.on_validation_end = counted(diagnosed, diagnostics.on_validation_end)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[diagnostics])
+    trainer.validate(model, datamodule=dm, verbose=False)
+    counts = f"evaluation {evaluation.counts()}, diagnostics {diagnosed.counts()}"  # docs/diagnostics.md's table
+    assert len({r.length for r in diagnostics.attention}) == len(lengths)
+    assert evaluation.forwards >= len(lengths), counts
+    assert diagnosed.forwards <= 2 * len(lengths) - 1, counts  # no short-context pass at 1x
+    assert diagnosed.forwards <= 2 * evaluation.forwards, counts
+    assert diagnosed.transfers <= 2 * len(lengths) - 1, counts

@@ -2,11 +2,18 @@
 
 For each encoding and length: the length evaluation's work (every non-overlapping window of ``--eval-tokens`` targets
 through ``token_nll``, batched as the datamodule batches them: ``--micro-batch`` windows up to the training length,
-one past it) and the diagnostics' (``--windows`` windows: the forward with the attention recorded, then the
-short-context pass), each the fastest of ``--repeats`` runs, so that a busy machine's stalls drop out; wall seconds
-and this process's CPU seconds. The weights do not change the cost, so the model is a fresh one of the given shape.
+one past it; the bare forwards, without the metric updates and reads back of the real validation) and the
+diagnostics' (``diagnose`` of ``--windows`` windows: the forward with the attention recorded, the short-context pass
+and the read back), each the fastest of ``--repeats`` runs, so that a busy machine's stalls drop out; wall seconds and
+this process's CPU seconds; then, from one more run of each, what a GPU would be asked for (``eval/work.py``): passes
+through the model, operators launched and reads back to the host. The weights do not change the cost, so the model is
+a fresh one of the given shape.
 
     python tools/diagnostics_cost.py --pes cable rope stick_breaking
+    python tools/diagnostics_cost.py --pes alibi cable --n-head 12 --per-block   # operators per row block
+
+``--per-block``: the operators one layer's recorded attention launches per block of rows and besides (by two block
+counts), from which the count at any length and block size follows (docs/diagnostics.md#cost).
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import time
 
 import torch
 
+import cable_lightning.eval.diagnostics as diagnostics_module
 from cable_lightning.data.windows import EvalWindows
-from cable_lightning.eval.diagnostics import AttentionStats, recording, short_context_nll
+from cable_lightning.eval.diagnostics import AttentionStats, diagnose
+from cable_lightning.eval.work import DeviceWork
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
 
@@ -51,24 +60,47 @@ def measure(pe: str, args) -> list[dict]:
                 backbone.token_nll(chunk[:, :-1], chunk[:, 1:])
 
         few = torch.stack(tokens[: args.windows])
-        inputs, targets = few[:, :-1], few[:, 1:]
 
-        def recorded():
-            with recording(backbone, AttentionStats(local=max(1, args.train_length // 8))):
-                backbone.token_nll(inputs, targets)
-
-        def short():
-            if length > args.train_length:
-                short_context_nll(backbone, inputs, targets, args.train_length, max(1, args.train_length // 4))
+        def diagnostics():
+            diagnose(backbone, few[:, :-1], few[:, 1:], args.train_length)
 
         row = {"pe": pe, "length": length}
-        for name, fn in (("evaluation", evaluation), ("attention", recorded), ("short", short)):
+        for name, fn in (("evaluation", evaluation), ("diagnostics", diagnostics)):
             row[name], row[name + "_cpu"] = fastest(fn, args.repeats)
+            work = DeviceWork(backbone)
+            with work:
+                fn()
+            row[name + "_work"] = work.counts()
         rows.append(row)
-        cpu = row["attention_cpu"] + row["short_cpu"]
-        print(f"{pe:>16} {length:>6}: evaluation {row['evaluation']:6.2f} s, diagnostics {row['attention']:6.2f} + "
-              f"{row['short']:6.2f} s (CPU {row['evaluation_cpu']:6.2f} vs {cpu:6.2f})", flush=True)
+        print(f"{pe:>16} {length:>6}: evaluation {row['evaluation']:6.2f} s, diagnostics {row['diagnostics']:6.2f} s "
+              f"(CPU {row['evaluation_cpu']:6.2f} vs {row['diagnostics_cpu']:6.2f}); evaluation "
+              f"{row['evaluation_work']}, diagnostics {row['diagnostics_work']}", flush=True)
     return rows
+
+
+@torch.no_grad()
+def per_block(pe: str, args) -> tuple[float, float]:
+    """(operators per row block, operators per layer besides) of one layer's recorded attention, ``--windows``
+    windows and ``--n-head`` heads, from 4 and 8 blocks of a 256-token layer."""
+    config = BackboneConfig(preset="gpt2-tiny", pos_encoding=from_label(pe), n_layer=2, n_head=args.n_head,
+                            n_embd=8 * args.n_head, block_size=256)
+    backbone = build_backbone(config)
+    shape = (args.windows, args.n_head, 256, 8)
+    q, k, h = torch.randn(shape), torch.randn(shape), torch.randn(args.windows, 256, 8 * args.n_head)
+    scores = backbone.pe.score_bias(h, 0, 0, None)
+    counts, kept = {}, diagnostics_module.BLOCK_ELEMENTS
+    try:
+        for blocks in (4, 8):
+            maps = diagnostics_module.MAPS + getattr(scores, "maps_per_head", 1)
+            diagnostics_module.BLOCK_ELEMENTS = 256 // blocks * args.windows * args.n_head * maps * 256
+            work = DeviceWork()
+            with work:
+                AttentionStats(local=32).add(0, q, k, scores, True, None)
+            counts[blocks] = work.kernels
+    finally:
+        diagnostics_module.BLOCK_ELEMENTS = kept
+    block = (counts[8] - counts[4]) / 4
+    return block, counts[4] - 4 * block
 
 
 def main(argv=None):
@@ -84,18 +116,28 @@ def main(argv=None):
     parser.add_argument("--micro-batch", dest="micro_batch", type=int, default=16)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--per-block", dest="per_block", action="store_true",
+                        help="count the operators per block of rows only")
     args = parser.parse_args(argv)
+    if args.per_block:
+        for pe in args.pes:
+            block, layer = per_block(pe, args)
+            print(f"{pe}: {block:g} operators per block of rows, {layer:g} per layer besides ({args.windows} windows, "
+                  f"{args.n_head} heads)")
+        return
     print(f"threads {torch.get_num_threads()}; quickstart shape unless given; fastest of {args.repeats}", flush=True)
-    lines = ["| encoding | length evaluation (s) | diagnostics (s) | of which short-context (s) | ratio | CPU ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| encoding | length evaluation (s) | diagnostics (s) | ratio | CPU ratio | forwards | operators | "
+             "reads back |", "|---|---|---|---|---|---|---|---|"]
     for pe in args.pes:
         rows = measure(pe, args)
         evaluation = sum(r["evaluation"] for r in rows)
-        diagnostics = sum(r["attention"] + r["short"] for r in rows)
-        short = sum(r["short"] for r in rows)
-        cpu = sum(r["attention_cpu"] + r["short_cpu"] for r in rows) / sum(r["evaluation_cpu"] for r in rows)
-        lines.append(f"| {pe} | {evaluation:.1f} | {diagnostics:.1f} | {short:.1f} | {diagnostics / evaluation:.2f} | "
-                     f"{cpu:.2f} |")
+        diagnostics = sum(r["diagnostics"] for r in rows)
+        cpu = sum(r["diagnostics_cpu"] for r in rows) / sum(r["evaluation_cpu"] for r in rows)
+        work = {key: " vs ".join(str(sum(r[f"{name}_work"][key] for r in rows)) for name in ("diagnostics",
+                                                                                             "evaluation"))
+                for key in ("forwards", "kernels", "transfers")}
+        lines.append(f"| {pe} | {evaluation:.1f} | {diagnostics:.1f} | {diagnostics / evaluation:.2f} | {cpu:.2f} | "
+                     f"{work['forwards']} | {work['kernels']} | {work['transfers']} |")
     print("\n".join(lines))
 
 

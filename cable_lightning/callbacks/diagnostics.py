@@ -1,9 +1,11 @@
-"""Attention diagnostics after every validation (docs/diagnostics.md): per layer and head, at every evaluation length,
+"""Attention diagnostics at validations (docs/diagnostics.md): per layer and head, at every evaluation length,
 the entropy, distance, sink and locality of the weights attention applies and its largest logit
 (``<log_dir>/attention.jsonl``), and what the whole window gains over the training length on the tokens that need it
 (``<log_dir>/long_context.jsonl``); TensorBoard figures of each quantity against length, a line per layer.
 
-A callback, so it runs at every checkpoint's validation inside ``fit`` and on ``validate --ckpt_path FILE``. The
+A callback, so it runs at checkpoints' validations inside ``fit`` and on ``validate --ckpt_path FILE``: every
+``validate``, the first and the last validation of a fit, and the others while their cost stays within ``budget``
+times the length evaluation's (on a GPU they cost many times the fused evaluation: docs/diagnostics.md#cost). The
 windows are the first ``windows`` non-overlapping windows of each length of the validation stream, the same whatever
 the number of ranks; rank 0 computes and writes them (a sharded FSDP2 model's weights are on no one rank: none there).
 """
@@ -28,20 +30,34 @@ from ..records import AttentionRecord, LongContextRecord, append_records
 class AttentionDiagnostics(L.Callback):
     """Diagnostics of ``windows`` windows per evaluation length: ``sink`` first positions, ``local`` latest ones
     (default an eighth of the training length), key tokens by a loss drop of ``threshold`` nats against windows of the
-    training length advancing by ``short_stride`` (default a quarter of it), run ``batch_size`` at a time."""
+    training length advancing by ``short_stride`` (default a quarter of it), run ``batch_size`` at a time (default
+    all of a length's in one forward). In a fit, a validation other than the first and the last runs them only while
+    their seconds so far stay within ``budget`` times the length evaluations' (this one's included); ``budget``
+    None runs them at every validation."""
 
     def __init__(self, enabled: bool = True, windows: int = 2, sink: int = DEFAULT_SINK, local: Optional[int] = None,
-                 threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None, batch_size: int = 8):
+                 threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None,
+                 batch_size: Optional[int] = None, budget: Optional[float] = 0.5):
         for name, value, low in (("windows", windows, 1), ("sink", sink, 1), ("local", local, 1),
                                  ("short_stride", short_stride, 1), ("batch_size", batch_size, 1)):
             if value is not None and value < low:
                 raise ConfigError(f"diagnostics.{name} must be >= {low}, got {value}")
         if not threshold > 0:
             raise ConfigError(f"diagnostics.threshold must be > 0 nats, got {threshold}")
+        if budget is not None and not budget > 0:
+            raise ConfigError(f"diagnostics.budget must be > 0 (times the length evaluation) or null (every "
+                              f"validation), got {budget}")
         self.enabled, self.windows, self.sink, self.local = enabled, windows, sink, local
-        self.threshold, self.short_stride, self.batch_size = threshold, short_stride, batch_size
+        self.threshold, self.short_stride, self.batch_size, self.budget = threshold, short_stride, batch_size, budget
         self.attention: list[AttentionRecord] = []
         self.long_context: list[LongContextRecord] = []
+        self.spent = self.evaluated = 0.0  # seconds of this process's diagnostics and length evaluations
+        self.runs = 0
+
+    def due(self, final: bool) -> bool:
+        """Whether this validation runs them: the first, a ``final`` one (a ``validate``, a fit's last), or while the
+        seconds spent so far are within the budget."""
+        return self.budget is None or final or self.runs == 0 or self.spent <= self.budget * self.evaluated
 
     def window_batch(self, stream: torch.Tensor, length: int) -> torch.Tensor:
         """(n, length + 1) tokens: the first ``windows`` non-overlapping windows of ``length`` (fewer if the stream
@@ -59,7 +75,15 @@ class AttentionDiagnostics(L.Callback):
         stream = stream_of("val")
         config, backbone = pl_module.config, pl_module.backbone
         context = pl_module.run_context  # this validation's run, step and checkpoint, as its length records
+        evaluation = sum(r.seconds or 0.0 for r in pl_module.length_results)
+        self.evaluated += evaluation
+        final = trainer.state.fn != "fit" or 0 < trainer.max_steps <= trainer.global_step
         self.attention, self.long_context = [], []
+        if not self.due(final):
+            print(f"attention diagnostics skipped at step {context['step']}: {self.spent:.1f} s so far against "
+                  f"{self.evaluated:.1f} s of length evaluation, above the budget of {self.budget:g}x "
+                  "(--diagnostics.budget null runs them at every validation)", flush=True)
+            return
         was_training = backbone.training
         backbone.eval()
         seconds = 0.0
@@ -86,7 +110,7 @@ class AttentionDiagnostics(L.Callback):
         finally:
             backbone.train(was_training)
         append_records(log_dir, self.attention + self.long_context)
-        evaluation = sum(r.seconds for r in pl_module.length_results)
+        self.spent, self.runs = self.spent + seconds, self.runs + 1
         print(f"attention diagnostics ({context['pe']}, step {context['step']}, {self.windows} windows per length): "
               f"{seconds:.1f} s, the length evaluation {evaluation:.1f} s", flush=True)
         experiment = getattr(trainer.logger, "experiment", None)

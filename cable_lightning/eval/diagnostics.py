@@ -15,7 +15,8 @@ against; no encoding is a special case):
 - ``mass``: the weight the row applies in all (1 for softmax; stick-breaking keeps the rest of its stick).
 
 Shares and distances are averaged over the rows that put weight anywhere, over every row of the windows. Rows are
-reduced one block at a time, so memory is O(rows x length), never O(length^2) per head.
+computed one block at a time, so memory is O(rows x length), never O(length^2) per head; each layer's per-row values
+are reduced once and every length's read back to the host once (docs/diagnostics.md#cost).
 
 Tokens that need the long context (LongPPL's key tokens, Fang et al., 2025, with the model itself as the reference
 instead of a separate evaluator model): each target's loss with the whole window against its loss when the model sees
@@ -27,6 +28,7 @@ token.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,9 +46,12 @@ QUANTITIES = ("entropy", "entropy_norm", "distance_mean", "distance_p90", "sink_
 MAXIMA = ("max_logit",)  # reduced by the maximum over rows (the others: the mean)
 # (row, key) maps one block of rows holds at once per head besides the score object's own (weights, scores,
 # logits, w log w, the cumulative sum or the distance bins and their sum, the distance grid, a comparison): sizes the
-# row blocks against BLOCK_ELEMENTS (4x that on a GPU, where fewer, larger blocks save kernel launches).
+# row blocks against block_elements(device).
 MAPS = 8
 BLOCK_ELEMENTS = 2**24
+# On a GPU each block costs its ~60 operators' launches however small it is: 16x larger blocks there (about 1 GiB of
+# fp32 maps at once, below what training the same model holds), so 16x fewer launches at long lengths.
+GPU_BLOCKS = 16
 P90 = 0.9
 DEFAULT_SINK = 4  # StreamingLLM's attention-sink tokens
 DEFAULT_THRESHOLD = 2.0  # LongPPL's: a key token's log-probability gains at least 2 nats from the long context
@@ -101,60 +106,68 @@ def row_quantities(weights: Tensor, scores: Tensor, logits: Tensor, start: int, 
     return out
 
 
+def block_elements(device: torch.device) -> int:
+    """How many (row, key) elements a block of rows holds at once, over all its maps and heads."""
+    return BLOCK_ELEMENTS * (GPU_BLOCKS if device.type == "cuda" else 1)
+
+
+def reduce_rows(values: Tensor) -> Tensor:
+    """(3, Q, H) from one layer's row quantities (Q, B, H, rows): per quantity and head the sum and the count of the
+    rows that define it, and the maximum over rows (float64)."""
+    values = values.double().transpose(1, 2).flatten(2)  # (Q, H, B * rows)
+    defined = ~values.isnan()
+    return torch.stack([torch.where(defined, values, 0.0).sum(-1), defined.sum(-1).double(), values.amax(-1)])
+
+
 @dataclass
 class AttentionStats:
-    """Per-(layer, head) sums and counts (maxima for :data:`MAXIMA`) of the row quantities over every window."""
+    """Per layer, each quantity's sum and count over the rows of every window (the maximum for :data:`MAXIMA`) per
+    head, kept where the model runs until :meth:`results` reads them all back at once (on a GPU, a read back waits
+    for the device: one per length, not one per layer, head and quantity)."""
 
     sink: int = DEFAULT_SINK
     local: int = 16
-    sums: dict = field(default_factory=dict)  # (layer, quantity) -> [sum (H,), count (H,)] or [max (H,)]
+    sums: dict = field(default_factory=dict)  # layer -> (3, Q, H): sums, counts, maxima (:func:`reduce_rows`)
 
     def add(self, layer: int, q: Tensor, k: Tensor, scores, causal: bool, window: Optional[int],
             key_padding: Optional[Tensor] = None, q_offset: int = 0) -> None:
         """One layer's rows: q (B, H, T, D) after the encoding's rotation, k (B, H, Tk, D), its score object; in
-        blocks of rows, each against the keys it can see (causal: none past its last row)."""
+        blocks of rows, each against the keys it can see (causal: none past its last row), each block's quantities
+        written into one (Q, B, H, T) tensor that is reduced once for the layer."""
         batch, heads, t, _ = q.shape
         n_all = k.shape[-2]
         maps = MAPS + getattr(scores, "maps_per_head", 1)
-        budget = BLOCK_ELEMENTS * (4 if q.is_cuda else 1)
-        rows_per_block = max(1, budget // (batch * heads * maps * n_all))
+        rows_per_block = max(1, block_elements(q.device) // (batch * heads * maps * n_all))
+        rows = None
         for start in range(0, t, rows_per_block):
             stop = min(t, start + rows_per_block)
             n_keys = min(n_all, q_offset + stop) if causal else n_all
             attn = attention_map(q[:, :, start:stop], k[:, :, :n_keys], scores, causal, q_offset, start, key_padding,
                                  window)
-            for name, value in row_quantities(attn.weights, attn.scores, attn.logits, start, q_offset, self.sink,
-                                              self.local, causal).items():
-                self._reduce(layer, name, value)
-
-    def _reduce(self, layer: int, name: str, value: Tensor) -> None:
-        value = value.double().transpose(0, 1).flatten(1)  # (H, B * rows)
-        if name in MAXIMA:
-            top = value.amax(-1)
-            held = self.sums.setdefault((layer, name), [top])
-            held[0] = torch.maximum(held[0], top)
-            return
-        finite = ~value.isnan()
-        held = self.sums.setdefault((layer, name), [torch.zeros_like(top := value[:, 0]), torch.zeros_like(top)])
-        held[0] = held[0] + torch.where(finite, value, 0.0).sum(-1)
-        held[1] = held[1] + finite.sum(-1)
+            found = row_quantities(attn.weights, attn.scores, attn.logits, start, q_offset, self.sink, self.local,
+                                   causal)
+            block = torch.stack([found[name] for name in QUANTITIES])
+            if rows is None:
+                rows = block.new_empty(len(QUANTITIES), batch, heads, t)
+            rows[..., start:stop] = block
+        found = reduce_rows(rows)
+        held = self.sums.get(layer)
+        self.sums[layer] = found if held is None else \
+            torch.stack([held[0] + found[0], held[1] + found[1], torch.maximum(held[2], found[2])])
 
     def results(self) -> list[dict]:
         """One dict per (layer, head): ``layer``, ``head`` and each quantity (None where no row defined it)."""
-        layers = sorted({layer for layer, _ in self.sums})
+        layers = sorted(self.sums)
+        held = torch.stack([self.sums[layer] for layer in layers]).tolist() if layers else []  # the one read back
         out = []
-        for layer in layers:
-            heads = len(self.sums[layer, QUANTITIES[0]][0])
-            for head in range(heads):
+        for layer, (sums, counts, maxima) in zip(layers, held):
+            for head in range(len(sums[0])):
                 row = {"layer": layer, "head": head}
-                for name in QUANTITIES:
-                    held = self.sums.get((layer, name))
-                    if held is None:
-                        value = None
-                    elif name in MAXIMA:
-                        value = float(held[0][head])
+                for i, name in enumerate(QUANTITIES):
+                    if name in MAXIMA:
+                        value = maxima[i][head]
                     else:
-                        value = float(held[0][head] / held[1][head]) if held[1][head] > 0 else None
+                        value = sums[i][head] / counts[i][head] if counts[i][head] > 0 else None
                     row[name] = None if value is None or not math.isfinite(value) else round(value, 6)
                 out.append(row)
         return out
@@ -183,25 +196,29 @@ def recording(backbone, stats: AttentionStats):
 
 
 def short_context_nll(backbone, inputs: Tensor, targets: Tensor, context: int, stride: int,
-                      batch_size: int = 8) -> Tensor:
+                      batch_size: Optional[int] = None) -> Tensor:
     """(B, T) each target's NLL when the model sees at most ``context`` tokens: windows of ``context`` tokens
     advancing by ``stride`` (the sliding protocol of :func:`data.windows.window_plan`), each scoring the targets after
     the previous one's, so every target is scored once with at least ``context - stride`` tokens before it (all of
-    them in the first window). Windows of every row run ``batch_size`` at a time."""
+    them in the first window). The windows of every row run ``batch_size`` at a time (None: all in one pass through
+    the model, so a length costs one forward however many windows it has); the head runs only on the targets each
+    window scores. Where each target comes from and goes is known on the host: nothing is read back."""
     rows, t = inputs.shape
     if t <= context:
         return backbone.token_nll(inputs, targets)
     plan = window_plan(t + 1, context, stride)
-    pieces = [(row, start, first) for row in range(rows) for start, first in plan]
-    out = torch.zeros(rows, t, dtype=torch.float32, device=inputs.device)
-    for at in range(0, len(pieces), batch_size):
-        part = pieces[at : at + batch_size]
+    pieces = [(row, start, first) for row, (start, first) in itertools.product(range(rows), plan)]
+    out = torch.zeros(rows * t, dtype=torch.float32, device=inputs.device)
+    for at in range(0, len(pieces), batch_size or len(pieces)):
+        part = pieces[at : at + (batch_size or len(pieces))]
         window_inputs = torch.stack([inputs[row, start : start + context] for row, start, _ in part])
         window_targets = torch.stack([targets[row, start : start + context] for row, start, _ in part])
-        nll = backbone.token_nll(window_inputs, window_targets).float()
-        for i, (row, start, first) in enumerate(part):
-            out[row, start + first : start + context] = nll[i, first:]
-    return out
+        source = torch.tensor([i * context + j for i, (_, _, first) in enumerate(part) for j in range(first, context)],
+                              device=inputs.device)
+        scored = backbone.hidden_states(window_inputs).flatten(0, 1)[source]
+        nll = backbone.hidden_nll(scored[None], window_targets.flatten()[source][None])[0]
+        out[[row * t + start + j for row, start, first in part for j in range(first, context)]] = nll.float()
+    return out.view(rows, t)
 
 
 @dataclass
@@ -223,18 +240,18 @@ class ContextGain:
 
 def context_gain(long_nll: Tensor, short_nll: Tensor, scored: Tensor, context: int, threshold: float) -> ContextGain:
     """From each target's NLL with the whole window and with at most ``context`` tokens (B, T), ``scored`` (B, T) the
-    targets that count: those at index >= ``context`` (which see more than ``context`` tokens in the window)."""
+    targets that count: those at index >= ``context`` (which see more than ``context`` tokens in the window). Every
+    count and sum is read back at once."""
     candidates = scored.clone()
     candidates[:, :context] = False
     drop = short_nll - long_nll
-    key, hurt = candidates & (drop >= threshold), candidates & (-drop >= threshold)
-
-    def mean(values: Tensor, where: Tensor) -> Optional[float]:
-        return float(values[where].double().mean()) if bool(where.any()) else None
-
-    return ContextGain(int(candidates.sum()), mean(long_nll, candidates), mean(short_nll, candidates),
-                       int(key.sum()), mean(long_nll, key), mean(short_nll, key),
-                       int(hurt.sum()), mean(long_nll, hurt), mean(short_nll, hurt))
+    where = torch.stack([candidates, candidates & (drop >= threshold), candidates & (-drop >= threshold)])
+    figures = torch.stack([where.sum((1, 2)).double()] + [torch.where(where, nll.double(), 0.0).sum((1, 2))
+                                                          for nll in (long_nll, short_nll)], dim=-1).tolist()
+    out = []
+    for count, long_sum, short_sum in figures:  # every target past the context, the key tokens, the hurt ones
+        out += [int(count), long_sum / count if count else None, short_sum / count if count else None]
+    return ContextGain(*out)
 
 
 @dataclass
@@ -251,7 +268,7 @@ class LengthDiagnostics:
 @torch.no_grad()
 def diagnose(backbone, inputs: Tensor, targets: Tensor, train_length: int, sink: int = DEFAULT_SINK,
              local: Optional[int] = None, threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None,
-             batch_size: int = 8) -> LengthDiagnostics:
+             batch_size: Optional[int] = None) -> LengthDiagnostics:
     """The diagnostics of windows ``inputs`` (B, L) with ``targets`` (B, L) (-100: not scored): one forward with the
     attention recorded (its per-token NLL is the long context's), and for a causal model longer than
     ``train_length`` the short-context pass (windows of ``train_length`` advancing by ``short_stride``, default a
@@ -265,6 +282,5 @@ def diagnose(backbone, inputs: Tensor, targets: Tensor, train_length: int, sink:
         stride = short_stride or max(1, train_length // 4)
         short = short_context_nll(backbone, inputs, targets, train_length, stride, batch_size)
         gain = context_gain(long_nll.float(), short, targets != -100, train_length, threshold)
-    if inputs.is_cuda:
-        torch.cuda.synchronize(inputs.device)
-    return LengthDiagnostics(stats.results(), gain, inputs.shape[0], time.perf_counter() - started)
+    attention = stats.results()  # read back after everything else was queued: the time includes the device's
+    return LengthDiagnostics(attention, gain, inputs.shape[0], time.perf_counter() - started)

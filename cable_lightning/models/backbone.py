@@ -263,7 +263,10 @@ class Backbone(nn.Module):
         The head and softmax run ``chunk`` positions at a time; callers pick mean, sum or a
         scoring window (sliding-window evaluation) from the per-token values.
         """
-        hidden = self.hidden_states(input_ids, layout=layout)
+        return self.hidden_nll(self.hidden_states(input_ids, layout=layout), targets, chunk)
+
+    def hidden_nll(self, hidden: Tensor, targets: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:
+        """:meth:`token_nll` of final hidden states (B, T, C): for callers that score some positions only."""
         pieces = []
         for start in range(0, hidden.shape[1], chunk):
             logits = self.logits(hidden[:, start : start + chunk]).float()
