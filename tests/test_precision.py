@@ -135,3 +135,18 @@ def test_a_compiled_fit_holds_through_validations_at_several_lengths(tiny_corpus
                               "--data.eval_lengths", "[32, 64, 128]", "--trainer.val_check_interval", "2"])])
     torch._dynamo.reset()
     assert len(graphs) == layers, len(graphs)
+
+
+@pytest.mark.parametrize("name", available())
+def test_a_training_step_never_reads_back_to_the_host(name):
+    """Forward and backward of every encoding queue their work without waiting for it: no ``.item()``, ``bool(t)``,
+    ``.tolist()`` or ``.cpu()`` inside (each is a host sync on a GPU; the fold's ``F.one_hot`` was one per layer).
+    The step's one read back is the optimizer step's divergence check (``LanguageModel.stop_if_diverged``)."""
+    from cable_lightning.eval.work import DeviceWork
+
+    model = build_backbone(BackboneConfig(pos_encoding=from_label(name), block_size=LENGTH, **SHAPE))
+    ids = batch(LENGTH)
+    work = DeviceWork(model)
+    with work:
+        model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    assert work.forwards == 1 and work.transfers == 0, work.counts()

@@ -220,7 +220,8 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     middles = (starts + torch.clamp(starts + rows, max=tq) - 1) // 2 + bias.q_offset
     refs = c[:, :, middles].detach()  # (B, H, blocks, E): each block's reference, its middle row's c
     c_blocks = (c.unsqueeze(-2) - refs.unsqueeze(-3)).flatten(-2)  # (B, H, Tk, blocks * E)
-    one_hot = F.one_hot(block_of, len(starts)).to(a.dtype)  # (Tq, blocks)
+    # (Tq, blocks); a comparison, not F.one_hot, which reads its input's range back to the host (a sync per layer)
+    one_hot = (block_of[:, None] == torch.arange(len(starts), device=q.device)).to(a.dtype)
     a_blocks = (one_hot[..., None] * a.unsqueeze(-2)).flatten(-2)  # a in its own block's columns only
     c_pieces = [c_blocks.to(q.dtype)]  # the first piece carries c's gradient, the rest are its rounding errors
     rest = c_blocks.detach()
