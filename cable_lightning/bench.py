@@ -248,12 +248,14 @@ class StepClock(L.Callback):
 
 
 def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: int = 10, repeats: int = 40,
-                  shape: tuple[int, int, int] = (2, 4, 128), block_size: int = 128, batch: int = 8) -> dict:
+                  shape: tuple[int, int, int] = (2, 4, 128), block_size: int = 128, batch: int = 8,
+                  compile: bool = False) -> dict:
     """A fit's training step over the bare step of the same model, shape and batch, measured in this process: the
     loop's overhead. The fit runs through the CLI (LitData's stream of ``data_path``, Lightning's loop, the project's
     callbacks and logging, no validation inside the steps timed); the bare step is forward, backward, the optimizer's
     step and zero_grad on one fixed batch (the fit's optimizer, built by the same function). Medians of the steps after
-    ``warmup``; the fit's step also counts the gap to the next batch (loading, callbacks)."""
+    ``warmup``; the fit's step also counts the gap to the next batch (loading, callbacks). With ``compile``, both
+    steps run the compiled blocks, and ``warmup_s`` (the fit's first ``warmup`` steps) holds the compilation."""
     import tempfile
 
     from cable_lightning.cli import main as cli_main
@@ -272,7 +274,7 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
                         "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
                         "--trainer.callbacks+=cable_lightning.bench.StepClock",
                         "--checkpoint.every_n_train_steps", str(steps), "--runs_dir", runs,
-                        "--experiment", "loop_overhead"])
+                        "--experiment", "loop_overhead", "--model.init_args.compile", str(compile).lower()])
     clock = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepClock))
     fit_step = statistics.median(b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1:]))
     model = cli.model
@@ -288,7 +290,8 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
     for _ in range(warmup):
         step()
     bare_step = timed(step, device, repeats)
-    return {"pe": pe, "shape": shape, "block_size": block_size, "batch": batch, "fit_step_s": fit_step,
+    return {"pe": pe, "shape": shape, "block_size": block_size, "batch": batch, "compile": compile,
+            "warmup_s": clock.starts[warmup] - clock.starts[0], "fit_step_s": fit_step,
             "bare_step_s": bare_step, "ratio": fit_step / bare_step, "fit_steps_timed": len(clock.starts) - warmup - 1,
             "threads": torch.get_num_threads(), "device": str(device)}
 
@@ -357,12 +360,14 @@ def main(argv=None):
     parser.add_argument("--loop-overhead", metavar="DATA_PATH",
                         help="instead of the table: a tiny model's fit step (through the CLI, on this prepared data "
                         "folder) over its bare step, the loop's overhead (docs/speed.md)")
+    parser.add_argument("--compile", action="store_true", help="with --loop-overhead: compile the blocks")
     args = parser.parse_args(argv)
     if args.loop_overhead:
-        result = loop_overhead(args.loop_overhead)
+        result = loop_overhead(args.loop_overhead, compile=args.compile)
         print(f"loop overhead ({result['pe']}, layers/heads/width {result['shape']}, {result['batch']} x "
-              f"{result['block_size']} tokens, {result['threads']} threads): fit step {result['fit_step_s'] * 1e3:.1f} "
-              f"ms, bare step {result['bare_step_s'] * 1e3:.1f} ms, ratio {result['ratio']:.3f}")
+              f"{result['block_size']} tokens, {result['threads']} threads, compile {result['compile']}): fit step "
+              f"{result['fit_step_s'] * 1e3:.1f} ms, bare step {result['bare_step_s'] * 1e3:.1f} ms, ratio "
+              f"{result['ratio']:.3f}; the fit's first steps {result['warmup_s']:.1f} s")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

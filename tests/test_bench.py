@@ -21,3 +21,12 @@ def test_bench_reports_mfu_against_a_matmul_peak_measured_in_the_process(capsys)
     out = capsys.readouterr().out
     assert "MFU @64" in out and "GFLOP/s" in out
 
+
+
+def test_loop_overhead_times_a_fit_through_the_cli_against_the_bare_step(tiny_corpus_dir):
+    """The loop-overhead benchmark (docs/speed.md) runs a real fit with its clock and a bare step of the same model:
+    every step between the warm-up and the end is timed, and the ratio is of the two medians.
+    No timing is asserted: the ratio is the benchmark's output, read on a quiet machine."""
+    result = bench.loop_overhead(tiny_corpus_dir, steps=6, warmup=2, repeats=2, block_size=32, batch=4)
+    assert result["fit_steps_timed"] == 3 and result["fit_step_s"] > 0 and result["bare_step_s"] > 0
+    assert result["ratio"] == pytest.approx(result["fit_step_s"] / result["bare_step_s"])
