@@ -49,7 +49,17 @@ def _stream_loader_class() -> type:
 
     class StreamLoader(StreamingDataLoader):
         """LitData's loader, resumable on another node: the folder a streamed dataset caches its chunks in is where
-        this node keeps them, not part of the position, so a checkpoint's is replaced by this run's (same URL)."""
+        this node keeps them, not part of the position, so a checkpoint's is replaced by this run's (same URL).
+
+        And resumable across epochs: litdata ends a resumed epoch only when its iterator runs dry, but Lightning
+        stops after ``len(loader)`` batches without asking for one more, so the next epoch would resume the loaded
+        position again (replaying the end of the last epoch, then every later batch one epoch late). An epoch whose
+        batches were all yielded is over: the next iteration starts the next epoch, as in an uninterrupted run."""
+
+        def __iter__(self):
+            if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+                self.restore = False  # litdata then clears the dataset's loaded state and moves to the next epoch
+            yield from super().__iter__()
 
         def load_state_dict(self, obj: dict[str, Any]) -> None:
             state, url = obj.get("dataset"), getattr(self.dataset.input_dir, "url", None)
