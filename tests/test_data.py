@@ -549,6 +549,36 @@ def test_resume_continues_the_exact_stream(tiny_corpus_dir):
             next(iter(other))
 
 
+def test_a_resume_on_fewer_processes_continues_with_the_epochs_unseen_windows(small_corpus_dir, monkeypatch):
+    """Two ranks read 2 batches each, and rank 0's loader state (what a checkpoint holds) is resumed by one process:
+    litdata resumes elastically, with exactly the windows neither rank read in that epoch (none twice, none lost),
+    then the one-process run's next epoch. (Environment variables stand in for the process group here.)"""
+    settings = dict(block_size=128, micro_batch_size=8, seed=7)
+
+    def loader(world_size, rank):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("GLOBAL_RANK", str(rank))
+        return TokenDataModule(small_corpus_dir, **settings).train_dataloader()
+
+    def windows(batches):
+        return [row.numpy().tobytes() for batch in batches for row in batch]
+
+    epoch = set()
+    for rank in (0, 1):
+        epoch |= set(windows(loader(2, rank)))
+    ranks = [loader(2, rank) for rank in (0, 1)]
+    read = [windows(_take(iter(one), 2)) for one in ranks]
+    state = ranks[0].state_dict()
+    alone = loader(1, 0)
+    alone.load_state_dict(state)
+    rest = windows(alone)
+    assert len(epoch) == 96 and len(rest) == 64
+    assert set(rest) == epoch - set(read[0]) - set(read[1])
+    uninterrupted = loader(1, 0)
+    list(uninterrupted)
+    assert windows(alone) == windows(uninterrupted)
+
+
 def test_resume_through_trainer_checkpoint(tiny_corpus_dir, tmp_path):
     """The same through Lightning: a checkpoint saved mid-run by ModelCheckpoint, resumed with ckpt_path."""
     import lightning as L

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cable_lightning.cli import main
+from cable_lightning.errors import ConfigError
 from cable_lightning.hf import load_backbone
 from cable_lightning.hf.export import main as export
 from cable_lightning.lit.checkpoint_format import checkpoint_backbone
@@ -60,6 +61,18 @@ def resumed_equals_uninterrupted(runs, losses, strategy, data_path):
 
 def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(small_corpus_dir, tmp_path):
     resumed_equals_uninterrupted(tmp_path / "runs", tmp_path, "ddp", small_corpus_dir)
+    # Resumed on one process the global batch would halve: refused, naming the setting that keeps it; with it, the
+    # accumulation doubles and the stream goes on with the epoch's unseen windows (test_data.py checks which).
+    one = ["fit", *MODEL, *data(small_corpus_dir), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", "--diagnostics.enabled", "false",
+           "--trainer.enable_progress_bar", "false", "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "5",
+           "--ckpt_path", str(tmp_path / "runs" / "default" / "cable" / "checkpoints" / "step0000004.ckpt")]
+    refused = (r"global batch of 2048 tokens \(2 processes x 8 x 128 tokens x accumulation 1\) and this run's is 1024 "
+               r"tokens .*; resume with --global_batch_tokens 2048")
+    with pytest.raises(ConfigError, match=refused):
+        main(one)
+    alone = main([*one, "--global_batch_tokens", "2048"])
+    assert alone.trainer.global_step == 12 and alone.trainer.accumulate_grad_batches == 2
 
 
 def test_fsdp2_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted_and_the_checkpoint_exports(
