@@ -24,6 +24,7 @@ MODEL = ["--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.
          "--model.init_args.backbone.n_embd", "32", "--model.init_args.warmup_steps", "2"]
 
 
+QUIET = ["--diagnostics.enabled", "false", "--length_eval.figure", "false"]  # no attention statistics or figures
 STRATEGY = {"fsdp2": ["--config", f"{ROOT}/configs/trainer/fsdp8_bf16.yaml"], "ddp": ["--trainer.strategy", "ddp"]}
 
 
@@ -35,7 +36,7 @@ def data(path):
 
 def fit(runs, losses, strategy, *extra):
     cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY[strategy],
-           "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, "--diagnostics.enabled", "false",
+           "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, *QUIET,
            "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", "--trainer.num_sanity_val_steps", "0",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
            "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={losses}",
@@ -64,7 +65,7 @@ def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(sm
     # Resumed on one process the global batch would halve: refused, naming the setting that keeps it; with it, the
     # accumulation doubles and the stream goes on with the epoch's unseen windows (test_data.py checks which).
     one = ["fit", *MODEL, *data(small_corpus_dir), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", "--diagnostics.enabled", "false",
+           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", *QUIET,
            "--trainer.enable_progress_bar", "false", "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "5",
            "--ckpt_path", str(tmp_path / "runs" / "default" / "cable" / "checkpoints" / "step0000004.ckpt")]
     refused = (r"global batch of 2048 tokens \(2 processes x 8 x 128 tokens x accumulation 1\) and this run's is 1024 "
