@@ -18,7 +18,8 @@ What it adds to the stock CLI:
 - checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM,
   ``--ckpt_path last`` (the newest readable checkpoint, or an error) and ``auto`` (resume if there is one).
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
-  set wins, and a setting that defines the weights must match the checkpoint (checked before loading).
+  set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
+  fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise).
 - user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM,
   130 after Ctrl-C);
   ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.

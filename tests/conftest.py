@@ -62,6 +62,21 @@ def tiny_corpus_dir(tiny_corpus_docs, tmp_path_factory) -> str:
     return out
 
 
+@pytest.fixture(scope="session")
+def small_corpus_dir(tiny_corpus_dir, tmp_path_factory) -> str:
+    """A prepared folder of the first ~40k characters (about 13k train tokens) with the tiny corpus's tokenizer: at
+    block_size 128 and 16 windows a step, an epoch is 6 steps, so a fit crosses epochs in seconds."""
+    from cable_lightning.data.prepare import prepare
+
+    raw = tmp_path_factory.mktemp("small_corpus_raw")
+    jsonl, _ = write_tiny_corpus(str(raw), chars=40_000)
+    out = str(tmp_path_factory.mktemp("small_corpus") / "small")
+    manifest = prepare(source=jsonl, tokenizer=os.path.join(tiny_corpus_dir, "tokenizer.json"), out=out,
+                       val_fraction=TINY_VAL_FRACTION, num_workers=1, start_method="fork", verbose=False)
+    assert 6 * 16 * 129 <= manifest["splits"]["train"]["tokens"] < 7 * 16 * 129, manifest["splits"]
+    return out
+
+
 class S3Server:
     """A real S3-compatible server (moto's server mode) on the loopback address. ``env`` is what a client needs
     (endpoint, credentials, region); in :meth:`checking_signatures` only ``key``/``secret`` are accepted."""

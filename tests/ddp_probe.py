@@ -35,7 +35,8 @@ class Probe(L.Callback):
 
 
 class Losses(L.Callback):
-    """Writes each optimizer step's training loss (rank 0) to ``<out_dir>/losses.jsonl``, one line per step."""
+    """Writes each optimizer step's training loss and epoch (rank 0) to ``<out_dir>/losses.jsonl``, one line per
+    step."""
 
     def __init__(self, out_dir: str):
         self.out_dir = out_dir
@@ -44,5 +45,6 @@ class Losses(L.Callback):
         if trainer.is_global_zero:
             os.makedirs(self.out_dir, exist_ok=True)
             with open(os.path.join(self.out_dir, "losses.jsonl"), "a") as f:
-                f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+                f.write(json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch,
+                                    "loss": float(outputs["loss"])}) + "\n")
 

@@ -70,24 +70,28 @@ def test_fit_writes_checkpoints_tensorboard_and_length_records(tiny_corpus_dir, 
         assert final[32]["tokens"] == final[64]["tokens"]
 
 
-def test_resume_continues_with_the_same_batches_and_loss(tiny_corpus_dir, tmp_path):
+def test_resume_continues_with_the_same_batches_and_loss_across_epochs(small_corpus_dir, tmp_path):
+    """An epoch is 6 steps here. Resumed from step 4 (mid-epoch; what a run stopped there leaves) a run sees the
+    uninterrupted run's batches and losses, bitwise, through the whole second epoch and into the third; so does one
+    resumed from step 12, the last of an epoch. (Checkpoints every 4 steps: none at an epoch's end while the resumed
+    epoch runs.)"""
+    record = ["--trainer.callbacks+=recorders.RecordBatches", "--data.block_size", "128",
+              "--data.micro_batch_size", "16", "--data.eval_lengths", "[32]", "--diagnostics.enabled", "false",
+              "--length_eval.figure", "false"]
+    fit = lambda folder, *extra: main(["fit", *args(small_corpus_dir, str(tmp_path / folder), steps=14,  # noqa: E731
+                                                     every=4, extra=[*record, *extra])])
     recorders.BATCHES.clear(), recorders.LOSSES.clear()
-    straight = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "a"), steps=6, every=3,
-                                  extra=["--trainer.callbacks+=recorders.RecordBatches"])])
+    straight = fit("straight")
+    assert straight.trainer.num_training_batches == 6, "an epoch is 6 steps"
     straight_batches, straight_losses = list(recorders.BATCHES), list(recorders.LOSSES)
-    recorders.BATCHES.clear(), recorders.LOSSES.clear()
-    main(["fit", *args(tiny_corpus_dir, str(tmp_path / "b"), steps=6, every=3,
-                       extra=["--trainer.callbacks+=recorders.RecordBatches", "--trainer.callbacks+=recorders.StopAt",
-                              "--trainer.callbacks.step=3"])])
-    assert len(recorders.BATCHES) == 3
-    resumed = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "b"), steps=6, every=3,
-                                 extra=["--trainer.callbacks+=recorders.RecordBatches", "--ckpt_path", "last"])])
-    assert recorders.BATCHES == straight_batches
-    assert resumed.trainer.global_step == 6
-    assert len(recorders.LOSSES) == 6
-    assert abs(recorders.LOSSES[-1] - straight_losses[-1]) < 1e-6
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    for step in (4, 12):
+        recorders.BATCHES.clear(), recorders.LOSSES.clear()
+        ckpt = tmp_path / "straight" / "test" / "cable" / "checkpoints" / f"step{step:07d}.ckpt"
+        resumed = fit(f"from{step}", "--ckpt_path", str(ckpt))
+        assert resumed.trainer.global_step == 14
+        assert recorders.BATCHES == straight_batches[step:] and recorders.LOSSES == straight_losses[step:]
+        for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
 
 
 def test_validate_at_longer_lengths_than_trained(tiny_corpus_dir, trained):

@@ -22,6 +22,7 @@ from cable_lightning.data.prepare import main as prepare_main
 from cable_lightning.data.prepare import prepare
 from cable_lightning.data.sources import get_source, python_docs
 from cable_lightning.data.tokenizers import EOT_TOKEN, get_tokenizer, train_bpe
+from cable_lightning.errors import ConfigError
 from cable_lightning.lit.masking import mask_tokens
 
 
@@ -542,11 +543,43 @@ def test_resume_continues_the_exact_stream(tiny_corpus_dir):
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(_take(iter(resumed), 5), expected[6:]))
 
-    for changed, text in (({"seed": 8}, "`seed`"), ({"block_size": 64}, "`item_loader`")):
-        other = TokenDataModule(tiny_corpus_dir, **{**settings, **changed}).train_dataloader()
-        other.load_state_dict(state)
-        with pytest.raises(ValueError, match=text):
-            next(iter(other))
+    other = TokenDataModule(tiny_corpus_dir, **{**settings, "block_size": 64}).train_dataloader()
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="`item_loader`"):  # refused before, by the model (trained at block_size 32)
+        next(iter(other))
+    reseeded = TokenDataModule(tiny_corpus_dir, **{**settings, "seed": 8}).train_dataloader()
+    with pytest.raises(ConfigError, match="shuffled with data.seed 7, this run.s data.seed is 8; resume with"):
+        reseeded.load_state_dict(state)
+
+
+def test_a_resume_on_fewer_processes_continues_with_the_epochs_unseen_windows(small_corpus_dir, monkeypatch):
+    """Two ranks read 2 batches each, and rank 0's loader state (what a checkpoint holds) is resumed by one process:
+    litdata resumes elastically, with exactly the windows neither rank read in that epoch (none twice, none lost),
+    then the one-process run's next epoch. (Environment variables stand in for the process group here.)"""
+    settings = dict(block_size=128, micro_batch_size=8, seed=7)
+
+    def loader(world_size, rank):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("GLOBAL_RANK", str(rank))
+        return TokenDataModule(small_corpus_dir, **settings).train_dataloader()
+
+    def windows(batches):
+        return [row.numpy().tobytes() for batch in batches for row in batch]
+
+    epoch = set()
+    for rank in (0, 1):
+        epoch |= set(windows(loader(2, rank)))
+    ranks = [loader(2, rank) for rank in (0, 1)]
+    read = [windows(_take(iter(one), 2)) for one in ranks]
+    state = ranks[0].state_dict()
+    alone = loader(1, 0)
+    alone.load_state_dict(state)
+    rest = windows(alone)
+    assert len(epoch) == 96 and len(rest) == 64
+    assert set(rest) == epoch - set(read[0]) - set(read[1])
+    uninterrupted = loader(1, 0)
+    list(uninterrupted)
+    assert windows(alone) == windows(uninterrupted)
 
 
 def test_resume_through_trainer_checkpoint(tiny_corpus_dir, tmp_path):

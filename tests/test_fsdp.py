@@ -1,6 +1,7 @@
 """The sharded recipe (configs/trainer/fsdp8_bf16.yaml: FSDP2 through Lightning's ModelParallelStrategy, bf16 through
-FSDP2's mixed-precision policy) as a real two-process fit on CPU over gloo: a run stopped and resumed has the losses
-of one that was not, and its checkpoint validates and exports in one process."""
+FSDP2's mixed-precision policy), and plain DDP, as real two-process fits on CPU over gloo: a run resumed from inside
+its first epoch has the losses of one that was not, bitwise, through the whole second epoch; the sharded checkpoint
+validates and exports in one process."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from cable_lightning.cli import main
+from cable_lightning.errors import ConfigError
 from cable_lightning.hf import load_backbone
 from cable_lightning.hf.export import main as export
 from cable_lightning.lit.checkpoint_format import checkpoint_backbone
@@ -22,15 +24,20 @@ MODEL = ["--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.
          "--model.init_args.backbone.n_embd", "32", "--model.init_args.warmup_steps", "2"]
 
 
+QUIET = ["--diagnostics.enabled", "false", "--length_eval.figure", "false"]  # no attention statistics or figures
+STRATEGY = {"fsdp2": ["--config", f"{ROOT}/configs/trainer/fsdp8_bf16.yaml"], "ddp": ["--trainer.strategy", "ddp"]}
+
+
 def data(path):
-    return ["--data.path", path, "--data.block_size", "32", "--data.micro_batch_size", "2",
+    """Each rank's epoch is 6 steps of 8 x 129 tokens of the small corpus."""
+    return ["--data.path", path, "--data.block_size", "128", "--data.micro_batch_size", "8",
             "--data.eval_lengths", "[32]", "--data.eval_tokens", "128"]
 
 
-def fit(runs, losses, *extra):
-    cmd = [sys.executable, "-m", "cable_lightning", "fit", "--config", f"{ROOT}/configs/trainer/fsdp8_bf16.yaml",
-           "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra,
-           "--trainer.max_steps", "4", "--checkpoint.every_n_train_steps", "2", "--trainer.num_sanity_val_steps", "0",
+def fit(runs, losses, strategy, *extra):
+    cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY[strategy],
+           "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, *QUIET,
+           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", "--trainer.num_sanity_val_steps", "0",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
            "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={losses}",
            "--runs_dir", str(runs), "--seed_everything", "5"]
@@ -41,29 +48,51 @@ def fit(runs, losses, *extra):
     return [json.loads(line) for line in open(losses / "losses.jsonl")]
 
 
-def test_fsdp2_two_processes_resume_equals_uninterrupted_and_the_checkpoint_validates_and_exports(
-        tiny_corpus_dir, tmp_path):
-    whole = fit(tmp_path / "runs", tmp_path / "whole", *data(tiny_corpus_dir))
-    # The checkpoint written at step 2 is what a run stopped there leaves; resuming from it replays steps 3 and 4.
-    step2 = tmp_path / "runs" / "default" / "cable" / "checkpoints" / "step0000002.ckpt"
-    resumed = fit(tmp_path / "runs", tmp_path / "resumed", *data(tiny_corpus_dir), "--ckpt_path", str(step2))
-    assert [r["step"] for r in whole] == [1, 2, 3, 4] and [r["step"] for r in resumed] == [3, 4]
-    # Weights, optimizer state, schedule and the data stream's position all come back: the same losses.
-    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-6, abs=0)
+def resumed_equals_uninterrupted(runs, losses, strategy, data_path):
+    """An uninterrupted 12-step run, and one resumed from its step-4 checkpoint (what a run stopped there leaves),
+    which replays steps 5 to 12: the first epoch's last two (no checkpoint among them), the whole second epoch."""
+    whole = fit(runs, losses / "whole", strategy, *data(data_path))
+    step4 = runs / "default" / "cable" / "checkpoints" / "step0000004.ckpt"
+    resumed = fit(runs, losses / "resumed", strategy, *data(data_path), "--ckpt_path", str(step4))
+    assert [(r["step"], r["epoch"]) for r in whole] == [(step, (step - 1) // 6) for step in range(1, 13)]
+    assert [r["step"] for r in resumed] == list(range(5, 13))
+    # Weights, optimizer state, schedule and the data stream's position all come back: the same losses, bitwise.
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[4:]]
+
+
+def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(small_corpus_dir, tmp_path):
+    resumed_equals_uninterrupted(tmp_path / "runs", tmp_path, "ddp", small_corpus_dir)
+    # Resumed on one process the global batch would halve: refused, naming the setting that keeps it; with it, the
+    # accumulation doubles and the stream goes on with the epoch's unseen windows (test_data.py checks which).
+    one = ["fit", *MODEL, *data(small_corpus_dir), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", *QUIET,
+           "--trainer.enable_progress_bar", "false", "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "5",
+           "--ckpt_path", str(tmp_path / "runs" / "default" / "cable" / "checkpoints" / "step0000004.ckpt")]
+    refused = (r"global batch of 2048 tokens \(2 processes x 8 x 128 tokens x accumulation 1\) and this run's is 1024 "
+               r"tokens .*; resume with --global_batch_tokens 2048")
+    with pytest.raises(ConfigError, match=refused):
+        main(one)
+    alone = main([*one, "--global_batch_tokens", "2048"])
+    assert alone.trainer.global_step == 12 and alone.trainer.accumulate_grad_batches == 2
+
+
+def test_fsdp2_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted_and_the_checkpoint_exports(
+        small_corpus_dir, tmp_path):
+    resumed_equals_uninterrupted(tmp_path / "runs", tmp_path, "fsdp2", small_corpus_dir)
 
     # The checkpoint is the ordinary single file, full weights: one process validates it at 4x and exports it.
     ckpt = tmp_path / "runs" / "default" / "cable" / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    assert state["global_step"] == 4 and state["state_dict"]["backbone.wte.weight"].shape[1] == 32
+    assert state["global_step"] == 12 and state["state_dict"]["backbone.wte.weight"].shape[1] == 32
     record = [json.loads(line) for line in open(tmp_path / "runs" / "default" / "cable" / "version_1"
                                                 / "length_eval.jsonl")][-1]
-    alone = main(["validate", *MODEL, *data(tiny_corpus_dir)[:-4], "--data.eval_lengths", "[32, 128]",
+    alone = main(["validate", *MODEL, *data(small_corpus_dir)[:-4], "--data.eval_lengths", "[32, 512]",
                   "--data.eval_tokens", "128", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
                   "--trainer.precision", "bf16-mixed", "--trainer.enable_progress_bar", "false",
                   "--runs_dir", str(tmp_path / "runs"), "--ckpt_path", "last"])
     rows = {r.length: r for r in alone.model.length_results}
     assert rows[32].loss == pytest.approx(record["loss"], abs=2e-2), "one process scores the trained weights"
-    assert torch.isfinite(torch.tensor(rows[128].loss)) and rows[128].tokens == 128
+    assert torch.isfinite(torch.tensor(rows[512].loss)) and rows[512].tokens == 512
     out = tmp_path / "hf"
     export(["--ckpt_path", str(ckpt), "--out", str(out)])
     trained, _, _ = checkpoint_backbone(str(ckpt))

@@ -92,6 +92,22 @@ def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(ti
         main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.block_size", "64", "--ckpt_path", ckpt])
 
 
+def test_a_resume_refuses_another_layout_or_global_batch_and_keeps_one_given_in_tokens(tiny_corpus_dir, rope_run,
+                                                                                       tmp_path, capsys):
+    """What a resumed run trains on is the checkpoint's: another data.layout or global batch is one line naming both
+    values and the way on; --global_batch_tokens keeps the batch with another micro-batch (accumulation follows)."""
+    step2 = os.path.join(checkpoints(rope_run), "step0000002.ckpt")
+    resume = ["fit", *args(tiny_corpus_dir, str(tmp_path), pe="rope"), "--ckpt_path", step2]
+    line = user_error_line(capsys, [*resume, "--data.layout.documents", "train"])
+    assert "data.layout.documents (checkpoint 'none', configured 'train')" in line
+    assert "resume with --data.layout.documents none" in line and f"init_weights {step2}" in line
+    line = user_error_line(capsys, [*resume, "--data.micro_batch_size", "2"])
+    assert ("global batch of 128 tokens (1 process x 4 x 32 tokens x accumulation 1) and this run's is 64 tokens "
+            "(1 process x 2 x 32 tokens x accumulation 1); resume with --global_batch_tokens 128") in line
+    resumed = main([*resume, "--data.micro_batch_size", "2", "--global_batch_tokens", "128"])
+    assert resumed.trainer.global_step == 4 and resumed.trainer.accumulate_grad_batches == 2
+
+
 def test_revalidation_rows_carry_the_checkpoint_step_and_reach_the_report(tiny_corpus_dir, rope_run):
     folder = checkpoints(rope_run)
     main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), "--data.eval_lengths", "[32, 64, 128]",

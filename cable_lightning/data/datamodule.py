@@ -49,10 +49,26 @@ def _stream_loader_class() -> type:
 
     class StreamLoader(StreamingDataLoader):
         """LitData's loader, resumable on another node: the folder a streamed dataset caches its chunks in is where
-        this node keeps them, not part of the position, so a checkpoint's is replaced by this run's (same URL)."""
+        this node keeps them, not part of the position, so a checkpoint's is replaced by this run's (same URL).
+
+        And resumable across epochs: litdata ends a resumed epoch only when its iterator runs dry, but Lightning
+        stops after ``len(loader)`` batches without asking for one more, so the next epoch would resume the loaded
+        position again (replaying the last epoch's batches from the last checkpoint's position, every later batch
+        shifted). An epoch whose batches were all yielded is over: the next iteration starts the next epoch, as in an
+        uninterrupted run."""
+
+        def __iter__(self):
+            if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+                self.restore = False  # litdata then clears the dataset's loaded state and moves to the next epoch
+            yield from super().__iter__()
 
         def load_state_dict(self, obj: dict[str, Any]) -> None:
             state, url = obj.get("dataset"), getattr(self.dataset.input_dir, "url", None)
+            saved_seed = state.get("seed") if isinstance(state, dict) else None
+            if saved_seed is not None and saved_seed != self.dataset.seed:  # litdata's word: a traceback, later
+                raise ConfigError(f"the checkpoint's training stream was shuffled with data.seed {saved_seed}, this "
+                                  f"run's data.seed is {self.dataset.seed}; resume with --data.seed {saved_seed}, or "
+                                  "start a new run from its weights (--model.init_args.init_weights)")
             if url and isinstance(state, dict) and state.get("input_dir_url") == url:
                 obj = {**obj, "dataset": {**state, "input_dir_path": self.dataset.input_dir.path}}
             super().load_state_dict(obj)

@@ -241,6 +241,41 @@ class LanguageModel(L.LightningModule):
             raise RunFailedError(f"weights at step {self.global_step} are not finite ({where}); "
                                  "not saving them; the checkpoints already written are finite")
         checkpoint["run_seed"] = self.run_seed  # a validation of these weights is recorded as the same run
+        if (batch := self.global_batch()) is not None:  # a resume must keep it (check_same_training)
+            checkpoint["global_batch"] = batch
+
+    def global_batch(self) -> Optional[dict]:
+        """Tokens per optimizer step and what makes them (processes x micro-batch x block x accumulation); None
+        without a trainer and a data module that has micro-batches."""
+        trainer = self._trainer
+        micro = getattr(trainer.datamodule, "micro_batch_size", None) if trainer is not None else None
+        if not micro:
+            return None
+        parts = dict(world_size=trainer.world_size, micro_batch_size=int(micro), block_size=self.config.block_size,
+                     accumulate_grad_batches=trainer.accumulate_grad_batches)
+        return dict(tokens=math.prod(parts.values()), **parts)
+
+    def check_same_training(self, checkpoint: dict, path: str) -> None:
+        """A resumed fit trains as the run it continues did: the same data.layout (what training sees of a block) and
+        global batch, else one line naming the setting, both values and how to go on. (Records label a run by one
+        layout; a layout or batch changed half-way would be reported as the run's.)"""
+        new_run = f"or start a new run from its weights (--model.init_args.init_weights {path}, another --experiment)"
+        saved = TrainingLayout.from_dict(((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("layout"))
+        configured = self.layout.as_dict()
+        differ = [(name, old, configured[name]) for name, old in saved.as_dict().items() if configured[name] != old]
+        if differ:
+            raise ConfigError(
+                "the checkpoint was trained with another data.layout: "
+                + ", ".join(f"data.layout.{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
+                + "; a resumed run keeps its layout: resume with "
+                + " ".join(f"--data.layout.{name} {old if old is not None else 'null'}" for name, old, _ in differ)
+                + f" (or drop the flags that change it), {new_run}")
+        saved_batch, batch = checkpoint.get("global_batch"), self.global_batch()
+        if saved_batch and batch and saved_batch["tokens"] != batch["tokens"]:
+            raise ConfigError(f"the checkpoint was trained with a global batch of {describe_batch(saved_batch)} and "
+                              f"this run's is {describe_batch(batch)}; resume with --global_batch_tokens "
+                              f"{saved_batch['tokens']} to keep it (the accumulation follows the processes and "
+                              f"micro-batch), {new_run}")
 
     def configure_optimizers(self):
         h = self.hparams
@@ -378,6 +413,8 @@ class LanguageModel(L.LightningModule):
         if "state_dict" in checkpoint:  # FSDP2 (ModelParallelStrategy) has loaded the weights itself and taken them
             checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
+        if self._trainer is not None and self._trainer.state.fn == "fit":  # a resume, not an evaluation
+            self.check_same_training(checkpoint, shown_name(self._trainer.ckpt_path))
         if "layout" in saved_data:  # written by a version with data.layout (absent: packed, contiguous)
             self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
@@ -395,6 +432,12 @@ class LanguageModel(L.LightningModule):
             if differ:
                 raise ConfigError(problem + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
                                                       for name, old, new in differ) + advice)
+
+
+def describe_batch(batch: dict) -> str:
+    processes = f"{batch['world_size']} process" + ("es" if batch["world_size"] != 1 else "")
+    return (f"{batch['tokens']} tokens ({processes} x {batch['micro_batch_size']} x "
+            f"{batch['block_size']} tokens x accumulation {batch['accumulate_grad_batches']})")
 
 
 def weighted_loss(nll: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
