@@ -324,7 +324,8 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
     """A fit's command line, complete without a config file (a pip install has no configs/). Its records go under
     ``runs_dir`` also without a logger (the rehearsal's), not into the working directory."""
     # validation after the steady steps, then one more step, then CableCLI's validation at the end of fit: the
-    # first validation compiles, the second shows what a validation costs once compiled
+    # first validation compiles, the second shows what a validation costs once compiled (the diagnostics at every
+    # validation: their default schedule may skip the second, whose cost the row reports)
     steps = sizes.warmup + sizes.steady + 1
     shape = [arg for name, value in sizes.shape.items() for arg in (f"--model.init_args.backbone.{name}", str(value))]
     return ["fit", "--model.class_path", "cable_lightning.lit.CausalLM", "--model.init_args.compile", "true",
@@ -334,7 +335,7 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
             "--trainer.accelerator", device, "--trainer.devices", "1", "--trainer.precision", sizes.precision,
             "--trainer.max_steps", str(steps + 1), "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),
-            "--throughput.log_peak_memory", "false", "--seed_everything", "0",
+            "--throughput.log_peak_memory", "false", "--diagnostics.budget", "null", "--seed_everything", "0",
             "--runs_dir", runs_dir, "--experiment", experiment,
             "--trainer.default_root_dir", os.path.join(runs_dir, experiment), *sizes.extra]
 
@@ -406,9 +407,9 @@ class Run:
             f"{rate * clock.flops / self.peak:.1%}" if rate and self.peak else "-", f"{clock.warmup_seconds():.1f}",
             f"{seconds:.1f}", gib(clock.train_peak),
             f"{gib(state)} + {gib(activations)} + {gib(logits)} = {gib(state + activations + logits)}",
-            compiles, clock.phase("graph_breaks", "start", "end"), f"{first:.2f}", f"{evaluation:.2f}",
-            f"{diagnostics:.2f}" + (f" ({diagnostics / evaluation:.2f})" if evaluation > 0 else ""),
-            f"{clock.checkpoint:.2f}", "; ".join(notes)])
+            compiles, clock.phase("graph_breaks", "start", "end"), f"{first:.3f}", f"{evaluation:.3f}",
+            f"{diagnostics:.3f}" + (f" ({diagnostics / evaluation:.2f})" if evaluation > 0 else ""),
+            f"{clock.checkpoint:.3f}", "; ".join(notes)])
 
     def bench(self, part: str, labels: list[str], head: list[str], deadline: float) -> None:
         """The bench's model-only evaluation at ``eval_length``, eager (the preset's vocabulary, as the bench's)."""
