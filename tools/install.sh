@@ -11,9 +11,14 @@
 #   TORCH_VERSION=installed   keep the torch this Python already has (a CUDA build on a GPU machine), pinned as it is
 set -euo pipefail
 cd "$(dirname "$0")/.."
+keep=""  # packages left as installed, unpinned: the kept torch's own requirements (torch 2.11 needs setuptools<82)
 if [ "${TORCH_VERSION:-}" = installed ]; then
-    TORCH_VERSION="$(python -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
+    # the distribution's version (a PyPI CUDA build is 2.11.0; torch.__version__ says 2.11.0+cu130)
+    TORCH_VERSION="$(python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null)" \
         || { echo "error: TORCH_VERSION=installed, but $(command -v python) has no torch to keep" >&2; exit 2; }
+    keep="$(python -c 'import importlib.metadata as m, re
+print(" ".join(re.split(r"[^A-Za-z0-9._-]", r, maxsplit=1)[0].lower().replace("_", "-")
+               for r in m.requires("torch") or [] if "extra ==" not in r))')"
 fi
 LOCK="${CABLE_LOCK:-tools/requirements.lock}"
 constraints="$(mktemp)"
@@ -27,7 +32,8 @@ else
     [ -z "$bad" ] || { echo "error: $LOCK:$bad is not a pin (name==version); fix that line, or write the lock again with bash tools/lock.sh update" >&2; exit 2; }
     locked_torch="$(sed -n 's/^torch==//p' "$LOCK")"
     TORCH_VERSION="${TORCH_VERSION:-${locked_torch:-2.13.0}}"
-    grep -v '^torch==' "$LOCK" > "$constraints"
+    grep -v '^torch==' "$LOCK" | awk -v keep=" $keep " '{ name = tolower($0); sub(/==.*/, "", name); gsub(/_/, "-", name)
+        if (index(keep, " " name " ") == 0) print }' > "$constraints"
 fi
 echo "torch==${TORCH_VERSION}" >> "$constraints"
 python -m pip install -c "$constraints" "torch==${TORCH_VERSION}"
