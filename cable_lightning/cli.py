@@ -400,6 +400,6 @@ def run(args: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # an entry point once: say which verb replaced it, never exit 0 having done nothing
-    from cable_lightning.__main__ import replaced_entry_point
+    from cable_lightning.verbs import replaced_entry_point
 
     replaced_entry_point(__spec__.name)

@@ -18,10 +18,10 @@ PACKAGE = os.path.join(ROOT, "cable_lightning")
 # Lowest first: a module imports only from its own layer or a lower one (a layer is the package's top-level module
 # or folder). docs/design.md shows the same table.
 LAYERS = [
-    {"__init__", "errors"},
+    {"__init__", "errors", "verbs"},
     {"positional"},
     {"models"},
-    {"console", "owned", "records", "checkpoints", "figures", "tasks"},
+    {"console", "owned", "records", "checkpoints", "figures", "tasks", "hardware"},
     {"data"},
     {"eval"},
     {"lit", "callbacks"},
