@@ -78,6 +78,7 @@ class LanguageModel(L.LightningModule):
         self.run_seed: Optional[int] = None
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
+        self._grad_norm: Optional[torch.Tensor] = None  # measured before the optimizer step, then clipped by
 
     @cached_property
     def _flops_per_token(self) -> float:

@@ -150,6 +150,7 @@ class ScoreBias:
         bias (its formula at offset 0 with no layout, whose positions then index the table)."""
         plain = copy.copy(self)
         plain.q_offset, plain.layout = 0, None
+        # a copy, not the view [0]: a captured view lost its gradient under AOT autograd (tests/test_flex_training.py)
         return plain.rows(0, extent, extent, 1, heads, device)[0].clone()
 
     def table_score_mod(self, table: Tensor) -> Callable:
