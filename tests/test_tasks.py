@@ -17,12 +17,18 @@ from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval import report
-from cable_lightning.lit import CausalLM
+from cable_lightning.lit import CausalLM, MaskedLM
 from cable_lightning.lit.modules import weighted_loss
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
-from cable_lightning.tasks.generation import EVAL, OWN_VOCABULARY, TRAIN, TaskMix, TaskVocabulary
-from cable_lightning.tasks.scoring import argmax_predictions, effective_length, score_examples, task_grid
+from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, TRAIN, TaskMix, TaskVocabulary
+from cable_lightning.tasks.scoring import (
+    argmax_predictions,
+    effective_length,
+    masked_predictions,
+    score_examples,
+    task_grid,
+)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -124,21 +130,24 @@ def test_the_task_vocabulary_from_a_tokenizer_leaves_its_special_ids_out():
 # --- scoring --------------------------------------------------------------------------------------------------------
 
 
-def oracle(examples):
-    """Predicts each example's own next tokens (looked up by its inputs)."""
-    truth = {e.ids[:-1].tobytes(): torch.from_numpy(e.ids[1:]) for e in examples}
-    return lambda inputs: torch.stack([truth[row.numpy().tobytes()] for row in inputs])
+def oracle(ids, answer):
+    """Predicts every example's own tokens."""
+    return ids[:, 1:]
+
+
+def constant(token: int):
+    return lambda ids, answer: torch.full_like(ids[:, 1:], token)
 
 
 def test_an_oracle_scores_one_a_constant_zero_and_a_forced_answer_is_right_exactly_where_it_is():
     tasks = mix({"needle": {"keys": 2, "value_tokens": 1}, "associative_recall": {}})
     examples = [tasks.example(97, 0, EVAL, i, task=tasks.tasks[0]) for i in range(200)]
-    assert all(score_examples(oracle(examples), examples, batch_size=7))
-    assert not any(score_examples(lambda x: torch.full_like(x, M["QUERY"]), examples))
+    assert all(score_examples(oracle, examples, batch_size=7))
+    assert not any(score_examples(constant(M["QUERY"]), examples))
     forced = int(examples[0].ids[-1])  # the first example's answer, which some others share by chance
-    right = score_examples(lambda x: torch.full_like(x, forced), examples)
+    right = score_examples(constant(forced), examples)
     assert right == [e.ids[-1] == forced for e in examples] and 1 < sum(right) < 20
-    grid = task_grid(lambda x: torch.full_like(x, M["QUERY"]), tasks, [64, 96], depths=[0.0, 1.0], trials=3)
+    grid = task_grid(constant(M["QUERY"]), tasks, [64, 96], depths=[0.0, 1.0], trials=3)
     assert [(r["task"], r["length"], r["depth"], r["accuracy"]) for r in grid] == [
         ("needle", 64, 0.0, 0.0), ("needle", 64, 1.0, 0.0), ("needle", 96, 0.0, 0.0), ("needle", 96, 1.0, 0.0),
         ("associative_recall", 64, None, 0.0), ("associative_recall", 96, None, 0.0)]
@@ -148,18 +157,17 @@ def test_argmax_predictions_are_the_backbones_most_likely_tokens_and_one_wrong_a
     torch.manual_seed(0)
     backbone = build_backbone(BackboneConfig(pos_encoding="cable", n_layer=1, n_head=2, n_embd=32,
                                              vocab_size=OWN_VOCABULARY, block_size=64)).eval()
-    inputs = torch.from_numpy(np.stack([mix().example(41, 0, EVAL, i).ids[:-1] for i in range(3)]))
+    ids = torch.from_numpy(np.stack([mix().example(41, 0, EVAL, i).ids for i in range(3)]))
     with torch.no_grad():
-        assert torch.equal(argmax_predictions(backbone, chunk=16)(inputs), backbone(inputs).argmax(-1))
+        assert torch.equal(argmax_predictions(backbone, chunk=16)(ids, None), backbone(ids[:, :-1]).argmax(-1))
     examples = [mix({"copy": {}}).example(60, 0, EVAL, 0)]
-    truth = oracle(examples)
 
-    def one_off(x):
-        predicted = truth(x).clone()
+    def one_off(ids, answer):
+        predicted = oracle(ids, answer).clone()
         predicted[:, -3] += 1  # the third-to-last answer token is wrong, every other one right
         return predicted
 
-    assert score_examples(truth, examples) == [True] and score_examples(one_off, examples) == [False]
+    assert score_examples(oracle, examples) == [True] and score_examples(one_off, examples) == [False]
 
 
 # --- training on tasks ----------------------------------------------------------------------------------------------
@@ -211,6 +219,83 @@ def test_a_resumed_run_sees_the_rows_and_reaches_the_weights_of_an_uninterrupted
     assert recorders.LOSSES[-1] == pytest.approx(straight_losses[-1], abs=1e-6)
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+# --- masked LMs on tasks ---------------------------------------------------------------------------------------------
+
+
+def masked_lm(dm, pe="alibi", **kwargs):
+    torch.manual_seed(0)
+    return MaskedLM(BackboneConfig(preset="bert-base", pos_encoding=pe, n_layer=1, n_head=2, n_embd=32),
+                    data=dm.describe(), **kwargs)
+
+
+def test_the_own_vocabulary_keeps_its_ids_and_adds_a_mask_that_no_example_holds():
+    assert (OWN_VOCABULARY, OWN_MASK_ID) == (134, 133)
+    # the ids of markers, symbols and filler are the ones decoders were trained on before the mask was added
+    assert list(M.values()) == [1, 2, 3, 4] and VOCAB.symbols.tolist() == list(range(5, 69))
+    assert VOCAB.filler.tolist() == list(range(69, 133))
+    info = TokenDataModule(path=None, tasks={"copy": {}}, block_size=48).describe()
+    assert info.mask_id == OWN_MASK_ID and OWN_MASK_ID in info.special_ids
+    rows, _ = mix().training_rows(97, 0, 0, 0, 1, 40)
+    assert rows.max() < OWN_MASK_ID and rows.min() > 0
+
+
+@pytest.mark.parametrize("lm_loss_weight", [0.0, 1.0])
+def test_a_masked_lm_reads_every_answer_masked_and_nothing_of_the_answer_reaches_its_input(lm_loss_weight):
+    dm = TokenDataModule(path=None, tasks=ALL, block_size=96, micro_batch_size=8, lm_loss_weight=lm_loss_weight)
+    # every non-special token chosen: 80% masked, 10% swapped, 10% kept; an answer must still always be masked
+    model = masked_lm(dm, mask_probability=1.0)
+    seen = []
+    token_nll = model.backbone.token_nll
+    model.backbone.token_nll = lambda inputs, labels, **kw: seen.append((inputs, labels)) or token_nll(inputs, labels)
+    batch = dm.task_batch(torch.zeros(8, 97, dtype=torch.long), batch_number=0, rank=0, world_size=1)
+    ids, answer = batch["tokens"][:, 1:], batch["answer"]
+    assert answer.sum(1).tolist() == [4, 2, 3, 8] * 2  # recall's four values, the needle's two, three hops, the span
+    loss, inputs = model.batch_loss(batch)
+    _, labels = seen[-1]
+    assert (inputs[answer] == OWN_MASK_ID).all() and torch.equal(labels[answer], ids[answer])
+    # the same batch with other answers: the model's input is the same, token for token
+    other = batch["tokens"].clone()
+    other[:, 1:][answer] = torch.from_numpy(VOCAB.symbols)[(ids[answer] - 4) % 64]
+    assert not torch.equal(other, batch["tokens"])
+    assert torch.equal(model.batch_loss({**batch, "tokens": other})[1], inputs)
+    nll = token_nll(inputs, labels)
+    if lm_loss_weight == 0:  # the context is left whole, and the loss is the answers' alone
+        assert torch.equal(inputs[~answer], ids[~answer])
+        assert loss.item() == pytest.approx(nll[answer].mean().item(), rel=1e-6)
+    else:  # the other tokens are masked too, and every chosen one counts
+        assert (inputs[~answer] == OWN_MASK_ID).float().mean() > 0.7 and (labels != -100).all()
+        assert loss.item() == pytest.approx(nll.mean().item(), rel=1e-6)
+
+
+def test_a_masked_lm_is_asked_with_every_answer_token_masked():
+    dm = TokenDataModule(path=None, tasks={"copy": {}}, block_size=48)
+    model = masked_lm(dm, pe="cable").eval()
+    examples = [mix({"copy": {}, "needle": {}}).example(49, 0, EVAL, i) for i in range(4)]
+    ids = torch.from_numpy(np.stack([e.ids for e in examples]))
+    answer = torch.from_numpy(np.stack([e.answer for e in examples]))[:, 1:]
+    predict = model.task_predictions()
+    with torch.no_grad():
+        assert torch.equal(predict(ids, answer), model.backbone(ids[:, 1:].masked_fill(answer, OWN_MASK_ID)).argmax(-1))
+
+    class Copier:  # a model that returns its input: right only if the answer were in it
+        def argmax_tokens(self, inputs, chunk):
+            return inputs
+
+    assert not any(score_examples(masked_predictions(Copier(), OWN_MASK_ID), examples))
+
+
+def test_an_encoder_fit_on_tasks_writes_accuracy_at_every_length(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = task_args(str(tmp_path), "--model.init_args.backbone.pos_encoding", "alibi")
+    args[2:2] = ["--config", "configs/tasks/encoder.yaml"]
+    cli = main(["fit", *args])
+    assert isinstance(cli.model, MaskedLM) and cli.model.mask_id == OWN_MASK_ID
+    rows = [json.loads(line) for line in open(os.path.join(cli.trainer.log_dir, TaskRecord.FILE))]
+    assert [(r["task"], r["length"], r["depth"]) for r in rows] == [
+        ("associative_recall", n, None) for n in (48, 96)] + [("needle", n, d) for n in (48, 96) for d in (0.0, 1.0)]
+    assert all(r["accuracy"] is not None for r in rows)
 
 
 # --- the effective length and the report ----------------------------------------------------------------------------

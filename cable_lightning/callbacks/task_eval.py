@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..figures import accuracy_heatmap
 from ..records import TaskRecord, append_records
-from ..tasks.scoring import DEFAULT_DEPTHS, argmax_predictions, task_grid
+from ..tasks.scoring import DEFAULT_DEPTHS, task_grid
 
 
 def row_label(record: TaskRecord) -> str:
@@ -63,9 +63,6 @@ class TaskAccuracy(L.Callback):
             raise ConfigError("task_eval.enabled is true but the data has no tasks; set data.tasks")
         if not self.active(trainer):
             return
-        if not pl_module.backbone.causal:
-            raise ConfigError("tasks need a causal LM (the answer is predicted after the question); this model is a "
-                              "masked LM")
         shortest = min(self.grid_lengths(pl_module))
         try:
             self.mix(trainer).check_length(shortest)
@@ -80,7 +77,7 @@ class TaskAccuracy(L.Callback):
         backbone.eval()
         try:
             with torch.no_grad():
-                grid = task_grid(argmax_predictions(backbone), self.mix(trainer), lengths, self.depths, self.trials,
+                grid = task_grid(pl_module.task_predictions(), self.mix(trainer), lengths, self.depths, self.trials,
                                  self.seed, self.batch_size, pl_module.device)
         finally:
             backbone.train(was_training)

@@ -23,7 +23,7 @@ from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
 from cable_lightning.data.windows import EvalWindows
-from cable_lightning.tasks.generation import EVAL, OWN_VOCABULARY, TaskMix, TaskVocabulary
+from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, TaskMix, TaskVocabulary
 
 from ..errors import ConfigError
 
@@ -170,9 +170,9 @@ class TokenDataModule(L.LightningDataModule):
     def describe(self) -> DataInfo:
         """What the model needs from the data; the manifest is read and every file checked once."""
         if self.path is None:  # tasks alone, in their own vocabulary
-            return DataInfo(vocab_size=OWN_VOCABULARY, eot_id=0, mask_id=None, special_ids=(0,),
+            return DataInfo(vocab_size=OWN_VOCABULARY, eot_id=0, mask_id=OWN_MASK_ID, special_ids=(0, OWN_MASK_ID),
                             tokenizer={"kind": "task", "name": f"task-vocabulary-{OWN_VOCABULARY}",
-                                       "hash": f"task-vocabulary-v1-{OWN_VOCABULARY}"},
+                                       "hash": f"task-vocabulary-v2-{OWN_VOCABULARY}"},
                             block_size=self.block_size, eval_specs=tuple(self.eval_specs()),
                             layout=self.layout.as_dict())
         if self._manifest is None:
@@ -237,17 +237,19 @@ class TokenDataModule(L.LightningDataModule):
 
     def task_batch(self, batch: torch.Tensor, batch_number: int, rank: int, world_size: int) -> dict:
         """The batch with its first ``task_fraction`` rows replaced by task examples (TaskMix.training_rows: unique
-        per (batch number, rank), the same after a resume) and the loss weight of every target: 1 for corpus rows and
-        for answers, ``lm_loss_weight`` for a task row's other tokens."""
+        per (batch number, rank), the same after a resume), the loss weight of every target (1 for corpus rows and
+        for answers, ``lm_loss_weight`` for a task row's other tokens) and which targets are answers (a masked LM
+        hides those from its input). Both are (B, L), aligned with ``tokens[:, 1:]``."""
         rows = round(self.task_fraction * batch.shape[0])
         weight = torch.ones(batch.shape[0], batch.shape[1] - 1)
+        answers = torch.zeros(batch.shape[0], batch.shape[1] - 1, dtype=torch.bool)
         if rows:
             ids, answer = self.tasks.training_rows(batch.shape[1], self.seed, batch_number, rank, world_size, rows)
             batch = batch.clone()
             batch[:rows] = torch.from_numpy(ids)
-            answer = torch.from_numpy(answer[:, 1:])
-            weight[:rows] = torch.where(answer, 1.0, self.lm_loss_weight)
-        return {"tokens": batch, "loss_weight": weight}
+            answers[:rows] = torch.from_numpy(answer[:, 1:])
+            weight[:rows] = torch.where(answers[:rows], 1.0, self.lm_loss_weight)
+        return {"tokens": batch, "loss_weight": weight, "answer": answers}
 
     def train_dataloader(self) -> Any:
         from litdata import StreamingDataset, TokensLoader

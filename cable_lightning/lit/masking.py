@@ -19,6 +19,7 @@ def mask_tokens(
     generator: torch.Generator | None = None,
     special_ids: Iterable[int] = (),
     draws: torch.Tensor | None = None,
+    maskable: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose ``probability`` of the non-special tokens; of those 80% become ``mask_id``, 10% a random token,
     10% stay. Returns ``(input_ids, labels)`` with ``labels`` = the original id where chosen, else -100.
@@ -27,7 +28,8 @@ def mask_tokens(
     to do, which random token): drawn from ``generator`` when not given, or given by :func:`position_draws` so
     that a token's masking depends on its place in a stream, not on the window that holds it.
     Random replacements are drawn uniformly from ``[0, vocab_size)`` minus the special ids and ``mask_id``, so
-    they never forge a document separator. ``ids`` is left untouched.
+    they never forge a document separator. ``maskable`` (bool, like ``ids``): where False, a token is never
+    chosen (a task's answer, which the caller hides itself). ``ids`` is left untouched.
     """
     if not 0.0 <= probability <= 1.0:
         raise ConfigError(f"masking probability must be in [0, 1], got {probability}")
@@ -36,6 +38,8 @@ def mask_tokens(
         draws = torch.rand((3, *ids.shape), generator=generator, device=device)
     specials = torch.tensor(sorted({int(i) for i in special_ids}), dtype=ids.dtype, device=device)
     candidates = ~torch.isin(ids, specials) if specials.numel() else torch.ones_like(ids, dtype=torch.bool)
+    if maskable is not None:
+        candidates = candidates & maskable
 
     chosen = (draws[0] < probability) & candidates
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))

@@ -25,8 +25,9 @@ from ..eval import PositionNLL
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..records import LengthRecord, PositionRecord
+from ..tasks.scoring import Predict, argmax_predictions, masked_predictions
 from .checkpoint_format import saved_weights
-from .masking import mask_tokens, position_draws
+from .masking import IGNORE_INDEX, mask_tokens, position_draws
 from .optim import build_optimizer
 
 MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
@@ -463,6 +464,10 @@ class CausalLM(LanguageModel):
     def split_batch(self, batch, train, batch_idx=0, start=None):
         return batch[:, :-1], batch[:, 1:]
 
+    def task_predictions(self) -> Predict:
+        """How a task example is asked: the answer predicted after the question (:func:`argmax_predictions`)."""
+        return argmax_predictions(self.backbone)
+
 
 EVAL_MASK_SEED = 1_000_003  # the validation stream's fixed masking (position_draws)
 
@@ -500,10 +505,33 @@ class MaskedLM(LanguageModel):
         position), so every length and checkpoint scores the same masked tokens and MLM perplexities compare."""
         ids = batch[:, :-1]
         if train:
-            generator = torch.Generator(ids.device).manual_seed(hash((self.global_step, batch_idx, self.global_rank)))
-            draws = torch.rand((3, *ids.shape), generator=generator, device=ids.device)
-        else:
-            positions = start.to(ids.device)[:, None] + torch.arange(ids.shape[1], device=ids.device)
-            draws = position_draws(positions, EVAL_MASK_SEED)
+            return self.training_masking(ids, batch_idx)
+        positions = start.to(ids.device)[:, None] + torch.arange(ids.shape[1], device=ids.device)
         return mask_tokens(ids, self.mask_id, self.config.vocab_size, self.hparams.mask_probability,
-                           special_ids=self.special_ids, draws=draws)
+                           special_ids=self.special_ids, draws=position_draws(positions, EVAL_MASK_SEED))
+
+    def training_masking(self, ids: torch.Tensor, batch_idx: int, maskable: Optional[torch.Tensor] = None):
+        """The BERT masking of a training batch, drawn from (step, batch, rank)."""
+        generator = torch.Generator(ids.device).manual_seed(hash((self.global_step, batch_idx, self.global_rank)))
+        draws = torch.rand((3, *ids.shape), generator=generator, device=ids.device)
+        return mask_tokens(ids, self.mask_id, self.config.vocab_size, self.hparams.mask_probability,
+                           special_ids=self.special_ids, draws=draws, maskable=maskable)
+
+    def batch_loss(self, batch, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch with task rows (``TokenDataModule.task_batch``) is read from its second token on, so that a task's
+        answer, which ends its row, is inside. Every answer token is masked, always (never kept or swapped, which
+        would show it) and weighs 1. The ordinary masking draws only from the other tokens of rows whose other
+        targets weigh something (corpus rows, and task rows under ``data.lm_loss_weight`` > 0): with weight 0 it
+        would only blur the task's context."""
+        if not isinstance(batch, dict):
+            return super().batch_loss(batch, batch_idx)
+        ids, answer, weight = batch["tokens"][:, 1:], batch["answer"], batch["loss_weight"]
+        inputs, labels = self.training_masking(ids, batch_idx, maskable=~answer & (weight > 0))
+        inputs = inputs.masked_fill(answer, self.mask_id)
+        labels = torch.where(answer, ids, labels)
+        nll = self.backbone.token_nll(inputs, labels, layout=self.batch_layout(inputs, True, batch_idx))
+        return weighted_loss(nll, torch.where(labels == IGNORE_INDEX, 0.0, weight)), inputs
+
+    def task_predictions(self) -> Predict:
+        """How a task example is asked: every answer token masked and filled in at once (:func:`masked_predictions`)."""
+        return masked_predictions(self.backbone, self.mask_id)

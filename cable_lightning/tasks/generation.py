@@ -9,7 +9,8 @@ length (more filler in between, the number of facts stays fixed).
 Tokens come from a :class:`TaskVocabulary`: four marker ids, ``SYMBOLS`` ids for keys, values and variables, and
 filler ids that are never a key or an answer. With a prepared corpus it is carved out of the run's tokenizer (its
 non-special ids in order); without one, the tasks have a vocabulary of their own (:data:`OWN_VOCABULARY` ids, id 0
-the end-of-text id). The tasks (``--data.tasks '{"needle": {"keys": 4}}'``):
+the end-of-text id, the last the mask id a masked LM reads in place of an answer). The tasks
+(``--data.tasks '{"needle": {"keys": 4}}'``):
 
 - ``associative_recall`` (multi-query associative recall, Zoology): ``pairs`` key-value pairs at the start, filler,
   then ``queries`` of them asked for, ``QUERY key -> value``.
@@ -37,7 +38,8 @@ from ..errors import ConfigError
 
 SYMBOLS = 64  # ids that can be keys, values or variables; chance of guessing one is 1/64
 MARKERS = ("QUERY", "NEEDLE", "ASSIGN", "COPY")
-OWN_VOCABULARY = 1 + len(MARKERS) + 2 * SYMBOLS  # end of text, markers, symbols, as many filler ids
+OWN_VOCABULARY = 2 + len(MARKERS) + 2 * SYMBOLS  # end of text, markers, symbols, as many filler ids, mask
+OWN_MASK_ID = OWN_VOCABULARY - 1  # last, so that the other ids keep their roles whether a model masks or not
 TRAIN, EVAL = 0, 1  # the split in an example's seed: training rows never repeat evaluation examples
 
 
@@ -62,7 +64,7 @@ class TaskVocabulary:
 
     @classmethod
     def own(cls) -> "TaskVocabulary":
-        return cls.from_ids(OWN_VOCABULARY, special_ids=(0,))
+        return cls.from_ids(OWN_VOCABULARY, special_ids=(0, OWN_MASK_ID))
 
 
 @dataclass(frozen=True)

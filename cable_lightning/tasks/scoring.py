@@ -1,10 +1,11 @@
 """Scoring synthetic tasks (:mod:`.generation`): exact match of every answer token, and the effective
 length.
 
-An example is right when the model's most likely next token is the answer at every answer position, with the
-example's own tokens before it (teacher forcing). That is what greedy decoding would produce: while every answer
-token so far is right, the decoder's input is the example itself, so one forward pass scores an answer of any
-length without a KV cache.
+An example is right when the model's most likely token is the answer at every answer position. A decoder predicts
+each answer token after the example's own tokens before it (teacher forcing). That is what greedy decoding would
+produce: while every answer token so far is right, the decoder's input is the example itself, so one forward pass
+scores an answer of any length without a KV cache. A masked LM reads the example with every answer token replaced by
+its mask token and fills them all in at once, from context on both sides.
 """
 
 from __future__ import annotations
@@ -21,13 +22,22 @@ from .generation import EVAL, Example, TaskMix
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_THRESHOLD = 0.85  # RULER's: the accuracy a length must keep to count as effective
 
-Predict = Callable[[torch.Tensor], torch.Tensor]  # inputs (B, T) -> the predicted next token at each position (B, T)
+# (ids (B, L + 1), answer (B, L): which of ids[:, 1:] are answer tokens) -> the model's token for each of
+# ids[:, 1:] (B, L); the model reads L tokens.
+Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def argmax_predictions(backbone, chunk: int = 512) -> Predict:
-    """The backbone's most likely next token at every position; the head runs ``chunk`` positions at a time."""
+    """A decoder's most likely next token after each of ids[:, :-1]; the head runs ``chunk`` positions at a time."""
 
-    return lambda inputs: backbone.argmax_tokens(inputs, chunk)
+    return lambda ids, answer: backbone.argmax_tokens(ids[:, :-1], chunk)
+
+
+def masked_predictions(backbone, mask_id: int, chunk: int = 512) -> Predict:
+    """A masked LM's most likely token at each of ids[:, 1:], read with the answer tokens masked (the example's first
+    token, filler, is dropped so that it reads as many tokens as a decoder)."""
+
+    return lambda ids, answer: backbone.argmax_tokens(ids[:, 1:].masked_fill(answer, mask_id), chunk)
 
 
 def exact_match(predicted: torch.Tensor, targets: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
@@ -42,7 +52,7 @@ def score_examples(predict: Predict, examples: Sequence[Example], batch_size: in
     right = []
     for start in range(0, len(examples), batch_size):
         rows = slice(start, start + batch_size)
-        right += exact_match(predict(ids[rows, :-1]), ids[rows, 1:], answer[rows]).tolist()
+        right += exact_match(predict(ids[rows], answer[rows]), ids[rows, 1:], answer[rows]).tolist()
     return right
 
 
