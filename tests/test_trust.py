@@ -19,6 +19,7 @@ import torch
 from test_cli import args
 from test_reliability import one_error_line
 
+from cable_lightning.__main__ import main as verb_main
 from cable_lightning.checkpoints import resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError
@@ -180,33 +181,34 @@ def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]
     return [line for line in done.stderr.splitlines() if line.startswith("error:")]
 
 
-def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_line(tmp_path):
+def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_line(tmp_path, capsys):
+    """In this process, through the verb table and the error boundary the program uses (test_tools_... runs one
+    verb as a program)."""
     records = tmp_path / "run" / "length_eval.jsonl"
     records.parent.mkdir()
     good = json.dumps(ROW) + "\n"
     out = str(tmp_path / "report")
+    report = lambda folder, out=out: lambda: verb_main(["report", str(tmp_path / folder), "--out", out])  # noqa: E731
     records.write_text(good + json.dumps({**ROW, "length": 64})[:30])  # a writer killed in the middle of a row
-    done = tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out", out)
-    assert done.returncode == 0, done.stderr
-    assert f"{records}:2: skipping a truncated last line" in done.stderr
+    assert report("run")() == 0
+    assert f"{records}:2: skipping a truncated last line" in capsys.readouterr().err
     assert "| 32 | **9.50** |" in (tmp_path / "report_nonoverlap.md").read_text()
 
     records.write_text(good + "{not json\n" + good)
-    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out", out)) == [
+    assert one_error_line(capsys, report("run")) == (
         f"error: {records}:2: not a JSON record (Expecting property name enclosed in double quotes); fix or remove "
-        "that line"]
+        "that line")
     older = {k: v for k, v in ROW.items() if k != "mode"}  # a row format from before window modes
     records.write_text(good + json.dumps(older) + "\n")
-    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out", out)) == [
+    assert one_error_line(capsys, report("run")) == (
         f"error: {records}:2: the row lacks mode (another record format?); valid rows have pe, train_length, step, "
-        "length, mode, ppl"]
+        "length, mode, ppl")
     records.write_text("")
-    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "run"), "--out",
-                            str(tmp_path / "empty"))) == [
-        f"error: {records} hold no evaluation rows; validate a run first"]
+    assert one_error_line(capsys, report("run", str(tmp_path / "empty"))) == (
+        f"error: {records} hold no evaluation rows; validate a run first")
     assert not glob.glob(str(tmp_path / "empty*"))
-    assert error_lines(tool("-m", "cable_lightning", "report", str(tmp_path / "nothing"), "--out", out)) == [
-        f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first"]
+    assert one_error_line(capsys, report("nothing")) == (
+        f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first")
 
 
 TASK_ROW = {**ROW, "task": "passkey", "depth": 0.5, "accuracy": 0.5}
