@@ -62,6 +62,9 @@ class LengthEvalRecorder(L.Callback):
             print(f"validation perplexity by length ({first.pe}, trained at {first.train_length} tokens, "
                   f"step {first.step}):\n{format_table(rows, first.train_length)}", flush=True)
         vocab = pl_module.config.vocab_size
+        data = trainer.datamodule
+        if getattr(data, "tasks", None) is not None and data.task_fraction == 1 and data.lm_loss_weight == 0:
+            return  # trained on task answers alone: no token the perplexity scores was ever a target
         for r in rows:  # past the training length a high perplexity is the measurement; at it, a broken run
             if r.length == r.train_length and r.ppl is not None and r.ppl > vocab:
                 print(f"warning: perplexity {format_value(r.ppl)} at the training length {r.length} (step {r.step}) "
