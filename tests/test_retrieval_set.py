@@ -59,6 +59,21 @@ def test_training_pairs_come_from_other_source_documents(made):
     assert query_sources and pair_sources and not query_sources & pair_sources
 
 
+def test_query_in_passage_puts_each_query_at_the_head_of_its_passage_and_nowhere_else(made):
+    documents, tokenizer, settings, _ = made
+    rows = build(documents, tokenizer, Settings(**{**settings.__dict__, "query_in_passage": True}))
+    keys = {p.query: p for p in passages(documents) if p.query is not None}
+    docs = {d["_id"]: d["text"] for d in rows["corpus"]}
+    for query in rows["queries"]:
+        ids = tokenizer.encode_batch([docs[query["doc"]]])[0]
+        shown, hidden = tokenizer.decode(ids[: query["end"]]), tokenizer.decode(ids[: query["depth"]])
+        assert f"{query['text']} {keys[query['text']].rest}" in docs[query["doc"]]
+        assert query["text"][:40] not in hidden and keys[query["text"]].rest[-20:] in shown
+        assert [d for d, text in docs.items() if query["text"] in text] == [query["doc"]]
+    for pair in rows["train_pairs"]:
+        assert pair["positive"] == f"{pair['query']} {keys[pair['query']].rest}"
+
+
 def test_the_same_settings_give_the_same_set_and_another_seed_another(made):
     documents, tokenizer, settings, rows = made
     assert build(documents, tokenizer, settings) == rows

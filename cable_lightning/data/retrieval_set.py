@@ -16,6 +16,9 @@ How it is made, from any text source (default: the offline python-docs corpus) a
 - Source documents are split in two by a seeded draw: the evaluation set uses one part; the contrastive training
   pairs (``train_pairs.jsonl``: a query, its passage's rest as the positive, another passage's rest as the negative)
   come from the other part, so no evaluation text is trained on in the fine-tuning step.
+- ``--query_in_passage`` keeps the query's sentence at the head of its passage (in the documents and in the training
+  positives): query and passage then share words, the easy, lexical form of the set (BM25 finds it wherever it is in
+  view), for telling an encoder that cannot retrieve at all from one that cannot see far enough.
 
 Written in the BEIR layout the ``retrieval evaluate`` verb reads: ``corpus.jsonl`` (``_id``, ``text``),
 ``queries.jsonl`` (``_id``, ``text``, plus ``depth`` and ``end``: the token offsets where its passage starts and
@@ -82,6 +85,7 @@ class Settings:
     train_pairs: int = 2000
     eval_fraction: float = 0.7  # of the source documents, by a seeded draw
     seed: int = 0
+    query_in_passage: bool = False  # the query's own sentence stays at the head of its passage
 
     def __post_init__(self):
         if self.doc_tokens < 64:
@@ -94,13 +98,18 @@ class Settings:
 
 def build(documents: list[str], tokenizer, settings: Settings) -> dict:
     """The set as rows: ``{"corpus", "queries", "qrels", "train_pairs"}`` (see the module docstring)."""
+
+    def placed(key: Passage) -> str:
+        """What of a key passage goes into its document and its training positive."""
+        return f"{key.query} {key.rest}" if settings.query_in_passage else key.rest
+
     rng = np.random.default_rng(settings.seed)
     found = passages(documents)
     evaluation = rng.random(len(documents)) < settings.eval_fraction
     held = [p for p in found if evaluation[p.source_doc]]
     trained = [p for p in found if not evaluation[p.source_doc]]
     candidates = [p for p in held if p.query is not None]
-    rest_lengths = dict(zip(map(id, candidates), map(len, tokenizer.encode_batch([p.rest for p in candidates]))))
+    rest_lengths = dict(zip(map(id, candidates), map(len, tokenizer.encode_batch([placed(p) for p in candidates]))))
     # A key passage takes at most half a document, so it always fits with room to place it at many depths.
     keys = [candidates[i] for i in rng.permutation(len(candidates))
             if rest_lengths[id(candidates[i])] <= settings.doc_tokens // 2][: settings.queries]
@@ -136,9 +145,9 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
                 after.append(filler)
             size += lengths[id(filler)]
         prefix = "\n\n".join(p.text for p in before)
-        text = "\n\n".join([*(p.text for p in before), key.rest, *(p.text for p in after)])
+        text = "\n\n".join([*(p.text for p in before), placed(key), *(p.text for p in after)])
         depth = len(tokenizer.encode_batch([prefix + "\n\n"])[0]) if before else 0
-        end = len(tokenizer.encode_batch([prefix + "\n\n" + key.rest if before else key.rest])[0])
+        end = len(tokenizer.encode_batch([prefix + "\n\n" + placed(key) if before else placed(key)])[0])
         doc_id, query_id = f"d{number}", f"q{number}"
         corpus.append({"_id": doc_id, "text": text})
         queries.append({"_id": query_id, "text": key.query, "depth": depth, "end": end, "doc": doc_id})
@@ -151,7 +160,7 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
         negative = candidates[int(rng.integers(0, len(candidates)))]
         while negative is candidates[i] and len(candidates) > 1:
             negative = candidates[int(rng.integers(0, len(candidates)))]
-        pairs.append({"query": candidates[i].query, "positive": candidates[i].rest, "negative": negative.rest})
+        pairs.append({"query": candidates[i].query, "positive": placed(candidates[i]), "negative": placed(negative)})
     return {"corpus": corpus, "queries": queries, "qrels": qrels, "train_pairs": pairs}
 
 
@@ -191,9 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train_pairs", type=int, default=defaults.train_pairs)
     parser.add_argument("--eval_fraction", type=float, default=defaults.eval_fraction)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--query_in_passage", action="store_true",
+                        help="keep each query's sentence at the head of its passage (query and passage share words)")
     parser.add_argument("--overwrite", action="store_true", help="replace a retrieval set this command wrote")
     args = parser.parse_args(argv)
-    settings = Settings(args.doc_tokens, args.queries, args.train_pairs, args.eval_fraction, args.seed)
+    settings = Settings(args.doc_tokens, args.queries, args.train_pairs, args.eval_fraction, args.seed,
+                        args.query_in_passage)
     inputs = (args.tokenizer if os.path.exists(args.tokenizer) else None, args.source)
     check_replaceable(args.out, "retrieval set", args.overwrite, inputs)  # before reading the source
     tokenizer = get_tokenizer(args.tokenizer)
