@@ -109,10 +109,10 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
     held = [p for p in found if evaluation[p.source_doc]]
     trained = [p for p in found if not evaluation[p.source_doc]]
     candidates = [p for p in held if p.query is not None]
-    rest_lengths = dict(zip(map(id, candidates), map(len, tokenizer.encode_batch([placed(p) for p in candidates]))))
+    placed_lengths = dict(zip(map(id, candidates), map(len, tokenizer.encode_batch([placed(p) for p in candidates]))))
     # A key passage takes at most half a document, so it always fits with room to place it at many depths.
     keys = [candidates[i] for i in rng.permutation(len(candidates))
-            if rest_lengths[id(candidates[i])] <= settings.doc_tokens // 2][: settings.queries]
+            if placed_lengths[id(candidates[i])] <= settings.doc_tokens // 2][: settings.queries]
     if len(keys) < settings.queries:
         raise ConfigError(f"the source has {len(keys)} key passages that fit documents of {settings.doc_tokens} "
                           f"tokens, {settings.queries} queries were asked for; ask for fewer --queries or a larger "
@@ -128,9 +128,9 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
     for number, key in enumerate(keys):
         # The passage lies within the first doc_tokens tokens: "before" overshoots its target by one filler at most
         # (and tokens merge differently across paragraph joins: a margin of 1/32).
-        room = settings.doc_tokens - rest_lengths[id(key)] - longest - settings.doc_tokens // 32
+        room = settings.doc_tokens - placed_lengths[id(key)] - longest - settings.doc_tokens // 32
         target_depth = int(rng.integers(0, room + 1))
-        before, after, size, before_size = [], [], rest_lengths[id(key)], 0
+        before, after, size, before_size = [], [], placed_lengths[id(key)], 0
         while size < settings.doc_tokens:
             if next_filler == len(fillers):
                 raise ConfigError(f"the source has filler text for {number} documents of {settings.doc_tokens} "
