@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -55,6 +55,7 @@ from .data.layouts import check_configured_layout
 from .errors import DEBUG_VARIABLE, ConfigError, RunFailedError, error_boundary, full_disk, space_left, user_error
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_model
+from .lit.resume import RunCheckpoint, finished_run
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 
@@ -228,10 +229,19 @@ class SavedConfig(SaveConfigCallback):
                                  "nothing was trained") from exc
 
 
+class RunFinished(Exception):
+    """A fit resumed from a checkpoint at its ``max_steps``: nothing to do (:func:`finished_run`)."""
+
+
 class CableCLI(LightningCLI):
     def __init__(self, *args, extra_callbacks: tuple = (), **kwargs):
         self.extra_callbacks = list(extra_callbacks)  # appended last (gpu-check's clock): see instantiate_trainer
-        super().__init__(*args, **kwargs)
+        self.finished: Optional[str] = None  # the line said when a resumed run had nothing to train
+        try:
+            super().__init__(*args, **kwargs)
+        except RunFinished as done:  # before any class is built: no data prepared, no folder, no record written
+            self.finished = str(done)
+            print(self.finished, flush=True)
 
     def parse_arguments(self, parser, args):
         self._args = args  # parsed again over a checkpoint's model settings (see _parse_ckpt_path)
@@ -252,6 +262,8 @@ class CableCLI(LightningCLI):
         if path is None and subcommand in ("validate", "test"):
             raise ConfigError(f"{subcommand} needs trained weights: pass --ckpt_path FILE, or last for the newest "
                               f"checkpoint in {checkpoint_folder(config)}")
+        if subcommand == "fit" and path is not None and (done := finished_run(path, config.trainer.max_steps)):
+            raise RunFinished(done)
         if path is not None and os.path.isfile(path) and (model := checkpoint_model(path)) is not None:
             self._subcommand_parsers[subcommand].set_defaults({"model": model})
             super().parse_arguments(self.parser, self._args)
@@ -265,7 +277,7 @@ class CableCLI(LightningCLI):
                             help="runs/<experiment>/<pe>/seed<seed_everything>/...: one folder per seed")
         parser.add_argument("--global_batch_tokens", type=Optional[int], default=None,
                             help="global batch in tokens; sets trainer.accumulate_grad_batches")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.add_lightning_class_args(LengthEvalRecorder, "length_eval")
         parser.add_lightning_class_args(AttentionDiagnostics, "diagnostics")
         parser.add_lightning_class_args(TaskAccuracy, "task_eval")

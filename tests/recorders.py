@@ -66,3 +66,19 @@ class Warns(L.Callback):
         import warnings
 
         warnings.warn("a warning from the run's own code (tests/recorders.Warns)", UserWarning, stacklevel=1)
+
+
+class KillAt(L.Callback):
+    """SIGKILLs this process (no handler runs, nothing is saved) as its ``batch``-th micro-batch starts (1-based,
+    counted in this process): a node lost mid-accumulation."""
+
+    def __init__(self, batch: int):
+        self.batch, self.seen = batch, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen += 1
+        if self.seen == self.batch:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -15,7 +15,7 @@ import yaml
 
 from cable_lightning.cli import main
 from cable_lightning.lit.checkpoint_format import saved_weights
-from cable_lightning.lit.modules import weight_setting_differences
+from cable_lightning.lit.resume import weight_setting_differences
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.config import upgrade_backbone_dict
 from cable_lightning.positional import Encoding, available, encoding_class, encoding_from, from_label

@@ -29,6 +29,15 @@ from ..tasks.scoring import Predict, argmax_predictions, masked_predictions
 from .checkpoint_format import saved_weights
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
 from .optim import build_optimizer
+from .resume import (
+    carry_accumulation,
+    check_lineage,
+    check_same_length,
+    check_same_model,
+    check_same_training,
+    global_batch,
+    record_run,
+)
 
 MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
 
@@ -99,30 +108,13 @@ class LanguageModel(L.LightningModule):
     def load_initial_weights(self, path: str) -> None:
         """The backbone's weights from a checkpoint of the same model (checked first, one line per problem)."""
         checkpoint = read_checkpoint(path, weights_only=True)
-        self.check_same_model(checkpoint, f"model.init_weights {path} is of another model: ",
-                              "; configure the model it was trained with")
-        self.check_lineage(checkpoint, path)
+        check_same_model(checkpoint, self.config, self.data_info, f"model.init_weights {path} is of another model: ",
+                         "; configure the model it was trained with")
+        check_lineage(checkpoint, self.config, path)
         prefix = "backbone."
         weights = {k[len(prefix):]: v for k, v in saved_weights(checkpoint).items() if k.startswith(prefix)}
         self.backbone.load_state_dict(weights)
         self.print(f"initial weights from {path} (step {checkpoint.get('global_step')})")
-
-    def check_lineage(self, checkpoint: dict, path: str) -> None:
-        """Initial weights trained at another length than this run's are a context extension, which must say so:
-        ``backbone.trained_length`` is the length they were first trained at (what YaRN's original length and the
-        records read)."""
-        hparams = checkpoint.get("hyper_parameters") or {}
-        saved = hparams.get("backbone") if isinstance(hparams.get("backbone"), dict) else {}
-        trained = saved.get("trained_length") or (hparams.get("data") or {}).get("block_size")
-        if trained is None or trained == self.config.original_length:
-            return
-        if self.config.trained_length is None:
-            raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens and this run trains at "
-                              f"{self.config.block_size}: a context extension; say so with "
-                              f"--model.init_args.backbone.trained_length {trained} (RoPE's scalings and the records "
-                              "read it)")
-        raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens, not backbone.trained_length "
-                          f"{self.config.trained_length}; set --model.init_args.backbone.trained_length {trained}")
 
     def configure_model(self):
         # Lightning calls this once per fit/validate: it must be idempotent.
@@ -242,42 +234,7 @@ class LanguageModel(L.LightningModule):
             where = f"{bad[0]} and {len(bad) - 1} more" if bad else "on another rank"
             raise RunFailedError(f"weights at step {self.global_step} are not finite ({where}); "
                                  "not saving them; the checkpoints already written are finite")
-        checkpoint["run_seed"] = self.run_seed  # a validation of these weights is recorded as the same run
-        if (batch := self.global_batch()) is not None:  # a resume must keep it (check_same_training)
-            checkpoint["global_batch"] = batch
-
-    def global_batch(self) -> Optional[dict]:
-        """Tokens per optimizer step and what makes them (processes x micro-batch x block x accumulation); None
-        without a trainer and a data module that has micro-batches."""
-        trainer = self._trainer
-        micro = getattr(trainer.datamodule, "micro_batch_size", None) if trainer is not None else None
-        if not micro:
-            return None
-        parts = dict(world_size=trainer.world_size, micro_batch_size=int(micro), block_size=self.config.block_size,
-                     accumulate_grad_batches=trainer.accumulate_grad_batches)
-        return dict(tokens=math.prod(parts.values()), **parts)
-
-    def check_same_training(self, checkpoint: dict, path: str) -> None:
-        """A resumed fit trains as the run it continues did: the same data.layout (what training sees of a block) and
-        global batch, else one line naming the setting, both values and how to go on. (Records label a run by one
-        layout; a layout or batch changed half-way would be reported as the run's.)"""
-        new_run = f"or start a new run from its weights (--model.init_args.init_weights {path}, another --experiment)"
-        saved = TrainingLayout.from_dict(((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("layout"))
-        configured = self.layout.as_dict()
-        differ = [(name, old, configured[name]) for name, old in saved.as_dict().items() if configured[name] != old]
-        if differ:
-            raise ConfigError(
-                "the checkpoint was trained with another data.layout: "
-                + ", ".join(f"data.layout.{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
-                + "; a resumed run keeps its layout: resume with "
-                + " ".join(f"--data.layout.{name} {old if old is not None else 'null'}" for name, old, _ in differ)
-                + f" (or drop the flags that change it), {new_run}")
-        saved_batch, batch = checkpoint.get("global_batch"), self.global_batch()
-        if saved_batch and batch and saved_batch["tokens"] != batch["tokens"]:
-            raise ConfigError(f"the checkpoint was trained with a global batch of {describe_batch(saved_batch)} and "
-                              f"this run's is {describe_batch(batch)}; resume with --global_batch_tokens "
-                              f"{saved_batch['tokens']} to keep it (the accumulation follows the processes and "
-                              f"micro-batch), {new_run}")
+        record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size))
 
     def configure_optimizers(self):
         h = self.hparams
@@ -404,58 +361,28 @@ class LanguageModel(L.LightningModule):
         """Before the weights are loaded: the checkpoint must be of this model (same shapes, PE family, tokenizer,
         training length), so that a mismatch is one line naming the setting, not a state-dict error."""
         saved_data = (checkpoint.get("hyper_parameters") or {}).get("data") or {}
-        if self.data_info is not None and saved_data.get("block_size") not in (None, self.data_info.block_size):
-            raise ConfigError(f"the checkpoint was trained at block_size {saved_data['block_size']} but "
-                              f"data.block_size is {self.data_info.block_size}; "
-                              f"set --data.block_size {saved_data['block_size']} (data.eval_lengths "
-                              "sets the evaluation lengths)")
-        self.check_same_model(checkpoint, "the checkpoint's model differs from the configured one in settings that "
-                              "define the weights: ", "; remove them from the command line and the config files to "
-                              "use the checkpoint's")
+        check_same_length(checkpoint, self.data_info)
+        check_same_model(checkpoint, self.config, self.data_info, "the checkpoint's model differs from the configured "
+                         "one in settings that define the weights: ", "; remove them from the command line and the "
+                         "config files to use the checkpoint's")
         if "state_dict" in checkpoint:  # FSDP2 (ModelParallelStrategy) has loaded the weights itself and taken them
             checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))
         if self._trainer is not None and self._trainer.state.fn == "fit":  # a resume, not an evaluation
-            self.check_same_training(checkpoint, shown_name(self._trainer.ckpt_path))
+            path, batch = shown_name(self._trainer.ckpt_path), global_batch(self._trainer, self.config.block_size)
+            check_same_training(checkpoint, self.layout, batch, path)
+            if (carried := carry_accumulation(checkpoint, batch, path)) is not None:
+                self.print(carried)
         if "layout" in saved_data:  # written by a version with data.layout (absent: packed, contiguous)
             self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
-
-    def check_same_model(self, checkpoint: dict, problem: str, advice: str) -> None:
-        """The checkpoint's tokenizer and weight-defining backbone settings must be this model's; a difference is
-        one line: ``problem``, each setting with both values, ``advice``."""
-        hparams = checkpoint.get("hyper_parameters") or {}
-        saved_data = hparams.get("data") or {}
-        if self.data_info is not None and saved_data.get("tokenizer"):
-            self.data_info.check_tokenizer(saved_data["tokenizer"])
-        if isinstance(hparams.get("backbone"), dict):
-            differ = weight_setting_differences(hparams["backbone"], self.config)
-            if differ:
-                raise ConfigError(problem + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
-                                                      for name, old, new in differ) + advice)
-
-
-def describe_batch(batch: dict) -> str:
-    processes = f"{batch['world_size']} process" + ("es" if batch["world_size"] != 1 else "")
-    return (f"{batch['tokens']} tokens ({processes} x {batch['micro_batch_size']} x "
-            f"{batch['block_size']} tokens x accumulation {batch['accumulate_grad_batches']})")
 
 
 def weighted_loss(nll: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The weighted mean of per-target NLLs: targets of weight 0 (a task's non-answer tokens) add nothing."""
     weight = weight.to(nll.dtype)
     return (nll * weight).sum() / weight.sum().clamp(min=torch.finfo(nll.dtype).tiny)
-
-
-def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
-    """(name, saved, configured) for each backbone setting that defines the weights and differs
-    (:meth:`BackboneConfig.weight_settings`); runtime settings (attention backend, dropout, an encoding's own, such
-    as RoPE scaling) may change freely."""
-    old, new = BackboneConfig.from_dict(saved).weight_settings(), config.weight_settings()
-    differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
-    # Another encoding altogether is one difference, not one per setting it has or lacks.
-    return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]
 
 
 class CausalLM(LanguageModel):

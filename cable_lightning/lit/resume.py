@@ -1,0 +1,185 @@
+"""The resume contract, in one file: what a fit checkpoint records about its run, what a run that loads it may change,
+what it refuses, what it carries over, and which checkpoints a run writes.
+
+- **Recorded** (:func:`record_run`): the run's seed and its global batch (processes x micro-batch x block x
+  accumulation), beside Lightning's weights, optimizer, schedule, loop counters and stream position.
+- **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining
+  settings, tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from
+  another training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
+  (:func:`check_same_training`).
+- **May change**: evaluation settings, and the processes and micro-batch at the same global batch; the loop's
+  micro-batch counters are then re-expressed in the new accumulation (:func:`carry_accumulation`), so the first
+  resumed optimizer step trains on a whole global batch, and the run says so in one line.
+- **Written** (:class:`RunCheckpoint`): every checkpoint is a state at an optimizer-step boundary; a step already
+  saved is never saved again by the run that resumed from it (a requeue after a kill finds the file unchanged); the
+  last step of every fit is saved in ``last.ckpt``; a resume of a finished run does nothing (:func:`finished_run`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ..checkpoints import checkpoint_step
+from ..data.layouts import TrainingLayout
+from ..errors import ConfigError
+from ..models import BackboneConfig
+
+
+def global_batch(trainer, block_size: int) -> Optional[dict]:
+    """Tokens per optimizer step and what makes them (processes x micro-batch x block x accumulation); None without
+    a trainer and a data module that has micro-batches."""
+    micro = getattr(trainer.datamodule, "micro_batch_size", None) if trainer is not None else None
+    if not micro:
+        return None
+    parts = dict(world_size=trainer.world_size, micro_batch_size=int(micro), block_size=block_size,
+                 accumulate_grad_batches=trainer.accumulate_grad_batches)
+    return dict(tokens=math.prod(parts.values()), **parts)
+
+
+def describe_batch(batch: dict) -> str:
+    processes = f"{batch['world_size']} process" + ("es" if batch["world_size"] != 1 else "")
+    return (f"{batch['tokens']} tokens ({processes} x {batch['micro_batch_size']} x "
+            f"{batch['block_size']} tokens x accumulation {batch['accumulate_grad_batches']})")
+
+
+def record_run(checkpoint: dict, run_seed: Optional[int], batch: Optional[dict]) -> None:
+    """What a checkpoint carries beside Lightning's state: the run's seed (a validation of these weights is recorded
+    as the same run) and its global batch (a resume must keep it)."""
+    checkpoint["run_seed"] = run_seed
+    if batch is not None:
+        checkpoint["global_batch"] = batch
+
+
+def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
+    """(name, saved, configured) for each backbone setting that defines the weights and differs
+    (:meth:`BackboneConfig.weight_settings`); runtime settings (attention backend, dropout, an encoding's own, such
+    as RoPE scaling) may change freely."""
+    old, new = BackboneConfig.from_dict(saved).weight_settings(), config.weight_settings()
+    differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
+    # Another encoding altogether is one difference, not one per setting it has or lacks.
+    return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]
+
+
+def check_same_model(checkpoint: dict, config: BackboneConfig, data_info, problem: str, advice: str) -> None:
+    """The checkpoint's tokenizer and weight-defining backbone settings must be this model's; a difference is one
+    line: ``problem``, each setting with both values, ``advice``."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    saved_data = hparams.get("data") or {}
+    if data_info is not None and saved_data.get("tokenizer"):
+        data_info.check_tokenizer(saved_data["tokenizer"])
+    if isinstance(hparams.get("backbone"), dict):
+        differ = weight_setting_differences(hparams["backbone"], config)
+        if differ:
+            raise ConfigError(problem + ", ".join(f"{name} (checkpoint {old!r}, configured {new!r})"
+                                                  for name, old, new in differ) + advice)
+
+
+def check_same_length(checkpoint: dict, data_info) -> None:
+    """A checkpoint is loaded at the training length it was trained at (evaluation lengths are set apart)."""
+    saved = ((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("block_size")
+    if data_info is not None and saved not in (None, data_info.block_size):
+        raise ConfigError(f"the checkpoint was trained at block_size {saved} but data.block_size is "
+                          f"{data_info.block_size}; set --data.block_size {saved} (data.eval_lengths sets the "
+                          "evaluation lengths)")
+
+
+def check_lineage(checkpoint: dict, config: BackboneConfig, path: str) -> None:
+    """Initial weights trained at another length than this run's are a context extension, which must say so:
+    ``backbone.trained_length`` is the length they were first trained at (what YaRN's original length and the
+    records read)."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    saved = hparams.get("backbone") if isinstance(hparams.get("backbone"), dict) else {}
+    trained = saved.get("trained_length") or (hparams.get("data") or {}).get("block_size")
+    if trained is None or trained == config.original_length:
+        return
+    if config.trained_length is None:
+        raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens and this run trains at "
+                          f"{config.block_size}: a context extension; say so with "
+                          f"--model.init_args.backbone.trained_length {trained} (RoPE's scalings and the records "
+                          "read it)")
+    raise ConfigError(f"model.init_weights {path} was trained at {trained} tokens, not backbone.trained_length "
+                      f"{config.trained_length}; set --model.init_args.backbone.trained_length {trained}")
+
+
+def check_same_training(checkpoint: dict, layout: TrainingLayout, batch: Optional[dict], path: str) -> None:
+    """A resumed fit trains as the run it continues did: the same data.layout (what training sees of a block) and
+    global batch, else one line naming the setting, both values and how to go on. (Records label a run by one
+    layout; a layout or batch changed half-way would be reported as the run's.)"""
+    new_run = f"or start a new run from its weights (--model.init_args.init_weights {path}, another --experiment)"
+    saved = TrainingLayout.from_dict(((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("layout"))
+    configured = layout.as_dict()
+    differ = [(name, old, configured[name]) for name, old in saved.as_dict().items() if configured[name] != old]
+    if differ:
+        raise ConfigError(
+            "the checkpoint was trained with another data.layout: "
+            + ", ".join(f"data.layout.{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
+            + "; a resumed run keeps its layout: resume with "
+            + " ".join(f"--data.layout.{name} {old if old is not None else 'null'}" for name, old, _ in differ)
+            + f" (or drop the flags that change it), {new_run}")
+    saved_batch = checkpoint.get("global_batch")
+    if saved_batch and batch and saved_batch["tokens"] != batch["tokens"]:
+        raise ConfigError(f"the checkpoint was trained with a global batch of {describe_batch(saved_batch)} and "
+                          f"this run's is {describe_batch(batch)}; resume with --global_batch_tokens "
+                          f"{saved_batch['tokens']} to keep it (the accumulation follows the processes and "
+                          f"micro-batch), {new_run}")
+
+
+def carry_accumulation(checkpoint: dict, batch: Optional[dict], path: str) -> Optional[str]:
+    """A resume with the checkpoint's global batch made another way (other processes or micro-batch): Lightning
+    decides when to step the optimizer from the epoch's micro-batch count (a multiple of the accumulation), which the
+    checkpoint holds in its own accumulation's units. Re-expressed in this run's (the same optimizer steps, the same
+    windows read), the first resumed step accumulates a whole global batch and every later step, validation and epoch
+    end falls where the uninterrupted run's does. Rewrites the checkpoint's loop counters before Lightning restores
+    them; returns the line that says how the run goes on (None when nothing changed)."""
+    saved = checkpoint.get("global_batch")
+    if not saved or not batch or saved == batch:
+        return None
+    old, new = saved["accumulate_grad_batches"], batch["accumulate_grad_batches"]
+    progress = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_loop.batch_progress")
+    if old != new and progress is not None:
+        # Saved at a step's last micro-batch: ready is a multiple of the accumulation, and the other counters trail
+        # it by what Lightning had not yet counted (completed by one); the offsets are kept.
+        ready = {part: progress[part]["ready"] for part in ("current", "total")}
+        ragged = [value for value in ready.values() if value % old]
+        if ragged:
+            raise ConfigError(f"checkpoint {path} stands at micro-batch {ragged[0]}, not a whole number of its "
+                              f"optimizer steps of accumulation {old} (an epoch ended inside one): it resumes exactly "
+                              f"only as it was trained, {describe_batch(saved)}; run on {saved['world_size']} "
+                              f"processes with --data.micro_batch_size {saved['micro_batch_size']}, or resume from "
+                              "another checkpoint")
+        for part, value in ready.items():
+            progress[part] = {key: value // old * new - (value - count) for key, count in progress[part].items()}
+    return (f"resuming step {checkpoint.get('global_step')} of a run trained with {describe_batch(saved)} as "
+            f"{describe_batch(batch)}: the same global batch, every step a whole one")
+
+
+def finished_run(path: str, max_steps: Optional[int]) -> Optional[str]:
+    """The line that says a resume has nothing to train (the checkpoint is at or past ``max_steps``), else None: a
+    requeued job of a finished run must not validate again, write records or rewrite ``last.ckpt``."""
+    if not max_steps or max_steps < 0:
+        return None
+    step = checkpoint_step(path)
+    if step < max_steps:
+        return None
+    return (f"the run is finished: {path} is at step {step} and trainer.max_steps is {max_steps}; nothing to train "
+            "(raise --trainer.max_steps to train on, or validate it with the validate verb)")
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` with two rules of the resume contract. A resumed run does not save the step it
+    resumed from again: Lightning does not restore the step it last saved, so under gradient accumulation the resumed
+    run's first micro-batch (still at that step) rewrote ``step*.ckpt`` and ``last.ckpt`` with the stream one
+    micro-batch on and that micro-batch's gradient gone, and a kill before the next save left a requeue to train
+    another run. And every fit saves its last step in ``last.ckpt`` (Lightning's saves it only when the run saved
+    nothing), so a ``max_steps`` off the checkpoint interval loses no steps."""
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        self._last_global_step_saved = trainer.global_step  # 0 for a new run, as Lightning starts; else saved already
+
+    def on_train_end(self, trainer, pl_module):
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -1,0 +1,86 @@
+"""The long run's resume contract (cable_lightning/lit/resume.py): a checkpoint is never rewritten with another
+state, a requeue after a kill mid-accumulation trains the uninterrupted run bitwise, the last step of every fit is
+saved, and a resume of a finished run does nothing. (World-size changes: tests/test_fsdp.py.)"""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import recorders
+import torch
+from test_cli import args
+from test_reliability import ROOT, TESTS, checkpoints, jsonl_rows
+
+from cable_lightning.cli import main, run
+
+ACCUMULATE = ["--global_batch_tokens", "256"]  # 2 micro-batches of 4 x 32 tokens per optimizer step
+RECORD = ["--trainer.callbacks+=recorders.RecordBatches", "--diagnostics.enabled", "false",
+          "--length_eval.figure", "false"]
+
+
+def digests(folder) -> dict[str, str]:
+    return {name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(folder)) if name.endswith(".ckpt")}
+
+
+def fit(data, runs, *extra, steps=4):
+    recorders.BATCHES.clear(), recorders.LOSSES.clear()
+    cli = main(["fit", *args(data, runs, steps=steps, every=2), *ACCUMULATE, *RECORD, *extra])
+    return cli, list(recorders.BATCHES), list(recorders.LOSSES)
+
+
+def test_a_requeue_after_a_kill_mid_accumulation_trains_the_uninterrupted_run_and_keeps_the_saved_files(
+        tiny_corpus_dir, tmp_path):
+    """A run stopped at step 2 is resumed; the resumed process is killed (SIGKILL) as its second micro-batch starts,
+    inside the first accumulation, before any save of its own; a requeue with --ckpt_path last then ends as the run
+    that was never stopped, bitwise, and the files the first run saved are byte for byte what it wrote (the resumed
+    run's first micro-batch, still at step 2, used to save step 2 again, one micro-batch on and its gradient gone)."""
+    straight, straight_batches, straight_losses = fit(tiny_corpus_dir, str(tmp_path / "straight"))
+    runs = str(tmp_path / "stopped")
+    fit(tiny_corpus_dir, runs, "--trainer.callbacks+=recorders.StopAt", "--trainer.callbacks.step=2")
+    folder = checkpoints(runs, "cable")
+    saved = digests(folder)
+    assert sorted(saved) == ["last.ckpt", "step0000002.ckpt"]
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-m", "cable_lightning", "fit", *args(tiny_corpus_dir, runs, steps=4,
+                                                                                    every=2),
+                             *ACCUMULATE, *RECORD[1:], "--ckpt_path", "last",
+                             "--trainer.callbacks+=recorders.KillAt", "--trainer.callbacks.batch=2"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert digests(folder) == saved, "the resumed run rewrote a checkpoint it had not trained"
+
+    requeued, batches, losses = fit(tiny_corpus_dir, runs, "--ckpt_path", "last")
+    assert requeued.trainer.global_step == 4
+    assert batches == straight_batches[4:] and losses == straight_losses[4:]  # steps 3 and 4: 2 micro-batches each
+    for (name, p), q in zip(straight.model.named_parameters(), requeued.model.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
+    assert digests(folder)["step0000002.ckpt"] == saved["step0000002.ckpt"]
+
+
+def test_the_last_step_of_a_fit_is_saved_and_a_finished_run_resumes_to_nothing(tiny_corpus_dir, tmp_path, capsys):
+    """max_steps 5 with a checkpoint every 2 steps: last.ckpt holds step 5, the weights the run ended with (before,
+    step 4: step 5 was saved nowhere while the records said 5). Resumed again, the finished run says so in one line,
+    exits 0, and writes nothing: no new version folder, no record, last.ckpt unchanged."""
+    runs = str(tmp_path)
+    done, _, _ = fit(tiny_corpus_dir, runs, steps=5)
+    folder = checkpoints(runs, "cable")
+    last = torch.load(os.path.join(folder, "last.ckpt"), weights_only=True)
+    assert last["global_step"] == 5 and sorted(os.listdir(folder)) == ["last.ckpt", "step0000002.ckpt",
+                                                                        "step0000004.ckpt"]
+    for name, p in done.model.state_dict().items():
+        assert torch.equal(last["state_dict"][name], p), name
+    assert max(r["step"] for r in jsonl_rows(runs, "cable")) == 5
+
+    saved, versions, rows = digests(folder), sorted(os.listdir(os.path.join(runs, "test", "cable"))), jsonl_rows(
+        runs, "cable")
+    capsys.readouterr()
+    run(["fit", *args(tiny_corpus_dir, runs, steps=5, every=2), *ACCUMULATE, "--ckpt_path", "last"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == (f"the run is finished: {os.path.join(folder, 'last.ckpt')} is at step 5 and trainer.max_steps "
+                       "is 5; nothing to train (raise --trainer.max_steps to train on, or validate it with the "
+                       "validate verb)")
+    assert digests(folder) == saved and jsonl_rows(runs, "cable") == rows
+    assert sorted(os.listdir(os.path.join(runs, "test", "cable"))) == versions
