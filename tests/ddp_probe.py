@@ -48,3 +48,19 @@ class Losses(L.Callback):
                 f.write(json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch,
                                     "loss": float(outputs["loss"])}) + "\n")
 
+
+
+class Windows(L.Callback):
+    """Writes each micro-batch's windows (one digest per row), the optimizer step it trains towards and the epoch to
+    ``<out_dir>/windows_rank<r>.jsonl``, one line per micro-batch: which data each step of each rank saw."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import hashlib
+
+        os.makedirs(self.out_dir, exist_ok=True)
+        rows = [hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:16] for row in batch]
+        with open(os.path.join(self.out_dir, f"windows_rank{trainer.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": trainer.global_step + 1, "epoch": trainer.current_epoch, "rows": rows}) + "\n")

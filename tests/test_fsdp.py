@@ -37,9 +37,10 @@ def data(path):
 def fit(runs, losses, strategy, *extra):
     cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY[strategy],
            "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, *QUIET,
-           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", "--trainer.num_sanity_val_steps", "0",
+           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "3", "--trainer.num_sanity_val_steps", "0",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
            "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={losses}",
+           "--trainer.callbacks+=ddp_probe.Windows", f"--trainer.callbacks.out_dir={losses}",
            "--runs_dir", str(runs), "--seed_everything", "5"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
@@ -49,31 +50,57 @@ def fit(runs, losses, strategy, *extra):
 
 
 def resumed_equals_uninterrupted(runs, losses, strategy, data_path):
-    """An uninterrupted 12-step run, and one resumed from its step-4 checkpoint (what a run stopped there leaves),
-    which replays steps 5 to 12: the first epoch's last two (no checkpoint among them), the whole second epoch."""
+    """An uninterrupted 12-step run, and one resumed from its step-3 checkpoint (what a run stopped there leaves),
+    which replays steps 4 to 12: the first epoch's last three, the whole second epoch."""
     whole = fit(runs, losses / "whole", strategy, *data(data_path))
-    step4 = runs / "default" / "cable" / "checkpoints" / "step0000004.ckpt"
-    resumed = fit(runs, losses / "resumed", strategy, *data(data_path), "--ckpt_path", str(step4))
+    step3 = runs / "default" / "cable" / "checkpoints" / "step0000003.ckpt"
+    resumed = fit(runs, losses / "resumed", strategy, *data(data_path), "--ckpt_path", str(step3))
     assert [(r["step"], r["epoch"]) for r in whole] == [(step, (step - 1) // 6) for step in range(1, 13)]
-    assert [r["step"] for r in resumed] == list(range(5, 13))
+    assert [r["step"] for r in resumed] == list(range(4, 13))
     # Weights, optimizer state, schedule and the data stream's position all come back: the same losses, bitwise.
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[4:]]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[3:]]
 
 
-def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(small_corpus_dir, tmp_path):
+def windows(folder, rank=None) -> list[dict]:
+    """The micro-batches ddp_probe.Windows recorded (every rank's, or one rank's)."""
+    files = sorted(folder.glob("windows_rank*.jsonl")) if rank is None else [folder / f"windows_rank{rank}.jsonl"]
+    return [json.loads(line) for f in files for line in open(f)]
+
+
+def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(small_corpus_dir, tmp_path, capsys):
     resumed_equals_uninterrupted(tmp_path / "runs", tmp_path, "ddp", small_corpus_dir)
     # Resumed on one process the global batch would halve: refused, naming the setting that keeps it; with it, the
-    # accumulation doubles and the stream goes on with the epoch's unseen windows (test_data.py checks which).
+    # accumulation doubles and the stream goes on with the epoch's unseen windows.
+    step3 = tmp_path / "runs" / "default" / "cable" / "checkpoints" / "step0000003.ckpt"
     one = ["fit", *MODEL, *data(small_corpus_dir), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "4", *QUIET,
+           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "3", *QUIET,
            "--trainer.enable_progress_bar", "false", "--runs_dir", str(tmp_path / "runs"), "--seed_everything", "5",
-           "--ckpt_path", str(tmp_path / "runs" / "default" / "cable" / "checkpoints" / "step0000004.ckpt")]
+           "--trainer.callbacks+=ddp_probe.Windows", f"--trainer.callbacks.out_dir={tmp_path / 'alone'}",
+           "--ckpt_path", str(step3)]
     refused = (r"global batch of 2048 tokens \(2 processes x 8 x 128 tokens x accumulation 1\) and this run's is 1024 "
                r"tokens .*; resume with --global_batch_tokens 2048")
     with pytest.raises(ConfigError, match=refused):
         main(one)
+    saved = step3.read_bytes()
     alone = main([*one, "--global_batch_tokens", "2048"])
     assert alone.trainer.global_step == 12 and alone.trainer.accumulate_grad_batches == 2
+    assert ("resuming step 3 of a run trained with 2048 tokens (2 processes x 8 x 128 tokens x accumulation 1) as "
+            "2048 tokens (1 process x 8 x 128 tokens x accumulation 2): the same global batch, every step a whole "
+            "one") in capsys.readouterr().out
+    assert step3.read_bytes() == saved, "the resumed run saved step 3 again, one micro-batch on"
+    # Step 3 was odd: the first resumed step still accumulates two micro-batches (it took one, then every step was a
+    # micro-batch behind), every step is a whole global batch, and the epoch ends at the uninterrupted run's step.
+    whole, read = windows(tmp_path / "whole"), windows(tmp_path / "alone", rank=0)
+    steps = [r["step"] for r in read]
+    assert steps == [step for step in range(4, 13) for _ in range(2)]
+    epoch_of = {r["step"]: r["epoch"] for r in whole}
+    assert all(r["epoch"] == epoch_of[r["step"]] for r in read)
+    # The first epoch's windows: what both ranks read in steps 1-3, then exactly the rest, each once.
+    first_epoch = [row for r in whole if r["epoch"] == 0 for row in r["rows"]]
+    before = [row for r in whole if r["step"] <= 3 for row in r["rows"]]
+    after = [row for r in read if r["epoch"] == 0 for row in r["rows"]]
+    assert len(set(first_epoch)) == len(first_epoch) == 96
+    assert sorted(before + after) == sorted(first_epoch)
 
 
 def test_fsdp2_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted_and_the_checkpoint_exports(

@@ -58,9 +58,17 @@ def _stream_loader_class() -> type:
         uninterrupted run."""
 
         def __iter__(self):
-            if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+            if self.restore and self.epoch_read():
                 self.restore = False  # litdata then clears the dataset's loaded state and moves to the next epoch
             yield from super().__iter__()
+
+        def epoch_read(self) -> bool:
+            """Whether the epoch's windows were all yielded, counted over every rank: after a resume on another
+            number of processes litdata counts this loader's yield from 0, after the windows the old ranks read
+            (its ``_elastic_drop_first``), and the resumed epoch must end there too, not start again empty."""
+            world = self.dataset.distributed_env.world_size
+            before = getattr(self.dataset, "_elastic_drop_first", None) or 0
+            return before + self._num_samples_yielded_streaming * world >= len(self) * self.batch_size * world
 
         def load_state_dict(self, obj: dict[str, Any]) -> None:
             state, url = obj.get("dataset"), getattr(self.dataset.input_dir, "url", None)
