@@ -19,7 +19,7 @@ Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experi
 run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
 initialisation, not the data order, so the report can pair them across encodings), and the
 report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the
-same sweep again continues the runs that were interrupted, and finished ones only re-validate.
+same sweep again continues the runs that were interrupted and leaves finished ones as they are (one line each).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
                 cmd = [*COMMAND, "fit"]
                 for config in args.config:
                     cmd += ["--config", config]
-                # auto: running the sweep again continues interrupted runs (finished ones end at once and re-validate)
+                # auto: running the sweep again continues interrupted runs (finished ones say so and do nothing)
                 cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
                         "--model.init_args.backbone.pos_encoding", encodings[pe], "--ckpt_path", "auto"]
                 if seed is not None:
