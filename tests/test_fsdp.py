@@ -87,7 +87,7 @@ def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(sm
     assert ("resuming step 3 of a run trained with 2048 tokens (2 processes x 8 x 128 tokens x accumulation 1) as "
             "2048 tokens (1 process x 8 x 128 tokens x accumulation 2): the same global batch, every step a whole "
             "one") in capsys.readouterr().out
-    assert step3.read_bytes() == saved, "the resumed run saved step 3 again, one micro-batch on"
+    assert step3.read_bytes() == saved
     # Step 3 was odd: the first resumed step still accumulates two micro-batches (it took one, then every step was a
     # micro-batch behind), every step is a whole global batch, and the epoch ends at the uninterrupted run's step.
     whole, read = windows(tmp_path / "whole"), windows(tmp_path / "alone", rank=0)
@@ -101,6 +101,13 @@ def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(sm
     after = [row for r in read if r["epoch"] == 0 for row in r["rows"]]
     assert len(set(first_epoch)) == len(first_epoch) == 96
     assert sorted(before + after) == sorted(first_epoch)
+    # From an even step (the epoch's last), the resumed run's first micro-batch is still at that step: it used to save
+    # step 6 again there, one micro-batch on and that micro-batch's gradient gone.
+    step6 = step3.with_name("step0000006.ckpt")
+    saved = step6.read_bytes()
+    again = main([*one[:one.index("--trainer.callbacks+=ddp_probe.Windows")], "--trainer.max_steps", "7",
+                  "--global_batch_tokens", "2048", "--ckpt_path", str(step6)])
+    assert again.trainer.global_step == 7 and step6.read_bytes() == saved, "the resumed run saved step 6 again"
 
 
 def test_fsdp2_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted_and_the_checkpoint_exports(
