@@ -39,9 +39,12 @@ def global_batch(trainer, block_size: int) -> Optional[dict]:
     return dict(tokens=math.prod(parts.values()), **parts)
 
 
+def processes(batch: dict) -> str:
+    return f"{batch['world_size']} process" + ("es" if batch["world_size"] != 1 else "")
+
+
 def describe_batch(batch: dict) -> str:
-    processes = f"{batch['world_size']} process" + ("es" if batch["world_size"] != 1 else "")
-    return (f"{batch['tokens']} tokens ({processes} x {batch['micro_batch_size']} x "
+    return (f"{batch['tokens']} tokens ({processes(batch)} x {batch['micro_batch_size']} x "
             f"{batch['block_size']} tokens x accumulation {batch['accumulate_grad_batches']})")
 
 
@@ -147,9 +150,9 @@ def carry_accumulation(checkpoint: dict, batch: Optional[dict], path: str) -> Op
         if ragged:
             raise ConfigError(f"checkpoint {path} stands at micro-batch {ragged[0]}, not a whole number of its "
                               f"optimizer steps of accumulation {old} (an epoch ended inside one): it resumes exactly "
-                              f"only as it was trained, {describe_batch(saved)}; run on {saved['world_size']} "
-                              f"processes with --data.micro_batch_size {saved['micro_batch_size']}, or resume from "
-                              "another checkpoint")
+                              f"only as it was trained, {describe_batch(saved)}; run on {processes(saved)} with "
+                              f"--data.micro_batch_size {saved['micro_batch_size']}, or resume from another "
+                              "checkpoint")
         for part, value in ready.items():
             progress[part] = {key: value // old * new - (value - count) for key, count in progress[part].items()}
     return (f"resuming step {checkpoint.get('global_step')} of a run trained with {describe_batch(saved)} as "
