@@ -384,14 +384,15 @@ class CableCLI(LightningCLI):
 
     def _drop_unused_logs(self) -> None:
         """A run refused before its first step (a resume with another global batch) removes the TensorBoard folder it
-        made, which holds only what setup writes: it would stand as a ``version_N`` of no run beside the refused
-        one's."""
+        made, which holds only what setup writes (the config and this process's event file): it would stand as a
+        ``version_N`` of no run beside the refused one's."""
         logger, trainer = self.trainer.logger, self.trainer
         if not isinstance(logger, TensorBoardLogger) or not trainer.is_global_zero or trainer.global_step:
             return
         folder = logger.log_dir
-        if os.path.isdir(folder) and all(re.fullmatch(r"config\.yaml|hparams\.yaml|events\.out\.tfevents\..*", name)
-                                         for name in os.listdir(folder)):
+        if os.path.isdir(folder) and all(name in ("config.yaml", "hparams.yaml") or (
+                name.startswith("events.out.tfevents.") and name.split(".")[-2] == str(os.getpid()))
+                for name in os.listdir(folder)):
             shutil.rmtree(folder, ignore_errors=True)
 
     def after_fit(self):

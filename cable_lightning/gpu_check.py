@@ -1,6 +1,7 @@
 """``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent (docs/speed.md, "On a
 GPU"). Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short
-keeps what finished.
+keeps what finished. An existing ``--out`` is replaced only when gpu-check wrote it (its first line) and
+``--overwrite`` is given: a GPU run's rows cannot be made again without a GPU.
 
 1. Real fits through the CLI, one per encoding, grouped into one part per attention backend (the group each encoding
    takes on CUDA, from the registry and ``attention.backends_for``): gpt2-small shape, 1024 tokens, 16 sequences a

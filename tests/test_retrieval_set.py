@@ -79,7 +79,7 @@ def test_a_negative_is_never_its_positive_and_too_few_pairs_is_an_error_naming_t
     drew a copy of its positive as its negative; 20 pairs asked for gave 13; one key passage was its own negative."""
     documents, tokenizer, _, _ = made
     small = Settings(doc_tokens=DOC_TOKENS, queries=5, eval_fraction=0.9, seed=3, query_in_passage=True)
-    for train_pairs in (None, 13):  # None: one per key passage
+    for train_pairs in (13, None):  # None: one per key passage
         pairs = build(documents, tokenizer, Settings(**{**small.__dict__, "train_pairs": train_pairs}))["train_pairs"]
         assert len(pairs) == 13 and all(pair["positive"] != pair["negative"] for pair in pairs)
     with pytest.raises(ValueError, match=r"^the source has 13 key passages outside the evaluation documents \(one "
