@@ -22,6 +22,14 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs a verb inside the error boundary, this module's own output (the usage) included."""
+    from .errors import error_boundary
+
+    with error_boundary():
+        return run_verb(argv)
+
+
+def run_verb(argv: list[str] | None) -> int:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):
@@ -34,14 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in COMMANDS:
         print(f"{usage()}\n\nerror: unknown verb {verb!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from .errors import error_boundary
-
     module = importlib.import_module(COMMANDS[verb][0])
-    with error_boundary():
-        if verb in LIGHTNING_VERBS:  # LightningCLI reads sys.argv itself (given both, it warns that they may differ)
-            module.run(None if from_command_line else argv)
-        else:
-            module.main(argv[1:])
+    if verb in LIGHTNING_VERBS:  # LightningCLI reads sys.argv itself (given both, it warns that they may differ)
+        module.run(None if from_command_line else argv)
+    else:
+        module.main(argv[1:])
     return 0
 
 

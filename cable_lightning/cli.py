@@ -33,6 +33,7 @@ import inspect
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -43,6 +44,7 @@ import torch
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
@@ -52,7 +54,16 @@ from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ck
 from .console import ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout
-from .errors import DEBUG_VARIABLE, ConfigError, RunFailedError, error_boundary, full_disk, space_left, user_error
+from .errors import (
+    DEBUG_VARIABLE,
+    ConfigError,
+    KeepsWriteErrors,
+    RunFailedError,
+    error_boundary,
+    full_disk,
+    space_left,
+    user_error,
+)
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_model
 from .lit.resume import RunCheckpoint, finished_run
@@ -181,31 +192,50 @@ def setting_error(message: str) -> Optional[str]:
 
 
 SIMPLE_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "NoneType": "null"}
+CONTAINERS = {"dict": "a mapping", "list": "a list"}  # jsonargparse writes them as dict[str, typing.Any], list[int]
+
+
+def top_level(text: str) -> list[str]:
+    """``text`` split at its commas outside brackets: ``"dict[str, int], <class 'NoneType'>"`` -> two types."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts + [text[start:].strip()]
 
 
 def union_error(message: str) -> Optional[str]:
-    """jsonargparse's report of a value that fits none of a setting's types, when those are fixed choices and simple
-    types (``--trainer.precision bf16-mixd``, ``--seed_everything one``), as one line naming the choices; None for
-    any other report."""
+    """jsonargparse's report of a value that fits none of a setting's types, when those are fixed choices, simple
+    types, mappings and lists (``--trainer.precision bf16-mixd``, ``--seed_everything one``, ``--data.tasks '[1,2]'``),
+    as one line naming the choices or types; None for any other report."""
     union = re.search(r'Parser key "([\w.]+)":\s+Does not validate against any of the Union subtypes\s+Subtypes: '
                      r'\[(.*)\]$', message, flags=re.M)
     given = re.search(r"^  Given value: (.*)$", message, flags=re.M)  # the outermost union's (nested ones indent more)
     if not union or not given:
         return None
     key, subtypes = union.groups()
-    parts = re.findall(r"typing\.Literal\[([^\]]*)\]|<class '(\w+)'>", subtypes)
-    if re.sub(r"typing\.Literal\[[^\]]*\]|<class '\w+'>|, ", "", subtypes) or any(
-            name not in SIMPLE_TYPES for _, name in parts if name):
-        return None  # a type with settings of its own: jsonargparse's report says which one failed
-    choices = list(dict.fromkeys(item.strip().strip("'\"") for literal, _ in parts if literal
-                                 for item in literal.split(",")))
+    choices, kinds = [], []
+    for subtype in top_level(subtypes):
+        literal = re.fullmatch(r"typing\.Literal\[(.*)\]", subtype)
+        simple = re.fullmatch(r"<class '(\w+)'>", subtype)
+        container = re.fullmatch(r"(?:typing\.)?(\w+)\[.*\]", subtype)
+        if literal:
+            choices += [item.strip().strip("'\"") for item in literal.group(1).split(",")]
+        elif simple and simple.group(1) in SIMPLE_TYPES:
+            kinds.append(SIMPLE_TYPES[simple.group(1)])
+        elif container and container.group(1).lower() in CONTAINERS:
+            kinds.append(CONTAINERS[container.group(1).lower()])
+        else:
+            return None  # a type with settings of its own: jsonargparse's report says which one failed
     value = given.group(1).strip()
     if choices:
-        return f"unknown value {value!r} for {key}; choose one of {', '.join(choices)}"
-    return f"invalid value {value!r} for {key}; expected {' or '.join(SIMPLE_TYPES[name] for _, name in parts)}"
+        return f"unknown value {value!r} for {key}; choose one of {', '.join(dict.fromkeys(choices))}"
+    return f"invalid value {value!r} for {key}; expected {' or '.join(kinds)}"
 
 
-class TerseParser(LightningArgumentParser):
+class TerseParser(KeepsWriteErrors, LightningArgumentParser):
     """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
     name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried."""
 
@@ -351,6 +381,8 @@ class CableCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except Exception as exc:  # a full disk where a logger writes (TensorBoard's events), one line as every write
+            if isinstance(user_error(exc), ConfigError):
+                self._drop_unused_logs()
             full = full_disk(exc)
             if full is None or user_error(exc) is not None:
                 raise
@@ -361,6 +393,19 @@ class CableCLI(LightningCLI):
         finally:  # the checkpoint folder's lock ends with the run, also when it fails
             if getattr(self, "_folder_lock", None) is not None:
                 self._folder_lock.close()
+
+    def _drop_unused_logs(self) -> None:
+        """A run refused before its first step (a resume with another global batch) removes the TensorBoard folder it
+        made, which holds only what setup writes (the config and this process's event file): it would stand as a
+        ``version_N`` of no run beside the refused one's."""
+        logger, trainer = self.trainer.logger, self.trainer
+        if not isinstance(logger, TensorBoardLogger) or not trainer.is_global_zero or trainer.global_step:
+            return
+        folder = logger.log_dir
+        if os.path.isdir(folder) and all(name in ("config.yaml", "hparams.yaml") or (
+                name.startswith("events.out.tfevents.") and name.split(".")[-2] == str(os.getpid()))
+                for name in os.listdir(folder)):
+            shutil.rmtree(folder, ignore_errors=True)
 
     def after_fit(self):
         # Every run ends with a perplexity-vs-length record of its final weights (unless the last

@@ -81,9 +81,13 @@ def error_boundary():
     ``tools/``): a user error inside is printed as one line, ``error: ...``, and the process exits with 2 (a bad
     setting, file or checkpoint) or 1 (a run that failed); anything else is a bug and keeps its traceback, as does
     every error with ``CABLE_LIGHTNING_DEBUG=1``. A reader of stdout that goes away ends the command quietly, with
-    128 + SIGPIPE."""
+    128 + SIGPIPE, also after ``--help`` (argparse exits with the text still buffered)."""
     try:
-        yield
+        try:
+            yield
+        except SystemExit:
+            sys.stdout.flush()
+            raise
         sys.stdout.flush()  # inside the boundary: a reader that went away is met here, not at interpreter exit
     except BrokenPipeError:  # the reader went away (`report ... | head`): stop quietly, as cat and grep do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush goes nowhere
@@ -96,7 +100,16 @@ def error_boundary():
         sys.exit(EXIT_USER_ERROR if isinstance(known, ConfigError) else EXIT_RUN_FAILED)
 
 
-class ArgumentParser(argparse.ArgumentParser):
+class KeepsWriteErrors:
+    """A parser mixin: argparse drops an error writing its help or usage, so ``--help | head`` exited 0 having lost
+    the text; raised, it reaches the error boundary like every other write to a reader that went away."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
+class ArgumentParser(KeepsWriteErrors, argparse.ArgumentParser):
     """The parser of every argparse verb: a usage error is one ``error:`` line with exit status 2, like every other
     user error (argparse would print the usage text first); ``--help`` still prints it."""
 

@@ -1,6 +1,7 @@
 """``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent (docs/speed.md, "On a
 GPU"). Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short
-keeps what finished.
+keeps what finished. An existing ``--out`` is replaced only when gpu-check wrote it (its first line) and
+``--overwrite`` is given: a GPU run's rows cannot be made again without a GPU.
 
 1. Real fits through the CLI, one per encoding, grouped into one part per attention backend (the group each encoding
    takes on CUDA, from the registry and ``attention.backends_for``): gpt2-small shape, 1024 tokens, 16 sequences a
@@ -57,7 +58,8 @@ import lightning as L
 import torch
 
 from .callbacks import AttentionDiagnostics
-from .errors import ConfigError, RunFailedError
+from .errors import ArgumentParser, ConfigError, RunFailedError, user_error
+from .owned import check_replaceable
 
 # The issue's choice (issue 47): three encodings per backend where there are three, NoPE (the baseline) first.
 ENCODINGS = ["nope", "rope", "cable", "alibi", "fox", "kerple_log", "fire", "t5", "cope", "dape_v2+cable",
@@ -279,11 +281,17 @@ class FitClock(L.Callback):
 
 
 class Report:
-    """The results file: each line written and flushed as it comes, and echoed."""
+    """The results file: each line written and flushed as it comes, and echoed. Its first line, the heading, marks it
+    as gpu-check's (``owned.FILE_MARKS``): a later run replaces it only with ``--overwrite``."""
 
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.path, self.file = path, open(path, "w", encoding="utf-8")
+    def __init__(self, path: str, heading: str):
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.path, self.file = path, open(path, "w", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--out {path} cannot be written ({type(exc).__name__}: {exc.strerror}); choose "
+                              "another --out") from None
+        self.line(heading)
 
     def close(self) -> None:
         self.file.close()
@@ -343,12 +351,12 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
 class Run:
     """One gpu-check: its report, device, recompile watch, NoPE's figures (the ratios' base) and what failed."""
 
-    def __init__(self, args, sizes: Sizes, cuda: bool):
+    def __init__(self, args, sizes: Sizes, cuda: bool, report: Report):
         from . import bench
 
         self.args, self.sizes, self.cuda = args, sizes, cuda
         self.device = torch.device("cuda" if cuda else "cpu")
-        self.report, self.watch = Report(args.out), RecompileWatch()
+        self.report, self.watch = report, RecompileWatch()
         self.failures: list[str] = []
         self.nope_rate = self.nope_eval = None
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -358,6 +366,7 @@ class Run:
             self.peak, self.peak_source = None, f"no peak ({exc})"
 
     def failed(self, cells: list, exc: Exception, width: int) -> None:
+        exc = user_error(exc) or exc  # the user error a wrapper (jsonargparse's link) holds
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         self.failures.append(f"{cells[0]} {cells[1]}: {type(exc).__name__}: {first}")
         self.report.row(cells + [f"failed: {type(exc).__name__}: {first}"] + [""] * (width - len(cells) - 1))
@@ -447,9 +456,10 @@ class Run:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cable_lightning gpu-check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m cable_lightning gpu-check", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/gpu_check.md", help="the results, a Markdown row at a time")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --out file an earlier gpu-check wrote")
     parser.add_argument("--runs-dir", default="runs/gpu_check", help="the fits' runs (TensorBoard, checkpoints)")
     parser.add_argument("--data-path", help="a prepared data folder (default: the offline python-docs corpus with a "
                         "4096-token BPE, prepared on first use into data/pydocs-bpe4096)")
@@ -468,14 +478,22 @@ def main(argv: list[str] | None = None) -> None:
     parts = parts_of(args.encodings)  # an unknown label: one line, before anything runs
     if args.rehearse_on_cpu:
         parts = {part: labels[:1] for part, labels in parts.items()}
+    check_replaceable(args.out, "gpu-check", args.overwrite)  # an earlier GPU run's rows cannot be made again
+    if args.data_path:  # every fit would fail on it, after the bench
+        from .data.datamodule import TokenDataModule
+
+        try:
+            TokenDataModule(path=args.data_path).describe()
+        except ConfigError as exc:
+            raise type(exc)(f"--data-path {args.data_path}: {exc}") from None
     from .console import quiet_library_chatter
 
     quiet_library_chatter()
     sizes = REHEARSAL if args.rehearse_on_cpu else GPU
-    run = Run(args, sizes, cuda)
-    report, shape = run.report, ", ".join(f"{name} {value}" for name, value in sizes.shape.items())
-    report.line(f"## gpu-check: {torch.cuda.get_device_name() if cuda else 'CPU rehearsal (not GPU figures)'}, "
-                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    device = torch.cuda.get_device_name() if cuda else "CPU rehearsal (not GPU figures)"
+    report = Report(args.out, f"## gpu-check: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    run = Run(args, sizes, cuda, report)
+    shape = ", ".join(f"{name} {value}" for name, value in sizes.shape.items())
     report.line()
     report.line(f"{sizes.preset}{f' ({shape})' if shape else ''} at {sizes.block} tokens, {sizes.micro} sequences a "
                 f"step, {sizes.precision}, compile true, {sizes.warmup} warm-up and {sizes.steady} steady steps; MFU "

@@ -1,9 +1,10 @@
 """Owned replacement: every folder the tools write (``export``, ``prepare``, ``retrieval finetune``) carries
-a marker naming what wrote it, and ``--overwrite`` replaces only a folder with the same writer's marker, never one
-that holds an input of the same command. The new folder is built in a private temporary folder beside the target
-and swapped in by rename. A run holds a lock on each folder it stages or retires (``flock`` on the folder itself, so
-the lock ends with the process however it ends): a marked folder of that kind that nobody holds is a killed run's
-leftover, and the writer's next run removes it."""
+a marker naming what wrote it (a single file, ``gpu-check``'s results, starts with its writer's heading), and
+``--overwrite`` replaces only what the same writer marked, never one that holds an input of the same command. The
+new folder is built in a private temporary folder beside the target and swapped in by rename. A run holds a lock on
+each folder it stages or retires (``flock`` on the folder itself, so the lock ends with the process however it
+ends): a marked folder of that kind that nobody holds is a killed run's leftover, and the writer's next run removes
+it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .errors import TargetExistsError
 
 MARKER = ".cable_lightning.json"
 LEGACY_MARKERS = {"prepare": "manifest.json"}  # folders prepared before the marker existed
+FILE_MARKS = {"gpu-check": "## gpu-check: "}  # the first line of each file a tool writes whole
 
 
 def write_marker(folder: str, writer: str) -> None:
@@ -27,7 +29,15 @@ def write_marker(folder: str, writer: str) -> None:
 
 
 def written_by(folder: str) -> Optional[str]:
-    """The writer named by ``folder``'s marker, or None (not a folder, no marker, or an unreadable one)."""
+    """The writer named by ``folder``'s marker (a file's: its first line), or None (no marker, or an unreadable
+    one)."""
+    if os.path.isfile(folder):
+        try:
+            with open(folder, encoding="utf-8", errors="replace") as f:
+                first = f.readline(256)
+        except OSError:
+            return None
+        return next((writer for writer, mark in FILE_MARKS.items() if first.startswith(mark)), None)
     try:
         with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
             return str(json.load(f).get("written_by"))
@@ -52,11 +62,12 @@ def check_replaceable(out: str, writer: str, overwrite: bool, inputs: Iterable[O
                                     f"the input: choose another {option}")
     if not os.path.lexists(out) or (os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)):
         return
-    owner = written_by(out) if os.path.isdir(out) and not os.path.islink(out) else None
+    owner = written_by(out) if not os.path.islink(out) else None
     if owner != writer:
+        mark = f"its first line is not {FILE_MARKS[writer]!r}" if writer in FILE_MARKS else f"no {MARKER} marker"
         raise TargetExistsError(f"{out} already exists and was not written by {writer} ("
-                                f"{'written by ' + owner if owner else 'no ' + MARKER + ' marker'}); choose another "
-                                f"{option} (--overwrite replaces only a folder {writer} wrote)")
+                                f"{'written by ' + owner if owner else mark}); choose another "
+                                f"{option} (--overwrite replaces only what {writer} wrote)")
     if not overwrite:
         raise TargetExistsError(f"{out} already exists (written by {writer}); pass --overwrite to replace it or choose "
                                 f"another {option}")

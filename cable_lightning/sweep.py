@@ -81,6 +81,10 @@ def commands(args) -> list[tuple[str, list[str]]]:
             encodings[pe] = json.dumps(set_settings(from_label(pe).to_dict()))  # dape_v2+cable: DAPEv2 over CABLE
         except ConfigError as exc:
             raise ConfigError(f"--pes {pe}: {exc}") from None
+    for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train-lengths", args.train_lengths)):
+        repeated = [value for i, value in enumerate(values or []) if value in values[:i]]
+        if repeated:  # planned twice, the second run would train (or continue) the first's run folder again
+            raise ConfigError(f"{flag} names {repeated[0]} twice: each is one run; give it once")
     runs = []
     for length in args.train_lengths or [None]:
         experiment = args.experiment if length is None else f"{args.experiment}-T{length}"

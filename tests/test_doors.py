@@ -3,6 +3,7 @@ usage text; and no old module entry point exits 0 having done nothing (docs/faul
 
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from test_trust import ROOT, ROW, tool
 
 from cable_lightning.__main__ import COMMANDS
 from cable_lightning.__main__ import main as verbs
+from cable_lightning.cli import main as fit
 
 
 def only_line(capsys, argv, status=2) -> str:
@@ -43,16 +45,50 @@ def test_help_says_what_a_verb_without_arguments_does(capsys, verb, default):
     assert "With no arguments it" in out and default in out, out
 
 
+def closed_pipe(monkeypatch) -> None:
+    """stdout is a pipe whose reader went away (``... | true``), buffered as Python buffers a pipe."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", open(write_end, "w"))
+
+
 def test_a_reader_that_goes_away_ends_report_quietly(tmp_path, monkeypatch, capsys):
     """``report ... | true``: the pipe is closed before report writes its table."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "length_eval.jsonl").write_text(json.dumps(ROW) + "\n")
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    monkeypatch.setattr(sys, "stdout", open(write_end, "w"))
+    closed_pipe(monkeypatch)
     with pytest.raises(SystemExit) as stop:
         verbs(["report", str(tmp_path / "run"), "--out", str(tmp_path / "report")])
     assert stop.value.code == 128 + 13 and capsys.readouterr().err == ""  # 128 + SIGPIPE, as a shell reports it
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["gpu-check", "--help"]], ids=["verbs", "a-verb"])
+def test_a_reader_that_goes_away_ends_help_quietly_too(monkeypatch, capsys, argv):
+    """``python -m cable_lightning --help | true`` was a BrokenPipeError traceback (exit 1); a verb's ``--help`` exited
+    0 having lost its text (argparse drops the write's error)."""
+    closed_pipe(monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        verbs(argv)
+    assert stop.value.code == 128 + 13 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("door", ["unknown-flag", "unwritable-out", "missing-data"])
+def test_gpu_check_answers_a_bad_flag_out_or_data_path_in_one_line_before_any_work(tmp_path, capsys, door):
+    """The last argparse verb with the usage text; an --out that cannot be made was an 18-line traceback, and a
+    missing --data-path ran the bench, then failed every fit with a cut-off line."""
+    missing, out = str(tmp_path / "nosuch"), str(tmp_path / "gc.md")
+    argv, expected = {
+        "unknown-flag": (["--bogus"], re.escape("error: unrecognized arguments: --bogus (python -m cable_lightning "
+                                                "gpu-check --help lists the settings)")),
+        "unwritable-out": (["--out", "/proc/x/gc.md"],
+                           r"error: --out /proc/x/gc\.md cannot be written \(\w+Error: .+\); choose another --out"),
+        "missing-data": (["--data-path", missing, "--out", out], re.escape(
+            f"error: --data-path {missing}: no prepared data at {missing}; run python -m cable_lightning prepare "
+            f"--source <source> --tokenizer <tokenizer> --out {missing} --overwrite")),
+    }[door]
+    line = only_line(capsys, ["gpu-check", "--rehearse-on-cpu", *argv])
+    assert re.fullmatch(expected, line), line
+    assert not os.path.exists(out)
 
 
 def test_a_missing_retrieval_set_source_is_one_line(tiny_corpus_dir, tmp_path, capsys):
@@ -90,6 +126,28 @@ def test_a_torn_row_in_a_local_lm_eval_task_is_named_before_the_model_loads(tmp_
     assert line.endswith("task tiny_mc cannot read its data: fix or remove that line"), line
 
 
+def test_a_missing_lm_eval_task_file_is_named_before_the_model_loads(tmp_path, capsys):
+    """The harness's own report was a 57-line traceback from datasets, after the model had loaded."""
+    pytest.importorskip("lm_eval")
+    from test_lm_eval import write_task
+
+    write_task(tmp_path)
+    (tmp_path / "docs.jsonl").unlink()
+    line = only_line(capsys, ["lm-eval", "--model", str(tmp_path / "never-loaded"), "--tasks", "tiny_mc",
+                              "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out")])
+    assert line == (
+        f"error: {tmp_path / 'docs.jsonl'} is not a file; task tiny_mc reads its data from it (its YAML's "
+        "dataset_kwargs.data_files): restore the file or fix the path")
+
+
+@pytest.mark.parametrize("flag, values, repeated", [("--seeds", ["1", "1"], "1"), ("--pes", ["cable", "rope", "cable"],
+                                                                                      "cable")])
+def test_a_sweep_refuses_a_run_given_twice(capsys, flag, values, repeated):
+    """``--seeds 1 1`` planned the same fit twice (the second continuing the first's folder)."""
+    argv = ["sweep", "--config", "c.yaml", "--pes", "cable", "--print-only", flag, *values]
+    assert only_line(capsys, argv) == f"error: {flag} names {repeated} twice: each is one run; give it once"
+
+
 def test_a_lock_with_a_bad_line_is_named_with_its_line(tmp_path):
     lock = tmp_path / "bad.lock"
     lock.write_text("# a lock\nabsl-py==2.5.1\naccelerate=1.15.0\n")  # pip could not read the third line
@@ -120,11 +178,39 @@ def test_a_misspelt_precision_is_one_line_and_lightning_is_not_given_argv_twice(
     ("--seed_everything", "one", "error: invalid value 'one' for seed_everything; expected bool or int"),
     ("--data.tasks", '{"needle": 3}', "error: task needle: settings must be a mapping ({setting: value}), got 3; its "
                                       "settings: keys, value_tokens"),
-], ids=["negative-seed", "word-seed", "task-settings"])
+    ("--data.tasks", "[1,2]", "error: invalid value '[1, 2]' for data.tasks; expected a mapping or null"),
+], ids=["negative-seed", "word-seed", "task-settings", "tasks-not-a-mapping"])
 def test_a_bad_seed_or_task_setting_is_one_line_before_anything_runs(tiny_corpus_dir, tmp_path, capsys, setting, value,
                                                                       expected):
     assert user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), setting, value]) == expected
     assert not os.path.exists(tmp_path / "test")  # no run folder: nothing ran
+
+
+@pytest.mark.parametrize("setting, value, expected", [
+    ("--model.init_args.backbone.causal", "true",
+     "error: MaskedLM needs a bidirectional backbone; backbone.causal is set to true over preset 'bert-base', which is "
+     "bidirectional (drop it or set backbone.causal: false)"),
+    ("--data.tasks", '{"passkey": null}',
+     "error: task passkey is written in text and needs a prepared corpus's tokenizer, but data.path is null (the "
+     "tasks' own vocabulary has no text); point data.path at a prepared corpus, or leave passkey out of data.tasks"),
+], ids=["causal-set", "passkey-without-corpus"])
+def test_the_encoder_task_config_names_the_setting_at_fault(tmp_path, capsys, setting, value, expected):
+    """With configs/tasks/encoder.yaml, these blamed the preset ("preset 'bert-base' is causal") and data.block_size
+    (for a missing corpus)."""
+    configs = [arg for name in ("base", "encoder") for arg in ("--config", os.path.join(ROOT, "configs", "tasks",
+                                                                                          f"{name}.yaml"))]
+    argv = ["fit", *configs, "--data.tasks", '{"needle": {}}', "--runs_dir", str(tmp_path), setting, value]
+    assert user_error_line(capsys, argv) == expected
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_refused_resume_leaves_no_version_folder(tiny_corpus_dir, tmp_path, capsys):
+    """Refused in the checkpoint's restore, after TensorBoard made ``version_1`` and wrote the config into it."""
+    fit(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1, every=1)])
+    line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2, every=1), "--ckpt_path",
+                                    "last", "--data.micro_batch_size", "2"])
+    assert "resume with --global_batch_tokens 128" in line
+    assert sorted(os.listdir(tmp_path / "test" / "cable")) == ["checkpoints", "checkpoints.lock", "version_0"]
 
 
 def test_a_full_disk_under_tensorboard_is_one_line(tiny_corpus_dir, tmp_path, capsys, monkeypatch):

@@ -82,3 +82,27 @@ def test_without_cuda_it_stops_in_one_line(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: gpu-check needs a CUDA GPU")
     assert not (tmp_path / "out.md").exists()
+
+
+def test_out_replaces_only_a_file_gpu_check_wrote_and_only_with_overwrite(tmp_path, capsys):
+    """A GPU run's rows cannot be made again without a GPU: a later run (a CPU rehearsal) does not truncate them
+    unasked, nor a file gpu-check did not write even with --overwrite; the refusal comes before any work."""
+    from test_doors import only_line
+
+    quick = ["gpu-check", "--rehearse-on-cpu", "--budget-scale", "1e-9", "--encodings", "nope"]  # every part skipped
+    notes, results = tmp_path / "notes.md", tmp_path / "gpu_check.md"
+    notes.write_text("# my notes\n")
+    for overwrite in ([], ["--overwrite"]):
+        assert only_line(capsys, [*quick, "--out", str(notes), *overwrite]) == (
+            f"error: {notes} already exists and was not written by gpu-check (its first line is not '## gpu-check: '); "
+            "choose another --out (--overwrite replaces only what gpu-check wrote)")
+    assert notes.read_text() == "# my notes\n"
+    assert verb([*quick, "--out", str(results)]) == 0
+    earlier = results.read_text()
+    assert only_line(capsys, [*quick, "--out", str(results)]) == (
+        f"error: {results} already exists (written by gpu-check); pass --overwrite to replace it or choose another "
+        "--out")
+    assert results.read_text() == earlier
+    results.write_text(earlier.replace("skipped", "a GPU's row"))
+    assert verb([*quick, "--out", str(results), "--overwrite"]) == 0
+    assert results.read_text().startswith("## gpu-check: ") and "a GPU's row" not in results.read_text()

@@ -74,6 +74,22 @@ def test_query_in_passage_puts_each_query_at_the_head_of_its_passage_and_nowhere
         assert pair["positive"] == f"{pair['query']} {keys[pair['query']].rest}"
 
 
+def test_a_negative_is_never_its_positive_and_too_few_pairs_is_an_error_naming_the_count(made):
+    """A small training part (seed 3, eval_fraction 0.9: 13 key passages) holds paragraphs the corpus repeats: a pair
+    drew a copy of its positive as its negative; 20 pairs asked for gave 13; one key passage was its own negative."""
+    documents, tokenizer, _, _ = made
+    small = Settings(doc_tokens=DOC_TOKENS, queries=5, eval_fraction=0.9, seed=3, query_in_passage=True)
+    for train_pairs in (13, None):  # None: one per key passage
+        pairs = build(documents, tokenizer, Settings(**{**small.__dict__, "train_pairs": train_pairs}))["train_pairs"]
+        assert len(pairs) == 13 and all(pair["positive"] != pair["negative"] for pair in pairs)
+    with pytest.raises(ValueError, match=r"^the source has 13 key passages outside the evaluation documents \(one "
+                                         r"training pair each\), 20 --train_pairs were asked for; ask for fewer"):
+        build(documents, tokenizer, Settings(**{**small.__dict__, "train_pairs": 20}))
+    with pytest.raises(ValueError, match=r"^the source has 1 key passages outside the evaluation documents, all with "
+                                         "one text, and a training pair's negative must be another"):
+        build(documents, tokenizer, Settings(**{**small.__dict__, "eval_fraction": 0.97, "seed": 2}))
+
+
 def test_the_same_settings_give_the_same_set_and_another_seed_another(made):
     documents, tokenizer, settings, rows = made
     assert build(documents, tokenizer, settings) == rows

@@ -170,7 +170,12 @@ class TokenDataModule(L.LightningDataModule):
         self.tasks = task_mix
         if self.tasks is not None:
             if path is None:
-                self.tasks.vocab = TaskVocabulary.own()  # a text task (passkey) is refused here, by check_tasks
+                self.tasks.vocab = TaskVocabulary.own()
+                text = ", ".join(task.name for task in self.tasks.tasks if task.needs_text)
+                if text:  # not a length problem: check_tasks would blame data.block_size
+                    raise ConfigError(f"task {text} is written in text and needs a prepared corpus's tokenizer, but "
+                                      "data.path is null (the tasks' own vocabulary has no text); point data.path at a "
+                                      f"prepared corpus, or leave {text} out of data.tasks")
             self.check_tasks()
         self._manifest: dict[str, Any] | None = None
         self._eval_streams: dict[str, torch.Tensor] = {}

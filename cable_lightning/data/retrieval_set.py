@@ -14,8 +14,10 @@ How it is made, from any text source (default: the offline python-docs corpus) a
   about W / doc_tokens of the queries: at the training length it is mostly hidden, at 16x it is always in view, and
   what else the window holds is unrelated text, so an encoder must find one passage's signal among many.
 - Source documents are split in two by a seeded draw: the evaluation set uses one part; the contrastive training
-  pairs (``train_pairs.jsonl``: a query, its passage's rest as the positive, another passage's rest as the negative)
-  come from the other part, so no evaluation text is trained on in the fine-tuning step.
+  pairs (``train_pairs.jsonl``: a query, its passage's rest as the positive, another passage's rest as the negative,
+  never the positive's own text, which a repeated paragraph would give) come from the other part, so no evaluation
+  text is trained on in the fine-tuning step. One pair per key passage there (``--train_pairs``: that many of them;
+  more than there are is an error naming the count).
 - ``--query_in_passage`` keeps the query's sentence at the head of its passage (in the documents and in the training
   positives): query and passage then share words, the easy, lexical form of the set (BM25 finds it wherever it is in
   view), for telling an encoder that cannot retrieve at all from one that cannot see far enough.
@@ -39,6 +41,7 @@ import os
 import re
 import shutil
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -82,7 +85,7 @@ def passages(documents, min_words: int = 12) -> list[Passage]:
 class Settings:
     doc_tokens: int = 1024  # 16x the encoder config's 64-token training length
     queries: int = 200
-    train_pairs: int = 2000
+    train_pairs: Optional[int] = None  # None: one per key passage outside the evaluation documents
     eval_fraction: float = 0.7  # of the source documents, by a seeded draw
     seed: int = 0
     query_in_passage: bool = False  # the query's own sentence stays at the head of its passage
@@ -90,7 +93,7 @@ class Settings:
     def __post_init__(self):
         if self.doc_tokens < 64:
             raise ConfigError(f"doc_tokens must be >= 64, got {self.doc_tokens}")
-        if self.queries < 1 or self.train_pairs < 0:
+        if self.queries < 1 or (self.train_pairs or 0) < 0:
             raise ConfigError(f"need queries >= 1 and train_pairs >= 0, got {self.queries} and {self.train_pairs}")
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
@@ -108,6 +111,17 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
     evaluation = rng.random(len(documents)) < settings.eval_fraction
     held = [p for p in found if evaluation[p.source_doc]]
     trained = [p for p in found if not evaluation[p.source_doc]]
+    train_keys = [p for p in trained if p.query is not None]  # the training pairs: checked before any document is made
+    wanted = len(train_keys) if settings.train_pairs is None else settings.train_pairs
+    if wanted > len(train_keys):
+        raise ConfigError(f"the source has {len(train_keys)} key passages outside the evaluation documents (one "
+                          f"training pair each), {wanted} --train_pairs were asked for; ask for fewer --train_pairs or "
+                          "a smaller --eval_fraction, or use a larger source")
+    texts = [placed(p) for p in train_keys]
+    if wanted and len(set(texts)) < 2:
+        raise ConfigError(f"the source has {len(train_keys)} key passages outside the evaluation documents, all with "
+                          "one text, and a training pair's negative must be another; ask for --train_pairs 0 or a "
+                          "smaller --eval_fraction, or use a larger source")
     candidates = [p for p in held if p.query is not None]
     placed_lengths = dict(zip(map(id, candidates), map(len, tokenizer.encode_batch([placed(p) for p in candidates]))))
     # A key passage takes at most half a document, so it always fits with room to place it at many depths.
@@ -153,14 +167,12 @@ def build(documents: list[str], tokenizer, settings: Settings) -> dict:
         queries.append({"_id": query_id, "text": key.query, "depth": depth, "end": end, "doc": doc_id})
         qrels.append((query_id, doc_id, 1))
 
-    candidates = [p for p in trained if p.query is not None]
-    order = rng.permutation(len(candidates))[: settings.train_pairs]
     pairs = []
-    for i in order:
-        negative = candidates[int(rng.integers(0, len(candidates)))]
-        while negative is candidates[i] and len(candidates) > 1:
-            negative = candidates[int(rng.integers(0, len(candidates)))]
-        pairs.append({"query": candidates[i].query, "positive": placed(candidates[i]), "negative": placed(negative)})
+    for i in rng.permutation(len(train_keys))[:wanted]:
+        negative = int(rng.integers(0, len(train_keys)))
+        while texts[negative] == texts[i]:  # itself, or a repeated paragraph: the pair would contradict itself
+            negative = int(rng.integers(0, len(train_keys)))
+        pairs.append({"query": train_keys[i].query, "positive": texts[i], "negative": texts[negative]})
     return {"corpus": corpus, "queries": queries, "qrels": qrels, "train_pairs": pairs}
 
 
@@ -197,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--doc_tokens", type=int, default=defaults.doc_tokens,
                         help="each document's length in tokens (16x the training length evaluates it whole)")
     parser.add_argument("--queries", type=int, default=defaults.queries, help="queries = documents")
-    parser.add_argument("--train_pairs", type=int, default=defaults.train_pairs)
+    parser.add_argument("--train_pairs", type=int, default=defaults.train_pairs,
+                        help="contrastive training pairs (default: one per key passage outside the evaluation set)")
     parser.add_argument("--eval_fraction", type=float, default=defaults.eval_fraction)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--query_in_passage", action="store_true",

@@ -79,8 +79,9 @@ def check_tasks(tasks: list[str], manager, include_path: str | None, include_def
 
 
 def check_task_data(tasks: list[str], manager) -> None:
-    """The local jsonl files of a ``dataset_path: json`` task read row by row, before the model is loaded: the
-    harness (datasets) reports a torn row as a long traceback that names neither the file nor the line."""
+    """The local jsonl files of a ``dataset_path: json`` task are there and read row by row, before the model is
+    loaded: the harness (datasets) reports a missing file or a torn row as a long traceback that names neither the
+    file nor the line."""
     for task in tasks:
         entry = getattr(manager, "task_index", {}).get(task)
         config = getattr(entry, "cfg", None) or {}
@@ -89,8 +90,11 @@ def check_task_data(tasks: list[str], manager) -> None:
         files = (config.get("dataset_kwargs") or {}).get("data_files") or []
         for group in files.values() if isinstance(files, dict) else [files]:
             for path in [group] if isinstance(group, str) else group:
+                if "://" in path or glob.has_magic(path):
+                    continue  # a URL or a glob: the harness's to read
                 if not os.path.isfile(path):
-                    continue  # a glob or URL: the harness's to read
+                    raise MissingFileError(f"{path} is not a file; task {task} reads its data from it (its YAML's "
+                                           "dataset_kwargs.data_files): restore the file or fix the path")
                 with open(path, encoding="utf-8", errors="replace") as f:
                     for number, line in enumerate(f, 1):
                         if not line.strip():

@@ -414,9 +414,14 @@ class MaskedLM(LanguageModel):
         backbone = backbone or BackboneConfig(preset="bert-base")
         super().__init__(backbone, data, lr, min_lr, warmup_steps, betas, eps, weight_decay, compile,
                          activation_checkpointing, init_weights)
-        if self.config.causal:
-            raise ConfigError(f"MaskedLM needs a bidirectional backbone; preset {self.config.preset!r} is causal "
-                              "(set backbone.causal: false)")
+        if self.config.causal:  # name what made it causal: the preset, or a backbone.causal set over it
+            from ..models.config import PRESETS
+
+            preset = self.config.preset
+            raise ConfigError("MaskedLM needs a bidirectional backbone; " + (
+                f"preset {preset!r} is causal (set backbone.causal: false)" if PRESETS[preset]["causal"] else
+                f"backbone.causal is set to true over preset {preset!r}, which is bidirectional (drop it or set "
+                "backbone.causal: false)"))
         info = self.data_info
         self.mask_id = mask_id if mask_id is not None or info is None else info.mask_id
         self.special_ids = tuple(special_ids) or (info.special_ids if info else ())
