@@ -27,7 +27,6 @@ from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, 
 
 from ..errors import ConfigError
 
-
 # LitData reads its number of nodes from NNODES (a name launch scripts often export for torchrun) or guesses it as
 # world size // visible GPUs. With more than one, litdata 0.2.76 keeps each node's chunks from the first epoch on, and
 # from the second epoch the nodes' shares overlap (a chunk split between two nodes is read whole by both) and differ in
