@@ -64,7 +64,7 @@ def environment(**extra):
 def start(out, commands, envs):
     out.mkdir(parents=True)
     return [subprocess.Popen(cmd, env=env, stdout=open(out / f"node{rank}.log", "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True) for rank, (cmd, env) in enumerate(zip(commands, envs))]
+                             cwd=ROOT, start_new_session=True) for rank, (cmd, env) in enumerate(zip(commands, envs))]
 
 
 def finish(out, nodes, timeout=240):
