@@ -15,13 +15,14 @@ What it adds to the stock CLI:
   ``--diagnostics.budget`` of the evaluation's time; ``--diagnostics.enabled false`` turns them off); a last
   one at the end of fit; with ``--data.tasks``
   (the passkey among them), exact-match accuracy on the tasks after each (:class:`TaskAccuracy`).
-- checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM,
-  ``--ckpt_path last`` (the newest readable checkpoint, or an error) and ``auto`` (resume if there is one).
+- checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM
+  (and on SLURM's SIGUSR1, then the job requeued), ``--ckpt_path last`` (the newest readable checkpoint, or an
+  error) and ``auto`` (resume if there is one).
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
   set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
   fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise).
 - user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM,
-  130 after Ctrl-C);
+  130 after Ctrl-C, 138 after SLURM's SIGUSR1, the job requeued);
   ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
 """
 
@@ -440,8 +441,8 @@ def quiet_writer_thread(args, report=threading.__excepthook__) -> None:
 def run(args: list[str] | None = None) -> None:
     """``python -m cable_lightning``: :func:`main` with user errors as one line and an exit status for schedulers:
     2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
-    after SIGTERM and 130 after Ctrl-C (``last.ckpt`` saved; continue with ``--ckpt_path last``). Bugs keep their
-    traceback."""
+    after SIGTERM, 130 after Ctrl-C and 138 after SLURM's SIGUSR1 (``last.ckpt`` saved; continue with ``--ckpt_path
+    last``; after SIGUSR1 the job is requeued). Bugs keep their traceback."""
     quiet_library_chatter()  # other libraries' notes that say nothing about this run (see console.py)
     threading.excepthook = quiet_writer_thread
     with error_boundary():
@@ -449,9 +450,10 @@ def run(args: list[str] | None = None) -> None:
             main(args)
         except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
             signum = getattr(exc, "signum", signal.SIGTERM)
-            saved = getattr(exc, "saved_checkpoint", None)
+            saved, requeued = getattr(exc, "saved_checkpoint", None), getattr(exc, "requeued", None)
             print(f"error: stopped by {signal.Signals(signum).name}"
-                  + (f"; saved {saved}; continue with --ckpt_path last" if saved else ""),
+                  + (f"; saved {saved}" if saved else "") + (f"; {requeued}" if requeued else "")
+                  + ("; continue with --ckpt_path last" if saved else ""),
                   file=sys.stderr, flush=True)
             sys.exit(128 + signum)
 

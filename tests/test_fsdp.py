@@ -64,7 +64,7 @@ def resumed_equals_uninterrupted(runs, losses, strategy, data_path):
 def windows(folder, rank=None) -> list[dict]:
     """The micro-batches ddp_probe.Windows recorded (every rank's, or one rank's)."""
     files = sorted(folder.glob("windows_rank*.jsonl")) if rank is None else [folder / f"windows_rank{rank}.jsonl"]
-    return [json.loads(line) for f in files for line in open(f)]
+    return [row for f in files for row in map(json.loads, open(f)) if "step" in row]  # not the placement line
 
 
 def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(small_corpus_dir, tmp_path, capsys):
@@ -96,9 +96,9 @@ def test_ddp_two_processes_resumed_inside_the_first_epoch_equal_uninterrupted(sm
     epoch_of = {r["step"]: r["epoch"] for r in whole}
     assert all(r["epoch"] == epoch_of[r["step"]] for r in read)
     # The first epoch's windows: what both ranks read in steps 1-3, then exactly the rest, each once.
-    first_epoch = [row for r in whole if r["epoch"] == 0 for row in r["rows"]]
-    before = [row for r in whole if r["step"] <= 3 for row in r["rows"]]
-    after = [row for r in read if r["epoch"] == 0 for row in r["rows"]]
+    first_epoch = [row for r in whole if r["epoch"] == 0 for row in r["windows"]]
+    before = [row for r in whole if r["step"] <= 3 for row in r["windows"]]
+    after = [row for r in read if r["epoch"] == 0 for row in r["windows"]]
     assert len(set(first_epoch)) == len(first_epoch) == 96
     assert sorted(before + after) == sorted(first_epoch)
     # From an even step (the epoch's last), the resumed run's first micro-batch is still at that step: it used to save

@@ -1,13 +1,18 @@
-"""Save on preemption: clusters stop jobs with SIGTERM (and people with Ctrl-C); this saves ``last.ckpt`` at the
-next optimizer step and stops the run with ``SIGTERMException``, so that the command line exits with status 143
-(130 for Ctrl-C), not 0, and the requeued job continues with ``--ckpt_path last``."""
+"""Save on preemption: clusters stop jobs with SIGTERM (and people with Ctrl-C), and SLURM warns a job before its time
+limit with the signal of ``#SBATCH --signal=SIGUSR1@90``; this saves ``last.ckpt`` at the next optimizer step and
+stops the run with ``SIGTERMException``, so that the command line exits with status 143 (130 for Ctrl-C, 138 for
+SIGUSR1), not 0, and the requeued job continues with ``--ckpt_path last``. After SLURM's signal, rank 0 also requeues
+the job (``scontrol requeue``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 
 import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
@@ -18,18 +23,32 @@ class PreemptionCheckpoint(L.Callback):
     agree on it with one small all-reduce (nothing on a single device), all save ``<dirpath>/last.ckpt`` together,
     and fit stops. Waiting for the optimizer step keeps a gradient accumulation whole, so the resumed run is the
     run that was not interrupted. A SIGTERM during validation takes effect after it. The first Ctrl-C does the same;
-    a second one interrupts at once (Lightning's KeyboardInterrupt shutdown, no save)."""
+    a second one interrupts at once (Lightning's KeyboardInterrupt shutdown, no save).
+
+    Under SLURM (Lightning's SLURMEnvironment, i.e. tasks started by ``srun``) its requeue signal (SIGUSR1) is handled
+    the same way, and then rank 0 runs ``scontrol requeue``. Lightning's own SIGUSR1 handler is turned off: it saves
+    ``hpc_ckpt_N.ckpt`` inside the signal handler, mid-accumulation as likely as not."""
 
     def __init__(self, dirpath: str):
         self.path = os.path.join(dirpath, "last.ckpt")
         self.requested: int | None = None  # the signal received
+        self.requeue_signal: int | None = None  # SLURM's, when the run is under SLURM with requeueing on
+        self.requeue = False  # it was received
+
+    def setup(self, trainer, pl_module, stage):
+        environment = trainer._accelerator_connector.cluster_environment  # what Lightning's signal connector reads
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self.requeue_signal, environment.auto_requeue = environment.requeue_signal, False
 
     def on_train_start(self, trainer, pl_module):
         signal.signal(signal.SIGTERM, self._request)  # Lightning restores the original handlers at teardown
         signal.signal(signal.SIGINT, self._request)
+        if self.requeue_signal is not None:
+            signal.signal(self.requeue_signal, self._request)
 
     def _request(self, signum, frame):
         self.requested = signum
+        self.requeue = self.requeue or signum == self.requeue_signal
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -37,8 +56,30 @@ class PreemptionCheckpoint(L.Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # mid-accumulation: wait for the optimizer step
         if trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
+            requeue = self.requeue_signal is not None and trainer.strategy.reduce_boolean_decision(self.requeue,
+                                                                                                   all=False)
             trainer.save_checkpoint(self.path, weights_only=False)
             stop = SIGTERMException()
             stop.saved_checkpoint = os.path.abspath(self.path)  # for the command line's last word
-            stop.signum = self.requested or signal.SIGTERM  # a rank told by the others has none of its own
+            # a rank told by the others has no signal of its own
+            stop.signum = self.requeue_signal if requeue else self.requested or signal.SIGTERM
+            if requeue and trainer.is_global_zero:  # after the save: the requeued job must find it
+                stop.requeued = requeue_slurm_job()
             raise stop
+
+
+def requeue_slurm_job() -> str:
+    """``scontrol requeue`` of this job (an array job's task as ``<array job id>_<task id>``, as Lightning names it);
+    what happened, in words. A failure is said, not raised: the checkpoint is saved either way."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        return f"not requeued: no SLURM job id in the environment ({job!r}); submit the job again"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job} failed ({type(exc).__name__}: {exc}); requeue or submit the job again"
+    if done.returncode:
+        said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        return f"scontrol requeue {job} failed (exit {done.returncode}: {said}); requeue or submit the job again"
+    return f"requeued SLURM job {job}"

@@ -27,6 +27,13 @@ from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, 
 
 from ..errors import ConfigError
 
+# LitData reads its number of nodes from NNODES (a name launch scripts often export for torchrun) or guesses it as
+# world size // visible GPUs. With more than one, litdata 0.2.76 keeps each node's chunks from the first epoch on, and
+# from the second epoch the nodes' shares overlap (a chunk split between two nodes is read whole by both) and differ in
+# length, some windows read by no rank (tests/test_multinode.py runs two nodes so). As one node it assigns each
+# epoch's windows over all ranks afresh: disjoint, equal shares, each node streaming about 1/num_nodes of the chunks.
+LITDATA_NODES = "NNODES"
+
 
 def collate_tokens(windows: list[Any]) -> torch.Tensor:
     """Stack token windows (numpy uint16/int32) into one int64 batch."""
@@ -272,6 +279,7 @@ class TokenDataModule(L.LightningDataModule):
             return DataLoader(BlankRows(self.micro_batch_size, self.block_size + 1), batch_size=None)
         remote = dict(cache_dir=self.cache_dir, max_cache_size=self.max_cache_size,
                       storage_options=self.store.storage_options()) if self.store else {}
+        os.environ[LITDATA_NODES] = "1"  # one epoch-wide assignment over every rank: see LITDATA_NODES
         dataset = StreamingDataset(f"{self.store.url}/train" if self.store else os.path.join(self.path, "train"),
                                    item_loader=TokensLoader(block_size=self.block_size + 1),
                                    shuffle=True, seed=self.seed, drop_last=True, **remote)
