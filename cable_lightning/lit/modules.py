@@ -171,7 +171,7 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss, inputs = self.batch_loss(batch, batch_idx)
         self._last_loss = loss.detach()
-        self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by ThroughputMonitor for MFU
+        self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by TokenThroughput for MFU
         tokens = inputs.numel() * self.trainer.world_size
         # Derived from the loop's batch count, which a resumed run restores.
         tokens_seen = (self.trainer.fit_loop.epoch_loop.total_batch_idx + 1) * tokens
