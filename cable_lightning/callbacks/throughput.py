@@ -9,6 +9,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
 
+from cable_lightning.errors import ConfigError
 from cable_lightning.hardware import peak_flops
 
 
@@ -31,7 +32,7 @@ class TokenThroughput(Callback):
 
     def __init__(self, window_size: int = 2, log_peak_memory: bool = True):
         if window_size < 2:
-            raise ValueError(f"throughput.window_size is {window_size}; a rate needs at least 2 logging steps")
+            raise ConfigError(f"throughput.window_size is {window_size}; a rate needs at least 2 logging steps")
         self.window_size, self.log_peak_memory = window_size, log_peak_memory
         self.available_flops = None
         self.throughput = Throughput(window_size=window_size)
