@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
 from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
-from .console import ParameterSummary, quiet_library_chatter
+from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout
 from .errors import (
@@ -367,6 +367,11 @@ class CableCLI(LightningCLI):
         trainer.callbacks.append(PreemptionCheckpoint(self.config[self.subcommand].checkpoint.dirpath))
         trainer.callbacks = [ParameterSummary(max_depth=cb._max_depth) if type(cb) in (ModelSummary, RichModelSummary)
                              else cb for cb in trainer.callbacks]  # Lightning's default summary, without FLOPs 0
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        configured = configured if isinstance(configured, list) else [configured]
+        if not any(isinstance(cb, ProgressBar) for cb in configured):
+            # Lightning's default bar (the user configured none), refreshed at logging steps: see LoggingStepBar
+            trainer.callbacks = [LoggingStepBar() if isinstance(cb, ProgressBar) else cb for cb in trainer.callbacks]
         trainer.callbacks += self.extra_callbacks  # after every configured callback: their hooks run first
         return trainer
 

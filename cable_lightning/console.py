@@ -8,7 +8,7 @@ import logging
 import re
 import warnings
 
-from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
 
 # litdata's own switch (``optimize(verbose=...)``, used by ``data.prepare``): verbose litdata prints an advert ("Create
 # an account on https://lightning.ai/ ..."), its setup steps, per-worker lines and a tqdm bar that, written to a
@@ -72,3 +72,23 @@ class ParameterSummary(ModelSummary):
         rows.append(f"{get_human_readable_count(total_parameters - trainable_parameters):<10}Non-trainable params")
         rows.append(f"{model_size:<10.3f}Total estimated model params size (MB)")
         logging.getLogger("lightning.pytorch.callbacks.model_summary").info("\n" + "\n".join(rows))
+
+
+class LoggingStepBar(TQDMProgressBar):
+    """Lightning's TQDM progress bar, refreshed at the logging steps (every ``log_every_n_steps`` optimizer steps),
+    showing the last step's loss and tokens/s. Reading the loss back to the host is a sync on a GPU (it waits for the
+    step's kernels): here it is read only where the bar refreshes, where the logger reads it anyway. Lightning reads
+    every value logged with ``prog_bar=True`` at every batch's end, and its default bars (TQDM's, or Rich's where rich
+    is installed) refresh at every batch; the CLI puts this bar in place of the default."""
+
+    SHOWN = ("train/loss", "tokens_per_sec")  # logged by LanguageModel.training_step
+
+    @property
+    def refresh_rate(self) -> int:
+        trainer = self._trainer
+        return 1 if trainer is None else max(trainer.log_every_n_steps, 1) * trainer.accumulate_grad_batches
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        logged = trainer.callback_metrics
+        return {**metrics, **{name: logged[name].item() for name in self.SHOWN if name in logged}}

@@ -12,32 +12,41 @@ keeps what finished. An existing ``--out`` is replaced only when gpu-check wrote
    and logging included, the rate a fit trains at (from a step's start to its own end would leave the loop's work
    between steps out). Validation, diagnostics and checkpoint saves are timed apart with the device synchronised
    (phases of seconds, some on the host; events add nothing there). The row gives the median steady step, tokens/s,
-   MFU (``bench.peak_flops``), the steady steps' peak memory beside its estimate, Dynamo's compiles in the warm-up,
-   the steady steps (0 unless something recompiles) and the validations, and graph breaks.
-2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): seconds
-   and peak memory against NoPE, for every chosen encoding except those on the chunked path (no target, and the slow
-   part that ran the first GPU measurement out of time).
+   MFU (``bench.peak_flops``), the warm-up's and the steady phase's seconds beside their budgets, the steady steps'
+   peak memory beside its estimate, Dynamo's compiles in the warm-up, the steady steps (0 unless something
+   recompiles) and the validations, and graph breaks. A fit that timed no steady step says why.
+2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): the first
+   forward's seconds (FlexAttention compiles there on CUDA), then seconds and peak memory against NoPE from forwards
+   that reuse that compile (the row counts Dynamo's compiles in both), for every chosen encoding except those on the
+   chunked path (no target, and the slow part that ran the first GPU measurement out of time).
+3. ``pytest`` (run last): ``FLEX_TESTS``, FlexAttention's values and gradients on CUDA, from the source tree.
 
 Dynamo's warning that a function hit its recompile limit (it then runs that function eagerly for the rest of the
 process) is caught by a handler on the ``torch._dynamo`` logger: the run goes on, then exits 1 with a line naming
 the function. A part that fails is a row too; the run then exits 1.
 
-The plan for one H100 or H200, compile included (not yet measured on a GPU): ``bench`` first, 36 s (an encoding that
-would start after it is a "skipped" row); then each fit has 24 s (it stops training at its budget, keeping the steps
-it timed; the validation that ends a fit still runs) and each part 24 s per fit (a fit that would start after it is
-a "skipped" row): sdpa 48 s, fold 72 s, flex 72 s, chunked 72 s. 300 s, plus about 20 s to import and start;
-nothing starts after 330 s, so the run ends near 5.5 minutes even when compiling takes longer than planned.
+The plan for one H100 or H200 (not yet measured on a GPU; the ``*_BUDGET_S`` constants): compiling has budgets of its
+own, apart from the timed work, so that a slow compile costs time but never the steady steps. ``bench`` first: 24 s
+for the timed forwards plus 10 s for each encoding on the flex path's first forward (54 s for the default encodings).
+Then each fit: 20 s for its warm-up and 8 s for its steady steps, counted from the first steady step's start
+whatever the warm-up took (a fit stops training once that passes and a steady step was timed; the warm-up is never
+cut; the validations that follow still run); each part 28 s per fit (sdpa 56 s, fold 84 s, flex 84 s, chunked 84 s).
+Then the FlexAttention tests, 60 s. 422 s in all, plus about 20 s to import and start; a part or fit that would start
+after its budget, or after 425 s, is a "skipped" row, so however long compiling takes, the run ends within one fit
+(or the tests' 60 s) of 425 s.
 
 Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
-validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`). The fits
-pass ``--throughput.log_peak_memory false``: that callback resets the peak statistics at every step's end, which is
-why the old ``tools/gpu_acceptance.py`` reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model (by its code
-and the arithmetic: it read the peak at the end of training, after the last reset, so the figure was the final
-validation and checkpoint over the weights, gradients and AdamW state, 1.3 GiB, not a training step).
+validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`, the
+encoding's own position tables included). The fits pass ``--throughput.log_peak_memory false``: that callback resets
+the peak statistics (at each logging step; at every step's end when the old ``tools/gpu_acceptance.py`` ran), which is
+why that script reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model (by its code and the arithmetic: it
+read the peak at the end of training, after the last reset, so the figure was the final validation and checkpoint
+over the weights, gradients and AdamW state, 1.3 GiB, not a training step).
 
 ``--rehearse-on-cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, 1 warm-up and 2 steady steps),
 the first encoding of each part only, CPU clocks for the events, Dynamo's ``eager`` backend for inductor (compiling
-is the GPU's part; Dynamo's counters and the recompile watch still run); its figures are not GPU figures.
+is the GPU's part; Dynamo's counters and the recompile watch still run), the FlexAttention tests collected, not run;
+its figures are not GPU figures.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ import logging
 import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from contextlib import closing, contextmanager, nullcontext
@@ -64,9 +75,14 @@ from .owned import check_replaceable
 # The issue's choice (issue 47): three encodings per backend where there are three, NoPE (the baseline) first.
 ENCODINGS = ["nope", "rope", "cable", "alibi", "fox", "kerple_log", "fire", "t5", "cope", "dape_v2+cable",
              "stick_breaking"]
-FIT_BUDGET_S = 24.0  # a fit's, and its part's per fit
-BENCH_BUDGET_S = 36.0
-RUN_BUDGET_S = 330.0  # nothing starts after it: the fit then in flight and its last validation end the run
+# The plan's budgets (seconds on one H100 or H200, not yet measured on a GPU), all times --budget-scale:
+COMPILE_BUDGET_S = 20.0  # a fit's warm-up steps, where Dynamo and inductor compile
+STEADY_BUDGET_S = 8.0  # a fit's steady steps, from the first one's start, whatever compiling took
+BENCH_BUDGET_S = 24.0  # the bench's timed forwards, all encodings together
+BENCH_COMPILE_BUDGET_S = 10.0  # the bench's first forward of an encoding on the flex path (FlexAttention compiles)
+PYTEST_BUDGET_S = 60.0  # the CUDA FlexAttention tests (FLEX_TESTS)
+RUN_BUDGET_S = 425.0  # the parts' budgets added up: nothing starts after it
+FLEX_TESTS = ("tests/test_attention.py", "-k", "flex")  # FlexAttention's values and gradients on CUDA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,24 +184,55 @@ def eager_dynamo():
         torch.compile = compile_
 
 
-def memory_estimate(model, rows: int, length: int) -> tuple[float, float, float]:
-    """Bytes a bf16-mixed AdamW training step peaks near: (state, activations, logits). State: fp32 weights, their
-    gradients and AdamW's two moments, 16 bytes a parameter. Activations: 34 bytes per token, width and layer (what
-    autograd keeps of a transformer layer with 16-bit activations and a fused attention kernel, no T x T term;
+def memory_estimate(model, rows: int, length: int) -> tuple[float, float, float, float]:
+    """Bytes a bf16-mixed AdamW training step peaks near: (state, activations, logits, tables). State: fp32 weights,
+    their gradients and AdamW's two moments, 16 bytes a parameter. Activations: 34 bytes per token, width and layer
+    (what autograd keeps of a transformer layer with 16-bit activations and a fused attention kernel, no T x T term;
     Korthikanti et al. 2022). Logits: their bf16 values and fp32 log-softmax, kept for the backward, 6 bytes per token
-    and vocabulary entry."""
+    and vocabulary entry. Tables: the encoding's own position tables (:func:`table_bytes`)."""
     c, tokens = model.config, rows * length
     state = 16 * sum(p.numel() for p in model.parameters())
-    return state, 34 * tokens * c.n_embd * c.n_layer, 6 * tokens * c.vocab_size
+    return state, 34 * tokens * c.n_embd * c.n_layer, 6 * tokens * c.vocab_size, table_bytes(c, length)
+
+
+def table_bytes(config, length: int) -> int:
+    """Bytes an encoding's own position tables hold through a training step on CUDA: in each layer whose bias is a
+    function of positions alone on the flex path, the (heads, length, length) fp32 table FlexAttention's score_mod
+    reads (``attention.flex_score_mod``), kept for the backward, and what autograd keeps to differentiate it (eager:
+    FIRE keeps its MLP's hidden units over the whole table; a compiled block may keep less). Each layer's encoding
+    module (the registry's) is asked: which bias it adds (at 2 tokens on the CPU), then its tables on the meta
+    device, where nothing is allocated."""
+    from .models.attention import FLEX_TABLE_ELEMENTS, resolve_backend
+    from .positional.base import ScoreBias
+    from .positional.registry import build_positional
+
+    heads, probe = config.n_head, build_positional(config)
+    with torch.device("meta"):
+        pe, h = build_positional(config), torch.empty(1, length, config.n_embd)
+    tables, saved = {}, {}
+    with torch.no_grad():
+        kinds = [probe.score_bias(torch.zeros(1, 2, config.n_embd), layer, 0, None) for layer in range(config.n_layer)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(id(t), t), lambda t: t):
+        for layer, kind in enumerate(kinds):
+            if (isinstance(kind, ScoreBias) and kind.positional and heads * length**2 <= FLEX_TABLE_ELEMENTS
+                    and resolve_backend(config.attention_backend, kind, torch.device("cuda"),
+                                        head_dim=config.head_dim) == "flex"):
+                table = pe.score_bias(h, layer, 0, None).position_table(heads, length, "meta")
+                tables[id(table)] = table
+    kept = {**saved, **tables}.values()  # not the parameters: the state counts them
+    return sum(t.numel() * t.element_size() for t in kept if not (t.is_leaf and t.requires_grad))
 
 
 class FitClock(L.Callback):
     """Times one fit: step periods (CUDA events, or the CPU's clock, at each ``on_train_batch_start``), validation,
     diagnostics and checkpoint seconds (device synchronised), the steady steps' peak memory, Dynamo's counters at each
-    phase's start; stops the fit after the step that passes ``deadline`` (``time.monotonic``)."""
+    phase's start, and on the host's clock (``time.monotonic``) the warm-up (compiling) and the steady phase. Stops
+    the fit after the step that passes ``steady_budget`` seconds from the first steady step's start, however long
+    compiling took, once a steady step was timed (a recompile in the first steady step still leaves one)."""
 
-    def __init__(self, warmup: int, deadline: float, cuda: bool):
-        self.warmup, self.deadline, self.cuda = warmup, deadline, cuda
+    def __init__(self, warmup: int, steady_budget: float, cuda: bool):
+        self.warmup, self.steady_budget, self.cuda = warmup, steady_budget, cuda
+        self.host: dict[str, float] = {}  # time.monotonic at the first step's start, the first steady step's, the end
         self.marks, self.counts, self.interrupted = [], {}, set()  # interrupted: marks whose period holds a validation
         self.validations: list[tuple[float, float, float]] = []  # (seconds, evaluation, diagnostics) of each
         self.diagnostics = self.checkpoint = 0.0
@@ -218,7 +265,9 @@ class FitClock(L.Callback):
                         setattr(callback, name, self.timed(getattr(callback, name), "diagnostics"))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.host.setdefault("first step", time.monotonic())
         if len(self.marks) == self.warmup:
+            self.host["steady"] = time.monotonic()
             self.counts["steady"] = dynamo_counts()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -232,12 +281,14 @@ class FitClock(L.Callback):
         self.flops = pl_module.backbone.training_flops_per_token(tokens.shape[1] - 1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if time.monotonic() >= self.deadline and not trainer.should_stop:
+        timed = len(self.marks) >= self.warmup + 2  # the first steady step's period has closed
+        if timed and time.monotonic() >= self.host["steady"] + self.steady_budget and not trainer.should_stop:
             trainer.should_stop, self.stopped = True, True
 
     def steady_done(self):
         """At the first validation (or the end of training): the steady steps' peak memory and counters."""
         if "validations" not in self.counts:
+            self.host["end"] = time.monotonic()
             self.counts["validations"] = dynamo_counts()
             if self.cuda and len(self.marks) > self.warmup:
                 self.train_peak = torch.cuda.max_memory_allocated()
@@ -271,8 +322,21 @@ class FitClock(L.Callback):
         validation."""
         return [self.elapsed(i, i + 1) for i in range(self.warmup, len(self.marks) - 1) if i not in self.interrupted]
 
-    def warmup_seconds(self) -> float:
-        return self.elapsed(0, self.warmup) if len(self.marks) > self.warmup else float("nan")
+    def compile_seconds(self) -> float | None:
+        """The warm-up steps' host seconds, from the first step's start to the first steady step's."""
+        return self.host["steady"] - self.host["first step"] if "steady" in self.host else None
+
+    def steady_seconds(self) -> float | None:
+        """From the first steady step's start to the first validation (or the end of training)."""
+        return self.host["end"] - self.host["steady"] if "steady" in self.host and "end" in self.host else None
+
+    def no_steps(self) -> str:
+        """Why no steady step was timed (for a fit that did not fail)."""
+        if len(self.marks) <= self.warmup:
+            return f"no steady step: training ended after {len(self.marks)} of its {self.warmup} warm-up steps"
+        if len(self.marks) == self.warmup + 1:
+            return "no steady step: training ended in the first steady step, whose period never closed"
+        return "no steady step: a validation fell in each steady step's period"
 
     def phase(self, key: str, first: str, last: str) -> int:
         """How much a counter grew from phase ``first``'s start to ``last``'s (a phase never reached: no growth)."""
@@ -311,9 +375,11 @@ class Report:
 
 
 FIT_HEAD = ["part", "encoding", "backend", "steady steps", "step ms (median)", "tokens/s", "x NoPE", "MFU",
-            "warm-up s (compile)", "fit s (all)", "train peak GiB", "estimate GiB: state + activations + logits",
-            "Dynamo compiles: warm-up / steady / validations", "graph breaks", "first validation s",
-            "evaluation s", "diagnostics s (x evaluation)", "checkpoint s", "note"]
+            "compile s (warm-up) / budget", "steady s / budget", "fit s (all)", "train peak GiB",
+            "estimate GiB: state + activations + logits + tables", "Dynamo compiles: warm-up / steady / validations",
+            "graph breaks", "first validation s", "evaluation s", "diagnostics s (x evaluation)", "checkpoint s",
+            "note"]
+PYTEST_HEAD = ["part", "command", "exit", "result", "s", "note"]
 
 
 def gib(n: float | None) -> str:
@@ -371,16 +437,15 @@ class Run:
         self.failures.append(f"{cells[0]} {cells[1]}: {type(exc).__name__}: {first}")
         self.report.row(cells + [f"failed: {type(exc).__name__}: {first}"] + [""] * (width - len(cells) - 1))
 
-    def fit(self, part: str, label: str, deadline: float) -> None:
+    def fit(self, part: str, label: str) -> None:
         from torch._dynamo.utils import counters
 
         from .cli import main
 
-        args, sizes, backend = self.args, self.sizes, backend_of(label)
+        args, sizes, backend, scale = self.args, self.sizes, backend_of(label), self.args.budget_scale
         data = (["--data.path", args.data_path] if args.data_path else
                 ["--data.path", "data/pydocs-bpe4096", "--data.source", "python-docs", "--data.tokenizer", "bpe:4096"])
-        budget = FIT_BUDGET_S * args.budget_scale
-        clock = FitClock(sizes.warmup, min(deadline, time.monotonic() + budget), self.cuda)
+        clock = FitClock(sizes.warmup, STEADY_BUDGET_S * scale, self.cuda)
         torch._dynamo.reset()  # each fit compiles afresh: one fit's cache entries must not count against the next's
         counters.clear()
         hits, started = len(self.watch.hits), time.perf_counter()
@@ -401,9 +466,14 @@ class Run:
         rate = clock.tokens / step if step else None
         if label == "nope":
             self.nope_rate = rate
-        notes = [f"stopped at its {budget:.0f} s budget"] if clock.stopped else []
+        compiled, steady = clock.compile_seconds(), clock.steady_seconds()
+        notes = [] if steps else [clock.no_steps()]
+        if compiled is not None and compiled > COMPILE_BUDGET_S * scale:
+            notes.append(f"compiling took {compiled:.0f} s, past its {COMPILE_BUDGET_S * scale:.0f} s budget")
+        if clock.stopped:
+            notes.append(f"stopped at its {STEADY_BUDGET_S * scale:.0f} s steady budget")
         notes += [f"RECOMPILE LIMIT: {function} ({reason})" for function, reason in self.watch.hits[hits:]]
-        state, activations, logits = memory_estimate(clock.model, sizes.micro, sizes.block)
+        estimate = memory_estimate(clock.model, sizes.micro, sizes.block)
         compiles = " / ".join(str(clock.phase("compiles", a, b)) for a, b in
                               (("start", "steady"), ("steady", "validations"), ("validations", "end")))
         first = clock.validations[0][0] if clock.validations else 0.0
@@ -413,21 +483,28 @@ class Run:
         self.report.row([
             part, label, backend, len(steps), f"{step * 1000:.1f}" if step else "-", f"{rate:,.0f}" if rate else "-",
             f"{rate / self.nope_rate:.2f}" if rate and self.nope_rate else "-",
-            f"{rate * clock.flops / self.peak:.1%}" if rate and self.peak else "-", f"{clock.warmup_seconds():.1f}",
-            f"{seconds:.1f}", gib(clock.train_peak),
-            f"{gib(state)} + {gib(activations)} + {gib(logits)} = {gib(state + activations + logits)}",
+            f"{rate * clock.flops / self.peak:.1%}" if rate and self.peak else "-",
+            f"{seconds_or_dash(compiled)} / {COMPILE_BUDGET_S * scale:.0f}",
+            f"{seconds_or_dash(steady)} / {STEADY_BUDGET_S * scale:.0f}", f"{seconds:.1f}", gib(clock.train_peak),
+            " + ".join(gib(term) for term in estimate) + f" = {gib(sum(estimate))}",
             compiles, clock.phase("graph_breaks", "start", "end"), f"{first:.3f}", f"{evaluation:.3f}",
             f"{diagnostics:.3f}" + (f" ({diagnostics / evaluation:.2f})" if evaluation > 0 else ""),
             f"{clock.checkpoint:.3f}", "; ".join(notes)])
 
     def bench(self, part: str, labels: list[str], head: list[str], deadline: float) -> None:
-        """The bench's model-only evaluation at ``eval_length``, eager (the preset's vocabulary, as the bench's)."""
+        """The bench's model-only evaluation at ``eval_length``, eager (the preset's vocabulary, as the bench's). The
+        first forward, where FlexAttention compiles on CUDA, is timed apart; the timed forwards and the peak memory's
+        reuse what it compiled (Dynamo's counts of each are in the row)."""
+        from torch._dynamo.utils import counters
+
         from . import bench
+        from .hardware import sync
         from .models import build_backbone
 
         sizes, dtype = self.sizes, self.sizes.dtype
         shape = argparse.Namespace(**{"preset": sizes.preset, "vocab_size": None, "n_layer": None, "n_head": None,
                                       "n_embd": None, **sizes.shape})
+        budget = BENCH_COMPILE_BUDGET_S * self.args.budget_scale
         for label in labels:
             cells = [part, label, backend_of(label)]
             if time.monotonic() >= deadline:
@@ -435,9 +512,15 @@ class Run:
                 continue
             try:
                 torch._dynamo.reset()
+                counters.clear()
                 model = build_backbone(bench.make_config(shape, label, sizes.block)).to(self.device).eval()
+                start = time.perf_counter()
+                bench.eval_forward(model, sizes.eval_length, self.device, dtype)()  # FlexAttention compiles here
+                sync(self.device)
+                compiled, warm = time.perf_counter() - start, dynamo_counts()["compiles"]
                 seconds = bench.eval_seconds(model, sizes.eval_length, self.device, dtype, sizes.repeats)
                 mib = bench.eval_peak_mib(model, sizes.eval_length, self.device, dtype) if self.cuda else None
+                timed = dynamo_counts()["compiles"] - warm
             except Exception as exc:
                 self.failed(cells, exc, len(head))
                 continue
@@ -449,10 +532,42 @@ class Run:
             if label == "nope":
                 self.nope_eval = (seconds, mib)
             base_s, base_mib = self.nope_eval or (None, None)
-            self.report.row(cells + [f"{seconds:.3f}", f"{seconds / base_s:.2f}" if base_s else "-",
+            notes = ["CPU: no peak memory"] if mib is None else []
+            if compiled > budget and backend_of(label) == "flex":
+                notes.append(f"its first forward took {compiled:.0f} s, past its {budget:.0f} s compile budget")
+            self.report.row(cells + [f"{compiled:.3f}", f"{seconds:.3f}", f"{seconds / base_s:.2f}" if base_s else "-",
                                      "-" if mib is None else f"{mib:,.0f}",
-                                     f"{mib / base_mib:.2f}" if mib and base_mib else "-",
-                                     "CPU: no peak memory" if mib is None else ""])
+                                     f"{mib / base_mib:.2f}" if mib and base_mib else "-", f"{warm} / {timed}",
+                                     "; ".join(notes)])
+
+    def pytest(self, part: str, deadline: float) -> None:
+        """``FLEX_TESTS`` in a child process from the source tree (the GPU machine carries it), stopped at its budget;
+        the CPU rehearsal only collects them (their CUDA tests skip on a CPU, the rest take minutes)."""
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        command = [sys.executable, "-m", "pytest", "-q", *FLEX_TESTS] + (["--collect-only"] if not self.cuda else [])
+        cells = [part, " ".join(FLEX_TESTS)]
+        if time.monotonic() >= deadline:
+            return self.report.row(cells + ["", "skipped: its budget is spent", "", ""])
+        if not os.path.isfile(os.path.join(root, FLEX_TESTS[0])):
+            return self.report.row(cells + ["", f"not run: no {FLEX_TESTS[0]} beside the package (a source tree has "
+                                            "it)", "", ""])
+        budget, started = PYTEST_BUDGET_S * self.args.budget_scale, time.perf_counter()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        try:
+            done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=budget)
+            code, out = done.returncode, done.stdout
+            notes = [] if self.cuda else ["CPU rehearsal: collected, not run"]
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            code, notes = "-", [f"stopped at its {budget:.0f} s budget"]
+        result = (out.strip().splitlines() or ["(no output)"])[-1].strip()
+        if code not in (0, "-"):
+            self.failures.append(f"{part}: {' '.join(FLEX_TESTS)}: {result}")
+        self.report.row(cells + [code, result, f"{time.perf_counter() - started:.1f}", "; ".join(notes)])
+
+
+def seconds_or_dash(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -501,21 +616,25 @@ def main(argv: list[str] | None = None) -> None:
     scale, run_deadline = args.budget_scale, started + RUN_BUDGET_S * args.budget_scale
     with run.watch.watching(), (eager_dynamo() if args.rehearse_on_cpu else nullcontext()), closing(report):
         # the bench first: bounded and cheap, so a fit that overruns cannot take the evaluation targets with it
-        head = ["part", "encoding", "backend", f"eval s @{sizes.eval_length}", "x NoPE",
-                f"eval peak MiB @{sizes.eval_length}", "x NoPE", "note"]
+        head = ["part", "encoding", "backend", "compile s (first forward)", f"eval s @{sizes.eval_length}", "x NoPE",
+                f"eval peak MiB @{sizes.eval_length}", "x NoPE", "Dynamo compiles: first forward / timed", "note"]
         report.table(head)
         benched = [label for labels in parts.values() for label in labels if backend_of(label) != "chunked"]
+        compiling = sum(backend_of(label) == "flex" for label in benched)
         run.bench("bench", ["nope"] + [label for label in benched if label != "nope"], head,
-                  min(time.monotonic() + BENCH_BUDGET_S * scale, run_deadline))
+                  min(time.monotonic() + (BENCH_BUDGET_S + BENCH_COMPILE_BUDGET_S * compiling) * scale, run_deadline))
         report.table(FIT_HEAD)
         for part, labels in parts.items():
-            deadline = min(time.monotonic() + FIT_BUDGET_S * scale * len(labels), run_deadline)
+            per_fit = (COMPILE_BUDGET_S + STEADY_BUDGET_S) * scale
+            deadline = min(time.monotonic() + per_fit * len(labels), run_deadline)
             for label in labels:
                 if time.monotonic() < deadline:
-                    run.fit(part, label, deadline)
+                    run.fit(part, label)
                 else:
                     report.row([part, label, backend_of(label), "skipped: its budget is spent"]
                                + [""] * (len(FIT_HEAD) - 4))
+        report.table(PYTEST_HEAD)
+        run.pytest("pytest", run_deadline)
         report.line()
         report.line(f"finished in {time.monotonic() - started:.0f} s")
     problems = [f"Dynamo hit its recompile limit in {function}: {reason}" for function, reason in run.watch.hits]

@@ -1,12 +1,32 @@
-"""``python -m cable_lightning gpu-check``: its CPU rehearsal writes a row per part, a recompile-limit hit fails it,
-and without CUDA it stops in one line."""
+"""``python -m cable_lightning gpu-check``: its CPU rehearsal writes a row per part, compiling does not take the steady
+steps' budget, the memory estimate counts the encodings' position tables, a recompile-limit hit fails it, and without
+CUDA it stops in one line."""
+
+import re
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cable_lightning import gpu_check
 from cable_lightning.__main__ import main as verb
-from cable_lightning.positional import available
+from cable_lightning.models import BackboneConfig
+from cable_lightning.positional import available, from_label
+from cable_lightning.positional.fire import HIDDEN
+
+
+class Clock:
+    """gpu_check's ``time`` with ``monotonic`` (its budgets' clock) moved on by ``ahead`` seconds."""
+
+    def __init__(self):
+        self.ahead = 0.0
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def monotonic(self):
+        return time.monotonic() + self.ahead
 
 
 def test_parts_follow_the_backend_each_encoding_takes_on_cuda():
@@ -17,45 +37,108 @@ def test_parts_follow_the_backend_each_encoding_takes_on_cuda():
     assert {f"fit {gpu_check.backend_of(name)}" for name in available()} <= set(gpu_check.parts_of(gpu_check.ENCODINGS))
 
 
+def cells(text: str, part: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith(f"| {part}")]
+
+
 def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch):
     """Every part runs on the CPU at toy sizes: a real fit through the CLI per backend (compiled by Dynamo, timed,
-    validated with diagnostics, checkpointed) and the bench's evaluation, each a row of the file."""
+    validated with diagnostics, checkpointed), the bench's evaluation and the FlexAttention tests (collected), each a
+    row of the file. The first fit's warm-up takes 30 s by the budgets' clock, past its compile budget and past the
+    24 s that once was a whole fit's: its steady steps are timed all the same, and its row says so."""
     out, cwd = tmp_path / "gpu_check.md", tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
+    clock, record = Clock(), gpu_check.FitClock.on_train_batch_start
+
+    def slow_first_compile(self, trainer, *args):
+        if len(self.marks) == 1 and not clock.ahead:  # the first fit's warm-up step, where it compiled, took 30 s
+            clock.ahead = 30.0
+        record(self, trainer, *args)
+
+    monkeypatch.setattr(gpu_check, "time", clock)
+    monkeypatch.setattr(gpu_check.FitClock, "on_train_batch_start", slow_first_compile)
     assert verb(["gpu-check", "--rehearse-on-cpu", "--data-path", tiny_corpus_dir, "--out", str(out),
                  "--runs-dir", str(tmp_path / "runs")]) == 0
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.read_text().splitlines()
-            if line.startswith("| fit ")]
+    text = out.read_text()
+    rows = cells(text, "fit ")
     assert [row[0] for row in rows] == list(gpu_check.parts_of(gpu_check.ENCODINGS))
-    head = gpu_check.FIT_HEAD
-    for row in rows:
-        cell = dict(zip(head, row))
+    for number, row in enumerate(rows):
+        cell = dict(zip(gpu_check.FIT_HEAD, row))
         assert cell["steady steps"] == str(gpu_check.REHEARSAL.steady), row
         warmup, steady, _ = map(int, cell["Dynamo compiles: warm-up / steady / validations"].split(" / "))
         assert warmup >= 1 and steady == 0, row  # compiled in the warm-up, no recompile in the steady steps
         assert float(cell["tokens/s"].replace(",", "")) > 0
         for name in ("first validation s", "evaluation s", "diagnostics s (x evaluation)", "checkpoint s"):
             assert float(cell[name].split()[0]) > 0, (name, row)
-        assert cell["note"] == "", row  # two validations (the second's costs reported), within the budget
-    bench_rows = [line for line in out.read_text().splitlines() if line.startswith("| bench |")]
-    assert len(bench_rows) == 3 and all("failed" not in row and "skipped" not in row for row in bench_rows)
+        compiled, budget = map(float, cell["compile s (warm-up) / budget"].split(" / "))
+        assert budget == gpu_check.COMPILE_BUDGET_S and (compiled >= 30) == (number == 0), row
+        assert cell["steady s / budget"].endswith(f" / {gpu_check.STEADY_BUDGET_S:.0f}"), row
+        assert len(cell["estimate GiB: state + activations + logits + tables"].split(" + ")) == 4, row
+        # two validations (the second's costs reported), within the budgets but the first fit's compiling
+        assert re.fullmatch(r"compiling took 3\d s, past its 20 s budget" if number == 0 else "", cell["note"]), row
+    bench = [dict(zip(["part", "encoding", "backend", "compile", "eval s", "x", "mib", "x mib", "compiles"], row))
+             for row in cells(text, "bench |")]
+    assert len(bench) == 3 and all("failed" not in row["compile"] and "skipped" not in row["compile"] for row in bench)
+    assert all(row["compiles"].endswith(" / 0") for row in bench)  # the timed forwards reuse the first's compile
+    (flex_tests,) = cells(text, "pytest |")
+    assert flex_tests[1:4] == ["tests/test_attention.py -k flex", "0", flex_tests[3]] and "collected" in flex_tests[3]
     assert torch.compile.__name__ == "compile"  # the rehearsal's eager backend is undone
     assert list(cwd.iterdir()) == []  # every record under --runs-dir
+
+
+def test_a_fit_stops_at_its_steady_budget_once_a_steady_step_is_timed_and_one_with_none_says_why():
+    """The steady budget runs from the first steady step's start; a first steady step longer than the whole budget
+    (a recompile) is still followed by one more, so that its period is timed. A fit that timed none says why."""
+    clock = gpu_check.FitClock(warmup=1, steady_budget=0.0, cuda=False)
+    trainer = SimpleNamespace(should_stop=False)
+    module = SimpleNamespace(backbone=SimpleNamespace(training_flops_per_token=lambda length: 1.0))
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    assert clock.no_steps() == "no steady step: training ended after 0 of its 1 warm-up steps"
+    for step in range(3):
+        clock.on_train_batch_start(trainer, module, batch, step)
+        if step == 1:
+            assert clock.no_steps() == ("no steady step: training ended in the first steady step, whose period "
+                                        "never closed")
+        clock.on_train_batch_end(trainer, module, None, batch, step)
+        assert trainer.should_stop == (step == 2) and clock.stopped == (step == 2)
+    assert len(clock.steps()) == 1
+
+
+def test_the_memory_estimate_counts_the_position_tables_each_encoding_keeps():
+    """gpt2-small at 1024 tokens, 16 sequences: a bias of positions alone on the flex path keeps a 12-head 1024 x 1024
+    fp32 table per layer for the backward, and what autograd keeps to differentiate it (FIRE: its MLP's hidden units
+    over the whole table); a folded bias, one of tokens, a logit score or none keeps no table."""
+    def tables(label, **settings):
+        config = BackboneConfig(preset="gpt2-small", pos_encoding=from_label(label), block_size=1024, vocab_size=4096,
+                                **settings)
+        with torch.device("meta"):
+            model = SimpleNamespace(config=config, parameters=lambda: [torch.empty(10)])
+        state, activations, logits, table = gpu_check.memory_estimate(model, 16, 1024)
+        assert (state, activations, logits) == (160, 34 * 16 * 1024 * 768 * 12, 6 * 16 * 1024 * 4096)
+        return table
+
+    alone = 12 * 12 * 1024**2 * 4  # the tables themselves, 0.56 GiB
+    assert tables("kerple_log") > alone and tables("t5") > alone
+    assert tables("fire") >= alone + 12 * HIDDEN * 1024**2 * 4  # each hidden unit's ReLU over the whole table
+    assert tables("alibi", attention_backend="flex") >= alone  # ALiBi keeps a table only off its fold path
+    for label in ("nope", "rope", "alibi", "cable", "k_cable", "cope", "dape_v2+kerple_log"):
+        assert tables(label) == 0, label
 
 
 def test_a_spent_budget_skips_each_part_with_a_row(tmp_path):
     out = tmp_path / "gpu_check.md"
     assert verb(["gpu-check", "--rehearse-on-cpu", "--budget-scale", "1e-9", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
-    parts = ["bench"] + list(gpu_check.parts_of(gpu_check.ENCODINGS))
+    parts = ["bench", *gpu_check.parts_of(gpu_check.ENCODINGS), "pytest"]
     assert {row.split(" | ")[0][2:] for row in rows if "skipped: its budget is spent" in row} == set(parts)
 
 
 def test_a_recompile_limit_hit_fails_the_verb_naming_the_function(monkeypatch, tmp_path, capsys):
     """Dynamo's real warning (a function recompiled past its limit) is caught, and the verb exits 1 naming it."""
 
-    def thrashing_fit(self, part, label, deadline):
+    def thrashing_fit(self, part, label):
         @torch.compile(backend="eager")
         def thrashed(x):
             return x * 2
@@ -67,6 +150,7 @@ def test_a_recompile_limit_hit_fails_the_verb_naming_the_function(monkeypatch, t
 
     monkeypatch.setattr(gpu_check.Run, "fit", thrashing_fit)
     monkeypatch.setattr(gpu_check.Run, "bench", lambda *args: None)
+    monkeypatch.setattr(gpu_check.Run, "pytest", lambda *args: None)
     with pytest.raises(SystemExit) as stopped:
         verb(["gpu-check", "--rehearse-on-cpu", "--out", str(tmp_path / "out.md"), "--encodings", "nope"])
     assert stopped.value.code == 1

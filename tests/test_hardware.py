@@ -1,5 +1,5 @@
 """The peak FLOP/s that MFU divides by (cable_lightning/hardware.py): the datasheet table matched on each GPU's name,
-the measured fallback for a GPU it lacks, and the fit's ThroughputMonitor on an H200 (no GPU needed: the device name
+the measured fallback for a GPU it lacks, and the fit's throughput callback on an H200 (no GPU needed: the device name
 is monkeypatched)."""
 
 from types import SimpleNamespace
@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
-from lightning.pytorch.trainer.states import RunningStage
 
 from cable_lightning import hardware
 from cable_lightning.callbacks.throughput import TokenThroughput
@@ -74,16 +73,14 @@ def test_every_table_row_is_reachable_and_names_its_source():
 
 def test_the_fits_mfu_on_an_h200_divides_by_the_tables_peak(gpu_named, measured, capsys):
     """Lightning's own table has no "NVIDIA H200" entry (the fit logged no MFU there); the callback's setup puts the
-    project's peak on every Throughput it made, so device/mfu is the FLOP rate over 989.5 TFLOP/s."""
+    project's peak on its Throughput, so device/mfu is the FLOP rate over 989.5 TFLOP/s."""
     gpu_named("NVIDIA H200")
     trainer = SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cuda"), world_size=1,
-                              strategy=SimpleNamespace(root_device=CUDA), enable_validation=True,
-                              state=SimpleNamespace(stage=RunningStage.TRAINING), is_global_zero=True)
+                              strategy=SimpleNamespace(root_device=CUDA), is_global_zero=True)
     monitor = TokenThroughput(window_size=2)
     monitor.setup(trainer, None, "fit")
     assert monitor.available_flops == 989.5e12 and measured == []
-    assert set(monitor._throughputs) == {RunningStage.TRAINING, RunningStage.VALIDATING}
-    throughput = monitor._throughputs[RunningStage.TRAINING]
+    throughput = monitor.throughput
     for step in (1, 2):
         throughput.update(time=float(step), batches=step, samples=step, flops=100e12)  # 100 TFLOP in each 1 s step
     assert throughput.compute()["device/mfu"] == pytest.approx(100e12 / 989.5e12)

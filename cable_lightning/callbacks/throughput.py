@@ -1,52 +1,83 @@
-"""Training throughput in TensorBoard: tokens/s, samples/s, MFU (Lightning's ThroughputMonitor with
-the model's FLOPs per batch) and, on CUDA, peak memory per step."""
+"""Training throughput in TensorBoard: tokens/s, samples/s, MFU (Lightning's ``Throughput`` with the model's FLOPs per
+batch) and, on CUDA, peak memory, written at the logging steps only."""
 
 from __future__ import annotations
 
-import warnings
+import time
 
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import Callback
 
+from cable_lightning.errors import ConfigError
 from cable_lightning.hardware import peak_flops
 
 
-def _tokens(batch):
-    return batch["tokens"] if isinstance(batch, dict) else batch  # validation batches are dicts
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: ``torch.cuda.synchronize`` on a GPU, ``torch.cpu``'s (nothing to wait for)
+    on the CPU. One call for every device, so a CPU test that stands in for it counts what a GPU runs."""
+    getattr(torch, device.type).synchronize(device)
 
 
-def _samples(batch) -> int:
-    return _tokens(batch).shape[0]
+class TokenThroughput(Callback):
+    """Tokens/s, samples/s and MFU of training, over the last ``window_size - 1`` intervals between logging steps.
 
+    Lightning's ``ThroughputMonitor`` synchronized the device at every batch to read its clock: on a GPU a second
+    host sync in every step beside the divergence check. Here the clock is read, the device synchronized first, only
+    where a rate is computed: at the logging steps (``trainer.log_every_n_steps``), and at a validation's start and
+    end, whose time is left out. The rates are written to the loggers as numbers (``self.log`` would copy each to the
+    device, a sync on a GPU). On CUDA, MFU divides by the project's peak (:func:`cable_lightning.hardware.peak_flops`:
+    the datasheet dense bf16 peak, or a measured matmul for a GPU its table lacks; Lightning's table has no H200), and
+    ``train/peak_memory_gib`` is the peak since the last logging step; the CPU gets tokens/s and samples/s."""
 
-def _tokens_per_sample(batch) -> int:
-    return _tokens(batch).shape[1] - 1  # a row holds block + 1 tokens (inputs and shifted targets)
-
-
-class TokenThroughput(ThroughputMonitor):
-    """ThroughputMonitor for (B, block + 1) token batches. On CUDA, MFU divides by the project's peak
-    (:func:`cable_lightning.hardware.peak_flops`: the datasheet dense bf16 peak, or a measured matmul for a GPU its
-    table lacks), not Lightning's table, which has no H200; the CPU gets tokens/s and samples/s."""
-
-    def __init__(self, window_size: int = 20, log_peak_memory: bool = True):
-        super().__init__(batch_size_fn=_samples, length_fn=_tokens_per_sample, window_size=window_size)
-        self.log_peak_memory = log_peak_memory
+    def __init__(self, window_size: int = 2, log_peak_memory: bool = True):
+        if window_size < 2:
+            raise ConfigError(f"throughput.window_size is {window_size}; a rate needs at least 2 logging steps")
+        self.window_size, self.log_peak_memory = window_size, log_peak_memory
+        self.available_flops = None
+        self.throughput = Throughput(window_size=window_size)
 
     def setup(self, trainer, pl_module, stage):
-        with warnings.catch_warnings():  # Lightning's lookup, replaced below, warns for a GPU its table lacks
-            warnings.filterwarnings("ignore", message="FLOPs not found")
-            super().setup(trainer, pl_module, stage)
-        device = trainer.strategy.root_device
-        if device.type != "cuda":
-            return
-        self.available_flops, source = peak_flops(device)
-        for throughput in self._throughputs.values():
-            throughput.available_flops = self.available_flops
-        if trainer.is_global_zero:
-            print(f"MFU against {source}: {self.available_flops / 1e12:.0f} TFLOP/s", flush=True)
+        self.device = trainer.strategy.root_device
+        self.available_flops = None
+        if self.device.type == "cuda":
+            self.available_flops, source = peak_flops(self.device)
+            if trainer.is_global_zero:
+                print(f"MFU against {source}: {self.available_flops / 1e12:.0f} TFLOP/s", flush=True)
+        self.throughput = Throughput(available_flops=self.available_flops, world_size=trainer.world_size,
+                                     window_size=self.window_size)
+
+    def clock(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module):
+        self.throughput.reset()
+        self.batches = self.samples = self.tokens = 0
+        self.flops, self.paused, self.start = 0.0, 0.0, self.clock()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self.log_peak_memory and torch.cuda.is_available() and pl_module.device.type == "cuda":
-            pl_module.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        tokens = batch["tokens"] if isinstance(batch, dict) else batch  # a row holds block + 1 tokens
+        self.batches += 1
+        self.samples += tokens.shape[0]
+        self.tokens += tokens.shape[0] * (tokens.shape[1] - 1)
+        self.flops += getattr(pl_module, "flops_per_batch", 0.0)  # set by training_step
+        # The logger connector's own test of a logging step, as Lightning's ThroughputMonitor reads it
+        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+            return
+        self.throughput.update(time=self.clock() - self.start - self.paused, batches=self.batches,
+                               samples=self.samples, lengths=self.tokens, flops=self.flops)
+        self.flops = 0.0
+        metrics = {f"train/{name}": value for name, value in self.throughput.compute().items()}
+        if self.log_peak_memory and self.device.type == "cuda":
+            metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
+        trainer._logger_connector.log_metrics(metrics)
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:  # inside training, after on_train_start
+            self.validation_start = self.clock()
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.paused += self.clock() - self.validation_start

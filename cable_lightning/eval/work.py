@@ -3,13 +3,15 @@ reads back to the host, and passes through a model (docs/diagnostics.md#cost).
 
 On a GPU each operator is at least one kernel launch (microseconds, however small its tensor), and each read back
 (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``, ``.numpy()``) waits for every
-queued kernel to finish: code that is quick on a CPU can be launch- or sync-bound there. Both are counted at the
-operator level, where the package's own code asks the same of every device (inside an operator a device's kernels
-may differ), so CPU tests can bound them.
+queued kernel to finish, as does a tensor made from Python data on the device (``torch.tensor(x, device=...)``: a
+blocking copy from pageable host memory): code that is quick on a CPU can be launch- or sync-bound there. Both are
+counted at the operator level, where the package's own code asks the same of every device (inside an operator a
+device's kernels may differ), so CPU tests can bound them.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,13 +29,15 @@ READS = {"tolist", "numpy", "cpu"}
 
 class DeviceWork:
     """Counts, while inside ``with work:`` (re-entered as often as needed; counts add up): ``kernels``, the
-    operators that compute (not views or allocations); ``transfers``, the reads back to the host; ``forwards``, the
-    passes through ``backbone``'s blocks (its first block's calls). A tensor read back once (``.cpu()``) and what is
-    computed from such tensors alone is host memory: neither a kernel nor a transfer afterwards."""
+    operators that compute (not views or allocations); ``transfers``, the reads back to the host; ``uploads``, tensors
+    made from Python data with a device named (``torch.tensor(x, device=...)``, whatever the device: a sync on a GPU);
+    ``forwards``, the passes through ``backbone``'s blocks (its first block's calls). A tensor read back once
+    (``.cpu()``) and what is computed from such tensors alone is host memory: neither a kernel nor a transfer
+    afterwards."""
 
     def __init__(self, backbone=None):
         self.backbone = backbone
-        self.kernels = self.transfers = self.forwards = 0
+        self.kernels = self.transfers = self.forwards = self.uploads = 0
         self.host = WeakIdKeyDictionary()
         self._entered: list = []
 
@@ -96,6 +100,8 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.tensor and kwargs.get("device") is not None:
+            self.work.uploads += 1
         name = getattr(func, "__name__", "")
         tensor = args[0] if args and isinstance(args[0], Tensor) else None
         if name not in READS or tensor is None or tensor in self.work.host:

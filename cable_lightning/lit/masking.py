@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -36,7 +37,7 @@ def mask_tokens(
     device = ids.device
     if draws is None:
         draws = torch.rand((3, *ids.shape), generator=generator, device=device)
-    specials = torch.tensor(sorted({int(i) for i in special_ids}), dtype=ids.dtype, device=device)
+    specials, pool = vocabulary(vocab_size, tuple(sorted({int(i) for i in special_ids})), mask_id, ids.dtype, device)
     candidates = ~torch.isin(ids, specials) if specials.numel() else torch.ones_like(ids, dtype=torch.bool)
     if maskable is not None:
         candidates = candidates & maskable
@@ -46,15 +47,23 @@ def mask_tokens(
     to_mask = chosen & (draws[1] < 0.8)
     to_random = chosen & (draws[1] >= 0.8) & (draws[1] < 0.9)
 
-    allowed = torch.ones(vocab_size, dtype=torch.bool, device=device)
-    banned = torch.cat([specials.long(), torch.tensor([mask_id], device=device)])
-    allowed[banned[(banned >= 0) & (banned < vocab_size)]] = False
-    pool = allowed.nonzero().squeeze(1).to(ids.dtype)
     random_ids = pool[(draws[2] * len(pool)).long().clamp(max=len(pool) - 1)]
 
     inputs = torch.where(to_mask, torch.full_like(ids, mask_id), ids)
     inputs = torch.where(to_random, random_ids, inputs)
     return inputs, labels
+
+
+@functools.lru_cache(maxsize=16)
+def vocabulary(vocab_size: int, special_ids: tuple[int, ...], mask_id: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the special ids, the ids a random replacement is drawn from) on ``device``: made on the host and copied once.
+    Made on the device at every step they were three host syncs a step on a GPU (two copies of Python lists and the
+    ``nonzero`` that sizes the pool)."""
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    banned = torch.tensor([*special_ids, mask_id])
+    allowed[banned[(banned >= 0) & (banned < vocab_size)]] = False
+    return torch.tensor(special_ids, dtype=dtype).to(device), allowed.nonzero().squeeze(1).to(dtype).to(device)
 
 
 DRAW_BLOCK = 4096  # stream positions per seeded block of position_draws

@@ -171,20 +171,22 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss, inputs = self.batch_loss(batch, batch_idx)
         self._last_loss = loss.detach()
-        self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by ThroughputMonitor for MFU
+        self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by TokenThroughput for MFU
         tokens = inputs.numel() * self.trainer.world_size
         # Derived from the loop's batch count, which a resumed run restores.
         tokens_seen = (self.trainer.fit_loop.epoch_loop.total_batch_idx + 1) * tokens
         now = time.perf_counter()
         if self._last_step_time is not None:
-            # Progress bar only: TensorBoard gets ThroughputMonitor's train/device/items_per_sec.
-            self.log("tokens_per_sec", tokens / (now - self._last_step_time), prog_bar=True, logger=False)
+            # Progress bar only (console.LoggingStepBar): TensorBoard gets TokenThroughput's train/device/items_per_sec
+            self.log("tokens_per_sec", on_host(tokens / (now - self._last_step_time)), logger=False)
         self._last_step_time = now
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/tokens_seen", float(tokens_seen))
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        # Not prog_bar=True: Lightning reads every such value back at every batch's end (a host sync on a GPU);
+        # the progress bar reads the loss where it refreshes (console.LoggingStepBar)
+        self.log("train/loss", loss)
+        self.log("train/tokens_seen", on_host(tokens_seen))
+        self.log("train/lr", on_host(self.trainer.optimizers[0].param_groups[0]["lr"]))
         if self.layout.schedule != "none":
-            self.log("train/window", float(self.layout.window(self.global_step, self.config.block_size)))
+            self.log("train/window", on_host(self.layout.window(self.global_step, self.config.block_size)))
         return loss
 
     def on_before_optimizer_step(self, optimizer):
@@ -377,6 +379,12 @@ class LanguageModel(L.LightningModule):
             self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
+
+
+def on_host(number: float) -> torch.Tensor:
+    """A number to ``self.log`` at every step, as a CPU tensor: Lightning copies a Python number to the module's
+    device, which on a GPU is a blocking copy (a host sync) per number and step."""
+    return torch.tensor(float(number))
 
 
 def weighted_loss(nll: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
