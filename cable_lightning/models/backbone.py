@@ -141,12 +141,14 @@ class Backbone(nn.Module):
     def compile_blocks(self) -> None:
         """Compile each block for the steps that need a gradient (training); evaluation runs the same blocks eagerly.
 
-        Dynamo compiles a block once per layer (each reads its layer's weights by the layer's number, a constant to
-        Dynamo), and again for every grad mode and new shape: an evaluation at several lengths added a compile per
-        layer and length, and a 12-layer fit hit Dynamo's recompile limit at its first validation (on an H200),
-        falling back to eager. Training steps keep one shape (a length schedule, a second and then a dynamic one),
-        so a fit compiles 1-2 graphs per layer; evaluation is forward only, through the same fused kernels (SDPA, the
-        fold; FlexAttention is compiled on CUDA either way), and compiles nothing. Idempotent."""
+        Every layer's block runs one graph: what differs between layers reaches it as inputs made outside it, its
+        encoding's weights through :meth:`PositionalEncoding.layer_view` and FlexAttention's block mask
+        (:func:`compiled_block_mask`); a layer number read inside made each layer a graph of its own. A graph is
+        compiled again for a new training shape (a length schedule: a second, dynamic one) and for each kind of layer
+        a ``layers`` pattern has. Evaluation compiles nothing: at several lengths it added a compile per length and a
+        12-layer fit hit Dynamo's recompile limit at its first validation (on an H200), falling back to eager; it is
+        forward only, through the same fused kernels (SDPA, the fold; FlexAttention is compiled on CUDA either way).
+        Idempotent."""
         if self.compiled_blocks is not None:
             return
         dynamo = torch._dynamo.config
