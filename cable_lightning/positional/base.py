@@ -16,6 +16,9 @@ An encoding is two classes in one file:
 - ``score_bias``: every layer, an additive bias on the q.k logits, returned as a :class:`ScoreBias`
   that *describes* the bias instead of materialising a (T x T) tensor.
 
+Hooks that index weights by the layer's number name those attributes in ``per_layer``: a compiled block runs them on
+:meth:`PositionalEncoding.layer_view`, so every layer shares one graph.
+
 Every score object (:class:`ScoreBias`, :class:`LogitScores`) honours one contract for the weights it makes attention
 apply: :meth:`~ScoreBias.scores` maps a block of query rows' scaled q.k logits to the scores before the mask, and
 :meth:`~ScoreBias.weights` maps the masked scores to the weights (softmax, or exp of log weights: stick-breaking).
