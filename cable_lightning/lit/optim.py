@@ -52,6 +52,19 @@ class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
             group["lr"] = lr  # the optimizer state restored before this carries the old recipe's rate
 
 
+def keep_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """After a checkpoint's optimizer state is loaded: how the step runs (``fused``, ``foreach``) is this run's again.
+    torch's loader takes every param_group setting from the checkpoint, so a run resumed from one written unfused
+    (an older run, or fp16's grad scaler) stepped unfused. Step counts go where the fused kernel reads them (the
+    parameter's device, fp32), as the loader puts a fused checkpoint's."""
+    for group in optimizer.param_groups:
+        group.update({key: optimizer.defaults[key] for key in ("fused", "foreach")})
+        for p in group["params"] if group["fused"] else ():
+            state = optimizer.state.get(p, {})
+            if "step" in state:
+                state["step"] = state["step"].to(dtype=torch.float32, device=p.device)
+
+
 def build_optimizer(model, lr, min_lr, warmup_steps, max_steps, betas, eps, weight_decay, fused=True):
     if max_steps is None or max_steps <= 0:
         raise ConfigError(f"the learning-rate schedule needs trainer.max_steps > 0, got {max_steps}; "
@@ -59,5 +72,6 @@ def build_optimizer(model, lr, min_lr, warmup_steps, max_steps, betas, eps, weig
     # fused: one kernel for every parameter's update (on CUDA and CPU alike), instead of a few per parameter group.
     optimizer = torch.optim.AdamW(adamw_param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps,
                                   fused=fused)
+    optimizer.register_load_state_dict_post_hook(keep_implementation)
     schedule = WarmupCosine(optimizer, lr, min_lr, warmup_steps, max_steps)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

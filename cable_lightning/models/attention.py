@@ -111,12 +111,13 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
               backend: str = "auto", key_padding: Tensor | None = None, window: int | None = None,
-              layout: Layout | None = None) -> Tensor:
+              layout: Layout | None = None, block_mask=None) -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
     :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v (or exp(scores + mask) v when the scores are
     log weights). The mask hides the future when ``causal``, padded keys (``key_padding``: (B, Tk), True at real
     keys), with a ``window``, keys ``window`` or more positions away, and with a ``layout``'s documents, keys of
-    another document."""
+    another document. ``block_mask``: that mask for ``flex`` (:func:`flex_block_mask`), built by the caller (a compiled
+    block takes it as an input); None: built here."""
     backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None, head_dim=q.shape[-1])
     documents = layout if layout is not None and layout.documents is not None else None
     if backend == "fold" and bias is not None:
@@ -132,7 +133,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
             raise ConfigError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
         return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding, window=window, documents=documents)
     if backend == "flex":
-        return _flex(q, k, v, bias, causal, q_offset, window, documents)
+        return _flex(q, k, v, bias, causal, q_offset, window, documents, block_mask)
     if backend == "chunked":
         return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding, window=window, documents=documents)
     return _materialized(q, k, v, bias, causal, q_offset, key_padding, window, documents)
@@ -388,13 +389,38 @@ def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, cau
     return documents.masks[key]
 
 
+def flex_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int | None, documents: Layout | None,
+                    device: torch.device):
+    """The block mask FlexAttention runs with (None: every key visible): a layout's documents (with the causal mask
+    and a window), else a window, else the causal mask; built once per shape and device, or once per layout."""
+    if documents is not None:
+        return _document_block_mask(documents, tq, tk, q_offset, causal, window)
+    if window is not None:
+        return _window_block_mask(tq, tk, q_offset, causal, window, str(device))
+    return _causal_block_mask(tq, tk, q_offset, str(device)) if causal else None
+
+
+def compiled_block_mask(backend: str, length: int, causal: bool, window: int | None, layout: Layout | None,
+                        key_padding: Tensor | None, device: torch.device):
+    """The block mask a compiled block's FlexAttention takes as an input (:meth:`Backbone._blocks`), or None where the
+    layer cannot run ``flex``. Built here, outside the block's graph: traced into it, Dynamo ignores the cache and the
+    graph built the mask again at every step. A layer that ``auto`` sends elsewhere gets one it does not read (built
+    once per training shape)."""
+    if key_padding is not None or not (backend == "flex" or (backend == "auto" and device.type == "cuda")):
+        return None
+    documents = layout if layout is not None and layout.documents is not None else None
+    return flex_block_mask(length, length, 0, causal, window, documents, device)
+
+
 def flex_kernel(device: torch.device):
     """FlexAttention compiled once per shape on CUDA (``dynamic=False``: a training step's shape never changes, and
-    each evaluation length gets its own kernel), eager on CPU (forward only on the CPU build: evaluation and tests)."""
+    each evaluation length gets its own kernel), eager on CPU (forward only on the CPU build: evaluation and tests).
+    Inside a compiled region (a compiled block) the plain function: Dynamo puts it in the region's graph, compiled
+    with it (compiling a kernel there was a side effect of the trace, which made every block compile again)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, **FLEX_COMPILE)
@@ -415,13 +441,10 @@ def flex_score_mod(bias: ScoreBias | None, heads: int, extent: int, device):
     return bias.score_mod()
 
 
-def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None):
+def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None, block_mask=None):
     tq, tk = q.shape[-2], k.shape[-2]
-    block_mask = _causal_block_mask(tq, tk, q_offset, str(q.device)) if causal else None
-    if window is not None:
-        block_mask = _window_block_mask(tq, tk, q_offset, causal, window, str(q.device))
-    if documents is not None:
-        block_mask = _document_block_mask(documents, tq, tk, q_offset, causal, window)
+    if block_mask is None:
+        block_mask = flex_block_mask(tq, tk, q_offset, causal, window, documents, q.device)
     extent = bias.layout.extent if bias is not None and bias.layout is not None else tk
     score_mod = flex_score_mod(bias, q.shape[1], extent, q.device)
     return flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask)

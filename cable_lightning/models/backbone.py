@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..positional import build_positional
 from ..positional.layout import Layout, with_layout
-from .attention import attention
+from .attention import attention, compiled_block_mask
 from .config import BackboneConfig
 
 # Positions per LM-head chunk in token_nll (512 x 50304 fp32 logits = 100 MB).
@@ -76,20 +76,23 @@ class SelfAttention(nn.Module):
         """(B, H, T, D) each, after the PE's rotation."""
         b, t, c = h.shape
         q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
-        q, k = pe.rotate(q, k, offset, self.layer, key_padding, **with_layout(layout))
+        q, k = pe.rotate(q, k, offset, pe.hook_layer(self.layer), key_padding, **with_layout(layout))
         return q, k, v
 
     def forward(self, h: Tensor, pe, offset: int, state: dict | None, key_padding: Tensor | None = None,
-                layout: Layout | None = None) -> Tensor:
+                layout: Layout | None = None, block_mask=None) -> Tensor:
+        """``pe``: the encoding, or its :meth:`~PositionalEncoding.layer_view` for this layer; ``block_mask``: the
+        FlexAttention mask, built by the caller (None: built by attention)."""
         b, t, c = h.shape
         q, k, v = self.queries_keys_values(h, pe, offset, key_padding, layout)
         if state is not None:
             if "k" in state:
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
-        scores = pe.score_bias(h, self.layer, offset, state, **with_layout(layout))
+        layer = pe.hook_layer(self.layer)
+        scores = pe.score_bias(h, layer, offset, state, **with_layout(layout))
         y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding,
-                      window=pe.window(self.layer), layout=layout)
+                      window=pe.window(layer), layout=layout, block_mask=block_mask)
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -104,8 +107,8 @@ class Block(nn.Module):
                                  nn.Linear(hidden, config.n_embd))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pe, offset, state, key_padding=None, layout=None):
-        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state, key_padding, layout))
+    def forward(self, x, pe, offset, state, key_padding=None, layout=None, block_mask=None):
+        x = x + self.dropout(self.attn(self.ln_attn(x), pe, offset, state, key_padding, layout, block_mask))
         return x + self.dropout(self.mlp(self.ln_mlp(x)))
 
 
@@ -138,12 +141,14 @@ class Backbone(nn.Module):
     def compile_blocks(self) -> None:
         """Compile each block for the steps that need a gradient (training); evaluation runs the same blocks eagerly.
 
-        Dynamo compiles a block once per layer (each reads its layer's weights by the layer's number, a constant to
-        Dynamo), and again for every grad mode and new shape: an evaluation at several lengths added a compile per
-        layer and length, and a 12-layer fit hit Dynamo's recompile limit at its first validation (on an H200),
-        falling back to eager. Training steps keep one shape (a length schedule, a second and then a dynamic one),
-        so a fit compiles 1-2 graphs per layer; evaluation is forward only, through the same fused kernels (SDPA, the
-        fold; FlexAttention is compiled on CUDA either way), and compiles nothing. Idempotent."""
+        Every layer's block runs one graph: what differs between layers reaches it as inputs made outside it, its
+        encoding's weights through :meth:`PositionalEncoding.layer_view` and FlexAttention's block mask
+        (:func:`compiled_block_mask`); a layer number read inside made each layer a graph of its own. A graph is
+        compiled again for a new training shape (a length schedule: a second, dynamic one) and for each kind of layer
+        a ``layers`` pattern has. Evaluation compiles nothing: at several lengths it added a compile per length and a
+        12-layer fit hit Dynamo's recompile limit at its first validation (on an H200), falling back to eager; it is
+        forward only, through the same fused kernels (SDPA, the fold; FlexAttention is compiled on CUDA either way).
+        Idempotent."""
         if self.compiled_blocks is not None:
             return
         dynamo = torch._dynamo.config
@@ -205,13 +210,18 @@ class Backbone(nn.Module):
     def _blocks(self, x: Tensor, offset: int, cache: KVCache | None, key_padding: Tensor | None = None,
                 layout: Layout | None = None) -> Tensor:
         training = torch.is_grad_enabled()
-        blocks = self.compiled_blocks if self.compiled_blocks is not None and training else self.blocks
-        for i, block in enumerate(blocks):
+        compiled = self.compiled_blocks is not None and training
+        for i, block in enumerate(self.compiled_blocks if compiled else self.blocks):
             state = cache.layers[i] if cache is not None else None
+            pe, block_mask = self.pe, None
+            if compiled:  # what differs between layers reaches the one block graph as inputs, made outside it
+                pe = self.pe.layer_view(i)
+                block_mask = compiled_block_mask(self.config.attention_backend, x.shape[1], self.causal,
+                                                 self.pe.window(i), layout, key_padding, x.device)
             if self.activation_checkpointing and training:
-                x = checkpoint(block, x, self.pe, offset, state, key_padding, layout, use_reentrant=False)
+                x = checkpoint(block, x, pe, offset, state, key_padding, layout, block_mask, use_reentrant=False)
             else:
-                x = block(x, self.pe, offset, state, key_padding, layout)
+                x = block(x, pe, offset, state, key_padding, layout, block_mask)
         return x
 
     def _padded_hidden_states(self, input_ids: Tensor, real: Tensor) -> Tensor:

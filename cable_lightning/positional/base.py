@@ -16,6 +16,9 @@ An encoding is two classes in one file:
 - ``score_bias``: every layer, an additive bias on the q.k logits, returned as a :class:`ScoreBias`
   that *describes* the bias instead of materialising a (T x T) tensor.
 
+Hooks that index weights by the layer's number name those attributes in ``per_layer``: a compiled block runs them on
+:meth:`PositionalEncoding.layer_view`, so every layer shares one graph.
+
 Every score object (:class:`ScoreBias`, :class:`LogitScores`) honours one contract for the weights it makes attention
 apply: :meth:`~ScoreBias.scores` maps a block of query rows' scaled q.k logits to the scores before the mask, and
 :meth:`~ScoreBias.weights` maps the masked scores to the weights (softmax, or exp of log weights: stick-breaking).
@@ -315,6 +318,34 @@ class PositionalEncoding(nn.Module):
         self.causal = config.causal
         self.longest = settings.longest_length(config.original_length)
 
+    # The attributes that hold one entry per layer along their first dimension (a parameter stacked over the layers, a
+    # ModuleList, a list), which the hooks index by the layer's number: what :meth:`layer_view` cuts to one layer.
+    per_layer: ClassVar[tuple[str, ...]] = ()
+    # True on a :meth:`layer_view`, whose hooks take layer 0 for the one layer it holds.
+    is_layer_view = False
+
+    def layer_view(self, layer: int) -> "PositionalEncoding":
+        """This encoding as layer ``layer`` alone sees it, as its layer 0: a shallow copy whose :attr:`per_layer`
+        attributes hold that layer's entry only (slices of the same parameters: gradients reach them). A compiled
+        block runs its hooks on a view, so a layer's weights are inputs of the one graph every layer shares; indexed
+        by the layer's number, they made each layer a graph of its own (Dynamo makes the number a constant)."""
+        view = copy.copy(self)
+        view._parameters, view._buffers, view._modules = (dict(self._parameters), dict(self._buffers),
+                                                          dict(self._modules))
+        for name in self.per_layer:
+            entry = getattr(self, name)[layer : layer + 1]
+            view._parameters.pop(name, None)
+            if isinstance(entry, nn.Module):
+                view._modules[name] = entry
+            else:
+                object.__setattr__(view, name, entry)  # a slice of a parameter is no parameter of its own
+        view.is_layer_view = True
+        return view
+
+    def hook_layer(self, layer: int) -> int:
+        """The layer number the hooks take for layer ``layer``: itself, or 0 on a :meth:`layer_view`."""
+        return 0 if self.is_layer_view else layer
+
     def check_length(self, total_length: int) -> None:
         """Raise :class:`UnsupportedLengthError` if this encoding cannot serve ``total_length`` positions."""
         if self.longest is not None and total_length > self.longest:
@@ -361,6 +392,11 @@ class OverBase(PositionalEncoding):
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.base = settings.base.build(config)
+
+    def layer_view(self, layer):
+        view = super().layer_view(layer)
+        view._modules["base"] = self.base.layer_view(layer)
+        return view
 
     @property
     def reads_positions(self):

@@ -68,6 +68,8 @@ class CumulativeBias(PositionalEncoding):
                 nn.init.zeros_(p.bias)
         self.activation = settings.token_bias()
 
+    per_layer = ("proj",)
+
     reads_positions = False  # sums of per-token biases along the tokens, restarting at each document
 
     def score_bias(self, h, layer, offset, state, layout=None):

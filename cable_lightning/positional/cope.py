@@ -69,6 +69,8 @@ class Cope(PositionalEncoding):
         super().__init__(settings, config)
         self.table = nn.Parameter(torch.zeros(config.n_layer, self.head_dim, settings.positions))
 
+    per_layer = ("table",)
+
     reads_positions = False  # counts of gates over the keys between query and key: inside its document, or masked
 
     def score_bias(self, h, layer, offset, state, layout=None):

@@ -77,6 +77,8 @@ class DapeV2(OverBase):
         self.layers = nn.ModuleList(DapeConvolutions(config.n_head, settings.width, settings.kernel)
                                     for _ in range(config.n_layer))
 
+    per_layer = ("layers",)
+
     def score_bias(self, h, layer, offset, state, layout=None):
         return self.layers[layer].augment(self.base.score_bias(h, layer, offset, state, **with_layout(layout)))
 

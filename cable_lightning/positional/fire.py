@@ -55,6 +55,8 @@ class Fire(PositionalEncoding):
         self.c_raw = nn.Parameter(torch.full((n,), 0.5413))  # softplus -> c = 1
         self.threshold = nn.Parameter(torch.full((n,), float(config.original_length)))
 
+    per_layer = ("w1", "b1", "w2", "b2", "c_raw", "threshold")
+
     def score_bias(self, h, layer, offset, state, layout=None):
         return FireBias(
             self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer],

@@ -15,8 +15,10 @@ from .cable import CumulativeBias
 
 
 def negative_log_sigmoid(logit: Tensor) -> Tensor:
-    """-log sigmoid(z) = softplus(-z) >= 0: the penalty a forget gate sigmoid(z) adds per token."""
-    return F.softplus(-logit)
+    """-log sigmoid(z) = softplus(-z) >= 0: the penalty a forget gate sigmoid(z) adds per token. Written with
+    logsigmoid: softplus's backward, compiled with Dynamo's aot_eager backend, returned other strides than the traced
+    graph assumed (a view in the graph then failed: tests/test_compiled_blocks.py)."""
+    return -F.logsigmoid(logit)
 
 
 @dataclass

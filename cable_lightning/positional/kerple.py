@@ -37,6 +37,8 @@ class Kerple(PositionalEncoding):
         r2_init = 0.5413 if self.form == "log" else 0.0
         self.r2_raw = nn.Parameter(torch.full((config.n_layer, config.n_head), r2_init))
 
+    per_layer = ("r1_raw", "r2_raw")
+
     def coefficients(self, layer):
         r1 = F.softplus(self.r1_raw[layer])
         r2 = F.softplus(self.r2_raw[layer]) if self.form == "log" else 2.0 * torch.sigmoid(self.r2_raw[layer])

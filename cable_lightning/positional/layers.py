@@ -46,6 +46,16 @@ class PerLayer(PositionalEncoding):
             encoding = next(encoding for encoding, _ in per_layer if encoding.label() == label)
             self.parts.append(encoding.build(replace(config, pos_encoding=encoding, n_layer=self.part_of.count(part))))
 
+    per_layer = ("windows", "part_of", "local")
+
+    def layer_view(self, layer):
+        view = super().layer_view(layer)
+        part = self.part_of[layer]  # its part, as that part's own layer alone sees it
+        view.parts = nn.ModuleList(self.parts[p].layer_view(self.local[layer]) if p == part else self.parts[p]
+                                   for p in range(len(self.parts)))
+        view.local = [0]
+        return view
+
     @property
     def reads_positions(self):
         return any(part.reads_positions for part in self.parts)

@@ -56,6 +56,8 @@ class LengthScaled(OverBase):
         super().__init__(settings, config)
         self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.original_length)))
 
+    per_layer = ("scale",)
+
     def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
         q, k = super().rotate(q, k, offset, layer, key_padding, layout)
         t = q.shape[-2]
