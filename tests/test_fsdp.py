@@ -34,11 +34,12 @@ def data(path):
             "--data.eval_lengths", "[32]", "--data.eval_tokens", "128"]
 
 
-def fit(runs, losses, strategy, *extra):
+def fit(runs, losses, strategy, *extra, steps=12, every=3):
     cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY[strategy],
            "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, *QUIET,
-           "--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "3", "--trainer.num_sanity_val_steps", "0",
-           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+           "--trainer.max_steps", str(steps), "--checkpoint.every_n_train_steps", str(every),
+           "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false",
            "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={losses}",
            "--trainer.callbacks+=ddp_probe.Windows", f"--trainer.callbacks.out_dir={losses}",
            "--runs_dir", str(runs), "--seed_everything", "5"]

@@ -2,28 +2,15 @@
 two-process fit on CPU over gloo: Dynamo's ``aot_eager`` backend stands in for inductor (tests/compile_probe.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from test_fsdp import HERE, MODEL, QUIET, STRATEGY, data
+from test_fsdp import data, fit
 
 STEPS = 4
 
 
 def fsdp2_fit(runs, out, *extra):
-    cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY["fsdp2"], "--trainer.accelerator", "cpu",
-           "--trainer.devices", "2", *MODEL, *extra, *QUIET, "--trainer.max_steps", str(STEPS),
-           "--checkpoint.every_n_train_steps", "100", "--trainer.num_sanity_val_steps", "0",
-           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-           "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={out}",
-           "--runs_dir", str(runs), "--seed_everything", "5"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in open(out / "losses.jsonl")]
+    return [row["loss"] for row in fit(runs, out, "fsdp2", *extra, steps=STEPS, every=100)]
 
 
 def test_fsdp2_with_compiled_blocks_trains_as_without(small_corpus_dir, tmp_path):
