@@ -34,6 +34,18 @@ def write_tiny_corpus(folder: str, chars: int = TINY_CORPUS_CHARS) -> tuple[str,
     return path, docs
 
 
+@pytest.fixture(autouse=True)
+def compiles_fail_past_the_limit():
+    """Every compile in the suite fails at Dynamo's recompile limit instead of running uncompiled (a fallback the run
+    would only warn about), and each test starts with Dynamo's caches empty: what one test (one encoding) compiled
+    counts toward no other's limit."""
+    import torch
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus_docs(tmp_path_factory) -> tuple[str, list[str]]:
     """(jsonl path, documents) of the tiny corpus's raw text."""

@@ -151,13 +151,12 @@ def test_flex_inside_a_compiled_region_is_compiled_with_it(monkeypatch):
     """On CUDA FlexAttention runs compiled (``flex_kernel``); inside a compiled block it is the plain function, which
     Dynamo puts in the block's graph. Compiling it there was a side effect of the trace (``_compiled_flex`` set),
     which made every block compile again at its next call."""
-    monkeypatch.setattr(attn_mod, "_compiled_flex", None)
-    torch._dynamo.reset()
+    monkeypatch.setattr(attn_mod, "_compiled_flex", {})
 
     @torch.compile(backend="eager", fullgraph=True)
     def in_a_block(x):
         return x + float(attn_mod.flex_kernel(torch.device("cuda")) is flex_module.flex_attention)
 
     assert in_a_block(torch.zeros(1)).item() == 1.0
-    assert attn_mod._compiled_flex is None
+    assert attn_mod._compiled_flex == {}
     torch._dynamo.reset()

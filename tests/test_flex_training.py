@@ -86,15 +86,15 @@ class RecordingBackend:
 
 @pytest.fixture
 def recorded_flex(monkeypatch):
-    """FlexAttention compiled as on CUDA (``attention.FLEX_COMPILE``) with a :class:`RecordingBackend`, on CPU, with
-    the eager backward allowed (the CPU build refuses it only for want of an inductor kernel)."""
-    torch._dynamo.reset()
+    """FlexAttention compiled as on CUDA (``attention.flex_kernel`` with its :data:`attention.FLEX_COMPILE`) through a
+    :class:`RecordingBackend`, on CPU, with the eager backward allowed (the CPU build refuses it only for want of an
+    inductor kernel)."""
     backend = RecordingBackend()
-    compiled = torch.compile(flex_module.flex_attention, backend=backend, **attn_mod.FLEX_COMPILE)
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-    monkeypatch.setattr(attn_mod, "flex_kernel", lambda device: compiled)
+    monkeypatch.setattr(attn_mod, "FLEX_BACKEND", backend)
+    monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attn_mod, "_compiled_flex", {})
     yield backend
-    torch._dynamo.reset()
 
 
 def positional_flex_encodings():
@@ -142,15 +142,35 @@ def test_flex_training_compiles_once_and_reads_no_per_head_parameter(pe_name, re
         torch.testing.assert_close(p.grad, reference.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_flex_evaluation_compiles_once_per_length(recorded_flex):
-    """Without a gradient the bias is computed at each score (no table); each evaluation length compiles once, a
-    repeated length reuses its kernel, and the training compile is not disturbed by evaluation."""
+def test_flex_evaluation_shares_one_kernel_across_lengths_and_batches(recorded_flex):
+    """Without a gradient the bias is computed at each score (no table), and every evaluation shape (more lengths and
+    batch sizes than Dynamo's recompile limit of 8, as a long-context validation and its partial last batch run) is
+    served by one kernel with symbolic shapes: compiled once per shape, the ninth ran uncompiled without a word (here:
+    the suite fails at the limit). The training kernel is compiled once and not disturbed by evaluation."""
     t = 16
     model = flex_and_chunked("kerple_log", t)["flex"]
     ids = torch.randint(0, 96, (2, t))
     model.loss(ids, ids).backward()
     with torch.no_grad():
-        for length in (t, 2 * t, t, 2 * t):
-            model.loss(torch.randint(0, 96, (1, length)), torch.randint(0, 96, (1, length)))
+        for rows, length in [(1, t), (2, 2 * t)] + [(rows, length * t) for rows in (1, 3) for length in range(3, 9)]:
+            ids_long = torch.randint(0, 96, (rows, length))
+            model.loss(ids_long, ids_long)
     model.loss(ids, ids).backward()
-    assert len(recorded_flex.graphs) == 3, recorded_flex.graphs
+    assert len(recorded_flex.graphs) <= 3, len(recorded_flex.graphs)  # training, evaluation (a static first shape)
+
+
+def test_a_run_past_the_limit_warns_once_and_gives_the_same_numbers(recorded_flex, monkeypatch):
+    """Outside the suite (Dynamo not set to fail), a compiled FlexAttention past the recompile limit says so in one
+    warning and runs uncompiled with the same result."""
+    monkeypatch.setattr(attn_mod, "_warned_flex_fallback", False)
+    monkeypatch.setitem(attn_mod.FLEX_COMPILE, False, dict(dynamic=False))  # every length a compile of its own
+    model = flex_and_chunked("alibi", 16)["flex"]
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
+        with pytest.warns(UserWarning) as caught:
+            for length in (8, 16, 24, 32):
+                ids = torch.randint(0, 96, (1, length))
+                out = model.hidden_states(ids)
+        monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ())
+        torch.testing.assert_close(out, model.hidden_states(ids))
+    mine = [w for w in caught if "FlexAttention hit Dynamo's recompile limit (2" in str(w.message)]
+    assert len(mine) == 1 and "\n" not in str(mine[0].message), [str(w.message) for w in caught]

