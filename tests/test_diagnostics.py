@@ -2,6 +2,7 @@
 obvious reference, the key tokens, the records `validate` writes, and the report's tables and figures."""
 
 import cmath
+import gc
 import math
 import os
 
@@ -14,12 +15,14 @@ from cable_lightning.callbacks import AttentionDiagnostics
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
-from cable_lightning.eval.diagnostics import QUANTITIES, context_gain, row_quantities, short_context_nll
+from cable_lightning.eval import diagnostics as diagnostics_module
+from cable_lightning.eval.diagnostics import QUANTITIES, context_gain, diagnose, row_quantities, short_context_nll
 from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import seed_interval
 from cable_lightning.eval.work import DeviceWork
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention, attention_map
 from cable_lightning.positional import available, build_positional
 from cable_lightning.records import AttentionRecord, LengthRecord, LongContextRecord, append_records, read_records
@@ -379,3 +382,42 @@ def test_diagnostics_work_is_bounded_by_the_length_evaluations(tiny_corpus_dir, 
     assert diagnosed.forwards <= 2 * len(lengths) - 1, counts  # no short-context pass at 1x
     assert diagnosed.forwards <= 2 * evaluation.forwards, counts
     assert diagnosed.transfers <= 2 * len(lengths) - 1, counts
+
+
+def peak_mib(fn) -> float:
+    """The rise of this process's peak resident memory while ``fn`` runs (Linux: VmHWM reset through clear_refs)."""
+    def status(key):
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) / 1024
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+@pytest.mark.parametrize("backend", attn_mod.backends_for("foldable_bias", True))  # ALiBi: every backend
+def test_diagnostics_memory_at_a_long_length_stays_near_the_evaluations(backend, monkeypatch):
+    """At 4096 tokens the score matrix of one layer (2 heads, fp32) is 128 MiB; each backend's length evaluation holds
+    far less except ``materialized`` (the chunked path's and the diagnostics' row blocks shrunk here to 2^20
+    elements). The diagnostics' peak stays within twice the evaluation's plus their own row blocks: they never build
+    the matrix. ``flex`` runs compiled, as on CUDA (CPU inductor, forward only): the diagnostics once forced
+    everything eager, and an eager FlexAttention materializes the scores (about 460 MiB here)."""
+    monkeypatch.setattr(diagnostics_module, "BLOCK_ELEMENTS", 2**20)
+    monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 2**20)
+    monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attn_mod, "_compiled_flex", {})
+    t, heads = 4096, 2
+    torch.manual_seed(0)
+    backbone = build_backbone(BackboneConfig(pos_encoding="alibi", n_layer=1, n_head=heads, n_embd=32, vocab_size=96,
+                                             block_size=t, attention_backend=backend)).eval()
+    ids = torch.randint(0, 96, (1, t))
+    with torch.no_grad():
+        backbone.token_nll(ids, ids)  # compiles FlexAttention (flex), warms the allocator
+    evaluation = peak_mib(lambda: torch.no_grad()(backbone.token_nll)(ids, ids))
+    diagnosed = peak_mib(lambda: diagnose(backbone, ids, ids, train_length=t))
+    own = 3 * 2**20 * 4 / 2**20  # the diagnostics' row blocks: 2^20 elements over every map, fp32, three times over
+    matrix = heads * t * t * 4 / 2**20
+    assert 2 * evaluation + own < matrix or backend == "materialized", (evaluation, matrix)
+    assert diagnosed <= 2 * evaluation + own, f"diagnostics {diagnosed:.0f} MiB, evaluation {evaluation:.0f} MiB"
