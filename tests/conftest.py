@@ -12,6 +12,10 @@ import pytest
 # Tokenizers is used before litdata forks its workers in these tests; say up front that it may not use threads
 # there (otherwise it prints a warning per fork).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (the README's `-n 2`) each worker, and every process a test starts, computes on one thread: two
+# workers on two cores, not four threads contending for them. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 TINY_CORPUS_CHARS = 330_000  # about 170k bpe:512 tokens, a third of them held out
 TINY_VAL_FRACTION = 0.25

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_CHECKED = {
     "python3 -m venv .venv && . .venv/bin/activate": "makes a virtualenv (the shell's, not a command of this package)",
     "bash tools/install.sh": "installs packages from PyPI (network); CI runs it first (.ci/run)",
-    "python -m pytest tests -q": "the test suite itself",
+    "python -m pytest tests -q -n 2": "the test suite itself",
     "tensorboard --logdir runs/": "another project's server, not this package's command",
 }
 

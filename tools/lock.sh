@@ -28,7 +28,7 @@ python -m pip freeze --all --exclude-editable | grep -v '^pip==' | sed -e 's/^to
 echo "newest releases allowed (differences from tools/requirements.lock; < locked, > newest):"
 diff <(grep -v '^#' tools/requirements.lock 2>/dev/null | sort -f) "$work/newest" || true
 ruff check .
-python -m pytest tests -q > "$work/suite.log" 2>&1 && status=0 || status=$?
+python -m pytest tests -q -n 2 > "$work/suite.log" 2>&1 && status=0 || status=$?
 tail -n 5 "$work/suite.log"
 summary="$(tail -n 1 "$work/suite.log")"
 if [ "$status" -ne 0 ]; then
