@@ -55,8 +55,8 @@ FLEX_MIN_HEAD_DIM = 16
 
 # How flex_kernel compiles FlexAttention on CUDA, by whether a gradient flows: a training step's shape never changes
 # (one static kernel); evaluation runs many lengths and a partial last batch, and each static shape would be a compile
-# of its own against Dynamo's recompile limit (8), past which FlexAttention ran uncompiled without a word: one kernel
-# with symbolic shapes serves every evaluation shape.
+# of its own against Dynamo's recompile limit (8), past which FlexAttention ran uncompiled without a word: kernels
+# with symbolic shapes serve them all (at most 5: Dynamo compiles a size of 1, batch or mask blocks, apart).
 FLEX_COMPILE = {True: dict(dynamic=False), False: dict(dynamic=True)}
 FLEX_BACKEND = "inductor"
 FLEX_DEVICES = ("cuda",)  # where FlexAttention runs compiled (the CPU build's flex is forward only: eager there)
@@ -421,7 +421,7 @@ def compiled_block_mask(backend: str, length: int, causal: bool, window: int | N
 
 
 def flex_kernel(device: torch.device):
-    """FlexAttention compiled on CUDA (:data:`FLEX_COMPILE`: static for training, one symbolic-shape kernel for every
+    """FlexAttention compiled on CUDA (:data:`FLEX_COMPILE`: static for training, symbolic-shape kernels shared by every
     evaluation shape), eager on CPU (forward only on the CPU build: evaluation and tests). Inside a compiled region (a
     compiled block) the plain function: Dynamo puts it in the region's graph, compiled with it (compiling a kernel
     there was a side effect of the trace, which made every block compile again)."""
