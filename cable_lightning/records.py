@@ -118,8 +118,9 @@ class TaskRecord(Record):
     depth: Optional[float]
     accuracy: Optional[float]  # None: the encoding cannot serve this length
     trials: int = 0
-    correct: Optional[int] = None
+    correct: Optional[int] = None  # examples answered exactly
     seed: int = 0  # the evaluation examples' seed
+    scoring: str = "exact_match"  # or per_token: accuracy is the mean share of each example's answer tokens right
 
 
 @dataclass(kw_only=True)

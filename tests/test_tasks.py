@@ -280,7 +280,7 @@ def test_a_masked_lm_is_asked_with_every_answer_token_masked():
         assert torch.equal(predict(ids, answer), model.backbone(ids[:, 1:].masked_fill(answer, OWN_MASK_ID)).argmax(-1))
 
     class Copier:  # a model that returns its input: right only if the answer were in it
-        def argmax_tokens(self, inputs, chunk):
+        def argmax_tokens(self, inputs, chunk, layout=None):
             return inputs
 
     assert not any(score_examples(masked_predictions(Copier(), OWN_MASK_ID), examples))

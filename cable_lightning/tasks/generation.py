@@ -72,6 +72,7 @@ class Example:
     ids: np.ndarray  # (length,) int64
     answer: np.ndarray  # (length,) bool: the tokens to predict (never the first)
     depth: Optional[float] = None  # where the queried fact sits in the filler, for tasks that place it
+    scored: Optional[np.ndarray] = None  # (length,) bool: the answer tokens accuracy counts (None: every one)
 
 
 def example_rng(seed: int, split: int, index: int) -> np.random.Generator:
@@ -85,11 +86,14 @@ class Task:
     name: ClassVar[str]
     has_depth: ClassVar[bool] = False  # evaluated per depth of the queried fact
     needs_text: ClassVar[bool] = False  # written in the run's tokenizer's text (not available with the own vocabulary)
+    # ``length`` counts input symbols, not tokens read, and accuracy is per answer token (the algorithmic tasks)
+    length_is_input: ClassVar[bool] = False
     registry: ClassVar[dict[str, type["Task"]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        Task.registry[cls.name] = cls
+        if "name" in cls.__dict__:  # a family's base class (no name of its own) is not a task
+            Task.registry[cls.name] = cls
 
     def fixed_tokens(self, vocab: Optional[TaskVocabulary]) -> Optional[int]:
         """Tokens an example needs besides filler (None when that depends on a tokenizer not known yet)."""
