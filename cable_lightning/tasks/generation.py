@@ -356,6 +356,9 @@ class TaskMix:
             raise ConfigError("data.tasks is empty; name at least one task: " + ", ".join(sorted(Task.registry)))
         self.tasks = [build_task(name, settings) for name, settings in tasks.items()]
         self.vocab = vocab
+        self.algorithmic = any(task.length_is_input for task in self.tasks)
+        if self.algorithmic and len(self.tasks) > 1:  # a batch has one input length, and tasks' outputs differ
+            raise ConfigError(f"an algorithmic task trains alone; data.tasks names {', '.join(tasks)}: give one")
 
     def check_length(self, length: int) -> None:
         """Every task fits ``length`` (a text task is checked once the tokenizer is known)."""
@@ -375,3 +378,9 @@ class TaskMix:
         first = (batch_number * world_size + rank) * rows
         examples = [self.example(length, seed, TRAIN, first + r) for r in range(rows)]
         return np.stack([e.ids for e in examples]), np.stack([e.answer for e in examples])
+
+    @staticmethod
+    def training_length(seed: int, batch_number: int, longest: int) -> int:
+        """An algorithmic task's input length for one training batch, uniform in [1, ``longest``] (the papers': one
+        length per batch), the same on every rank and after a resume."""
+        return int(np.random.default_rng([seed, TRAIN, batch_number, longest]).integers(1, longest + 1))
