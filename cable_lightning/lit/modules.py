@@ -56,7 +56,7 @@ class LanguageModel(L.LightningModule):
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 6e-4,
-                 min_lr: float = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95),
+                 min_lr: Optional[float] = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1, compile: bool = False,
                  activation_checkpointing: bool = False, init_weights: Optional[str] = None):
         super().__init__()
@@ -243,7 +243,8 @@ class LanguageModel(L.LightningModule):
         h = self.hparams
         # fp16's grad scaler unscales the gradients before clipping; a fused optimizer would unscale them itself
         fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
-        return build_optimizer(self.backbone, h.lr, h.min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
+        min_lr = h.lr if h.min_lr is None else h.min_lr  # None: no decay, the rate stays at lr after warm-up
+        return build_optimizer(self.backbone, h.lr, min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
                                h.weight_decay, fused=fused)
 
     # --- validation: one loader per (length, stride) window set -----------------------------------
@@ -417,7 +418,7 @@ class MaskedLM(LanguageModel):
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 1e-4,
-                 min_lr: float = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999),
+                 min_lr: Optional[float] = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, compile: bool = False,
                  activation_checkpointing: bool = False, mask_probability: float = 0.15, mask_id: Optional[int] = None,
                  special_ids: tuple[int, ...] = (), init_weights: Optional[str] = None):
