@@ -236,7 +236,8 @@ def test_randomized_positions_train_and_evaluate_with_every_encoding_that_reads_
     layout = {"positions": "randomized", "position_range": 256}
     dm = TokenDataModule(path=None, tasks={"odds_first": {}}, block_size=40, micro_batch_size=2, layout=layout)
     torch.manual_seed(0)
-    model = MaskedLM(BackboneConfig(preset="bert-base", pos_encoding=pe, n_layer=1, n_head=2, n_embd=32),
+    settings = encoding_class(pe)(max_positions=256) if pe == "learnable" else pe  # a table must hold the range
+    model = MaskedLM(BackboneConfig(preset="bert-base", pos_encoding=settings, n_layer=1, n_head=2, n_embd=32),
                      data=dm.describe())
     seen = []
     hidden = model.backbone.hidden_states
