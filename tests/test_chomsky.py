@@ -281,3 +281,20 @@ def test_a_fit_reports_accuracy_by_length_and_the_score(tmp_path, monkeypatch, c
     rows = [json.loads(line) for line in open(path)]
     assert [(r["length"], r["scoring"], r["lr"], r["train_length"]) for r in rows] == [
         (n, "per_token", 5e-4, 40) for n in (20, 40, 41, 60)]
+
+
+def test_an_evaluation_longer_than_the_randomized_range_is_refused_before_training():
+    from types import SimpleNamespace
+
+    from cable_lightning.callbacks.task_eval import TaskAccuracy
+    from cable_lightning.data.layouts import TrainingLayout
+
+    dm = TokenDataModule(path=None, tasks={"duplicate_string": {}}, block_size=40)
+    module = SimpleNamespace(layout=TrainingLayout(positions="randomized", position_range=1024))
+    trainer = SimpleNamespace(datamodule=dm)
+    TaskAccuracy(lengths=[40, 341]).setup(trainer, module, "fit")  # 3 x 341 = 1023 tokens fit
+    with pytest.raises(ConfigError) as error:
+        TaskAccuracy(lengths=[40, 342]).setup(trainer, module, "fit")
+    assert str(error.value) == ("task duplicate_string at evaluation length 342 reads 1026 tokens, more than "
+                                "data.layout.position_range 1024 randomized positions; raise it to >= 1026 or "
+                                "evaluate shorter lengths")

@@ -21,7 +21,10 @@ way (no one-seed interval: it keeps no per-window values), and so is each synthe
 passkey is one of them), averaged over depths (``<out>_task_<name>.md/.csv``), followed by the effective length
 per task and encoding (``<out>_effective.md``): the longest evaluated length, from the training length on, whose
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
-brackets; "-" where the training length falls short. Encoders' retrieval rows (``retrieval.jsonl``, from
+brackets; "-" where the training length falls short. The algorithmic tasks (docs/chomsky.md) get
+``<out>_algorithmic.md``: per task and encoding the score (per-token accuracy over the lengths above training), its
+mean and interval and its maximum over seeds, per learning rate, and the maximum over seeds and learning rates.
+Encoders' retrieval rows (``retrieval.jsonl``, from
 ``python -m cable_lightning retrieval evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval
 set, aggregated and tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws
 the training loss against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard
@@ -95,13 +98,13 @@ def column_name(pe: str, train_length: int, several_lengths: bool, lr: Optional[
     return f"{name} lr={lr:g}" if several_lrs and lr is not None else name
 
 
-def several(rows: list[Record]) -> tuple[bool, bool]:
+def differing(rows: list[Record]) -> tuple[bool, bool]:
     """Whether the rows' runs differ in training length, and in learning rate (then columns name them)."""
     return len({r.train_length for r in rows}) > 1, len({r.lr for r in rows}) > 1
 
 
-def run_column(r: Record, several_values: tuple[bool, bool]) -> str:
-    return column_name(r.run_name(), r.train_length, several_values[0], r.lr, several_values[1])
+def run_column(r: Record, differ: tuple[bool, bool]) -> str:
+    return column_name(r.run_name(), r.train_length, differ[0], r.lr, differ[1])
 
 
 @dataclass
@@ -132,7 +135,7 @@ Table = tuple[list[str], list[list]]  # columns, rows of [row label, Cell or Non
 
 def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Optional[Callable] = None) -> Table:
     """Cells of ``value(row)`` by (``label(row)``, encoding column), one value per run seed."""
-    differ = several(rows)
+    differ = differing(rows)
     cells: dict[tuple, Cell] = {}
     for r in rows:
         cell = cells.setdefault((label(r), run_column(r, differ)), Cell({}, {}))
@@ -195,7 +198,7 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
     """The effective length per task (rows) and encoding (columns): from the mean accuracy over seeds, then each
     seed's own in brackets when there are several."""
     tasks = sorted({r.task for r in rows})
-    differ = several(rows)
+    differ = differing(rows)
     columns = sorted({run_column(r, differ) for r in rows})
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for task in tasks:
@@ -240,7 +243,7 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
     maximum over both."""
     scores = algorithmic_scores(rows)
     runs = {r.run_key(): r for r in rows if r.scoring == "per_token"}
-    differ = several(list(runs.values()))
+    differ = differing(list(runs.values()))
     columns = sorted({run_column(r, differ) for r in runs.values()})
     encodings = sorted({column_name(r.run_name(), r.train_length, differ[0]) for r in runs.values()})
     tasks = sorted({task for task, _ in scores})

@@ -24,7 +24,6 @@ from ..errors import ConfigError
 from .generation import SYMBOLS, Example, Task, TaskVocabulary
 
 OUTPUT_OFFSET = SYMBOLS // 2  # output class c is symbol OUTPUT_OFFSET + c: no input symbol shares its id
-LEVELS = {"R": "regular", "DCF": "deterministic context-free", "CS": "context-sensitive"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class AlgorithmicTask(Task):
     """A Chomsky-hierarchy task: ``sample`` draws (input symbols, output classes) for an input length."""
 
     length_is_input: ClassVar[bool] = True
-    level: ClassVar[str]
+    level: ClassVar[str]  # R (regular), DCF (deterministic context-free) or CS (context-sensitive)
     inputs: ClassVar[int]  # input alphabet size
     outputs: ClassVar[int]  # output classes (the last one is the terminator where ``terminated``)
     terminated: ClassVar[bool] = False
