@@ -74,6 +74,20 @@ def reference(name: str, x: list[int], length: int) -> list[int]:
             total = sum(int("".join(map(str, reversed(part))), 2) for part in (x[:plus], x[plus + 1:]))
         out = [int(c) for c in reversed(bin(total)[2:])] + [2]
         return out + [0] * (length + 1 - len(out))
+    if name == "binary_multiplication":
+        if length <= 2:
+            out = [0] * (length - 1)
+        else:
+            times = x.index(2)
+            product = 1
+            for part in (x[:times], x[times + 1:]):
+                product *= sum(bit << i for i, bit in enumerate(part))
+            out = [int(c) for c in reversed(bin(product)[2:])]
+        return out + [2] + [0] * (length - 1 - len(out))
+    if name == "compute_sqrt":
+        value = int("".join(map(str, x)), 2)
+        root = max(r for r in range(value + 1) if r * r <= value)  # slow: every candidate
+        return [int(c) for c in bin(root)[2:].zfill((length + 1) // 2)]
     raise AssertionError(f"no reference for {name}")
 
 
@@ -89,7 +103,8 @@ def test_the_registry_holds_the_papers_tasks_at_their_levels():
     levels = {name: Task.registry[name].level for name in TASKS}
     assert levels == {"even_pairs": "R", "modular_arithmetic": "R", "parity_check": "R", "cycle_navigation": "R",
                       "stack_manipulation": "DCF", "reverse_string": "DCF", "duplicate_string": "CS",
-                      "missing_duplicate": "CS", "odds_first": "CS", "binary_addition": "CS", "bucket_sort": "CS"}
+                      "missing_duplicate": "CS", "odds_first": "CS", "binary_addition": "CS", "bucket_sort": "CS",
+                      "binary_multiplication": "CS", "compute_sqrt": "CS"}
 
 
 @pytest.mark.parametrize("name", TASKS)

@@ -15,6 +15,7 @@ NumPy generator, so an example is a function of (seed, split, index, length).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -260,6 +261,46 @@ def random_number(rng: np.random.Generator, size: int) -> int:
 def little_endian(value: int, width: int) -> list[int]:
     """``value``'s bits, least significant first, at least ``width`` of them (0 is one bit, ``[0]``, at width 0)."""
     return [int(b) for b in reversed(f"{value:b}".zfill(width))]
+
+
+@dataclass(frozen=True)
+class BinaryMultiplication(AlgorithmicTask):
+    """n*m in little-endian binary (the ``*`` is symbol 2); output the product as binary addition does, in ``length``
+    tokens. Lengths 1 and 2: one number below 2**length - 1 and the output [] or [0] before the terminator (the
+    authors' code)."""
+
+    name: ClassVar[str] = "binary_multiplication"
+    level, inputs, outputs, terminated = "CS", 3, 3, True
+
+    def output_length(self, length):
+        return length
+
+    def sample(self, rng, length):
+        if length <= 2:
+            x, out = little_endian(int(rng.integers(0, 2 ** length - 1)), length), [0] * (length - 1)
+        else:
+            size_n = int(rng.integers(1, length - 1))
+            size_m = length - 1 - size_n
+            n, m = random_number(rng, size_n), random_number(rng, size_m)
+            x, out = little_endian(n, size_n) + [2] + little_endian(m, size_m), little_endian(n * m, 0)
+        return x, out + [2] + [0] * (length - 1 - len(out))
+
+
+@dataclass(frozen=True)
+class ComputeSqrt(AlgorithmicTask):
+    """A number in [1, 2**length - 1], big-endian in ``length`` bits; output the floor of its square root, big-endian in
+    ceil(length / 2) bits (the authors' code; the paper says little-endian)."""
+
+    name: ClassVar[str] = "compute_sqrt"
+    level, inputs, outputs = "CS", 2, 2
+
+    def output_length(self, length):
+        return (length + 1) // 2
+
+    def sample(self, rng, length):
+        n = random_number(rng, length)
+        root = math.isqrt(n)
+        return little_endian(n, length)[::-1], little_endian(root, self.output_length(length))[::-1]
 
 
 @dataclass(frozen=True)
