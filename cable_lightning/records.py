@@ -28,7 +28,7 @@ class Record:
 
     FILE: ClassVar[str]
     # What a measured value can be (low, high; None: unbounded), checked on reading (:meth:`out_of_range`)
-    RANGES: ClassVar[dict[str, tuple]] = {"train_length": (1, None), "step": (0, None)}
+    RANGES: ClassVar[dict[str, tuple]] = {"train_length": (1, None), "step": (0, None), "lr": (0, None)}
 
     pe: str  # the encoding's label: cable, dape_v2+cable, rope+linear4
     train_length: int
@@ -41,6 +41,7 @@ class Record:
     layout: Optional[str] = None
     # A context extension: the length this run trained at after train_length (None: trained at train_length only)
     extended_to: Optional[int] = None
+    lr: Optional[float] = None  # the run's peak learning rate (None in rows an earlier version wrote)
 
     def run_name(self) -> str:
         """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``)
@@ -50,8 +51,9 @@ class Record:
         return f"{self.pe}{layout}{extended}"
 
     def run_key(self) -> tuple:
-        """What makes a run: its encoding (with its training layout and extension), training length and seed."""
-        return self.run_name(), self.train_length, self.run_seed
+        """What makes a run: its encoding (with its training layout and extension), training length, seed and learning
+        rate."""
+        return self.run_name(), self.train_length, self.run_seed, self.lr
 
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""
@@ -118,8 +120,9 @@ class TaskRecord(Record):
     depth: Optional[float]
     accuracy: Optional[float]  # None: the encoding cannot serve this length
     trials: int = 0
-    correct: Optional[int] = None
+    correct: Optional[int] = None  # examples answered exactly
     seed: int = 0  # the evaluation examples' seed
+    scoring: str = "exact_match"  # or per_token: accuracy is the mean share of each example's answer tokens right
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,12 @@ nDCG@10 at every length, recorded as the run's (``retrieval.jsonl``), then repor
     python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
         --experiment enc --stage retrieval --retrieval-set data/retrieval-1024 --retrieval-lengths 64 128 256 512 1024
 
+The Chomsky-hierarchy grid (docs/chomsky.md) adds learning rates: one experiment per rate, <experiment>-lr<rate>,
+and the report's algorithmic table gives, per task and encoding, the mean, interval and maximum over seeds:
+
+    python -m cable_lightning sweep --config configs/chomsky/base.yaml --config configs/chomsky/reverse_string.yaml \
+        --pes nope rope alibi --seeds 0 1 2 --lrs 1e-4 3e-4 5e-4 --experiment chomsky-reverse
+
 Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>; with ``--seeds``, one
 run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
 initialisation, not the data order, so the report can pair them across encodings), and the
@@ -44,6 +50,17 @@ def seed(text: str) -> int:
     if not text.isdigit() or int(text) > MAX_SEED:
         raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to {MAX_SEED}, got {text!r}")
     return int(text)
+
+
+def learning_rate(text: str) -> float:
+    """An ``--lrs`` entry, checked before any run starts."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a learning rate is a positive number, got {text!r}")
+    return value
 
 
 def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
@@ -81,13 +98,15 @@ def commands(args) -> list[tuple[str, list[str]]]:
             encodings[pe] = json.dumps(set_settings(from_label(pe).to_dict()))  # dape_v2+cable: DAPEv2 over CABLE
         except ConfigError as exc:
             raise ConfigError(f"--pes {pe}: {exc}") from None
-    for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train-lengths", args.train_lengths)):
+    for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train-lengths", args.train_lengths),
+                         ("--lrs", args.lrs)):
         repeated = [value for i, value in enumerate(values or []) if value in values[:i]]
         if repeated:  # planned twice, the second run would train (or continue) the first's run folder again
             raise ConfigError(f"{flag} names {repeated[0]} twice: each is one run; give it once")
     runs = []
-    for length in args.train_lengths or [None]:
-        experiment = args.experiment if length is None else f"{args.experiment}-T{length}"
+    grid = [(length, lr) for length in args.train_lengths or [None] for lr in args.lrs or [None]]
+    for length, lr in grid:
+        experiment = args.experiment + ("" if length is None else f"-T{length}") + ("" if lr is None else f"-lr{lr:g}")
         for seed in args.seeds or [None]:  # seed-major: a sweep stopped early has every encoding at its first seeds
             for pe in args.pes:
                 if args.stage == "retrieval":
@@ -105,6 +124,8 @@ def commands(args) -> list[tuple[str, list[str]]]:
                     cmd += ["--seed_everything", str(seed), "--folder_per_seed", "true"]
                 if length is not None:
                     cmd += ["--data.block_size", str(length)]
+                if lr is not None:
+                    cmd += ["--model.init_args.lr", f"{lr:g}"]
                 runs.append((experiment, cmd + args.extra))
     return runs
 
@@ -117,6 +138,8 @@ def main(argv=None):
     parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
     parser.add_argument("--seeds", type=seed, nargs="*", help="one run per seed (seed_everything), each in its own "
                         "folder; the report gives means and 95%% intervals over them")
+    parser.add_argument("--lrs", type=learning_rate, nargs="*", help="also sweep the learning rate "
+                        "(model.init_args.lr; one experiment per rate, <experiment>-lr<rate>)")
     parser.add_argument("--experiment", default="sweep")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")
@@ -139,8 +162,9 @@ def main(argv=None):
                          f"cable_lightning retrieval-set; got {args.retrieval_set!r}")
         if not args.retrieval_lengths or min(args.retrieval_lengths) < 1:
             parser.error(f"--stage retrieval needs positive --retrieval-lengths, got {args.retrieval_lengths}")
-        if args.train_lengths or args.extra:
-            parser.error("--stage retrieval takes the runs as they were trained: no --train-lengths or overrides")
+        if args.train_lengths or args.lrs or args.extra:
+            parser.error("--stage retrieval takes the runs as they were trained: no --train-lengths, --lrs or "
+                         "overrides")
     runs = commands(args)
     if args.print_only:
         print("\n".join(shlex.join(cmd) for _, cmd in runs))

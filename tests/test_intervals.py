@@ -101,8 +101,8 @@ def sweep_args(data, runs, seeds):
     drop = {"--runs_dir", "--experiment", "--seed_everything", "--model.init_args.backbone.pos_encoding"}
     tiny = tiny_args(data, runs, steps=4, every=2)
     extra = [a for i, a in enumerate(tiny) if a not in drop and (i == 0 or tiny[i - 1] not in drop)]
-    namespace = type("Args", (), dict(config=[], pes=["cable"], seeds=seeds, train_lengths=None, experiment="seeds",
-                                      runs_dir=runs, extra=extra, stage="fit"))
+    namespace = type("Args", (), dict(config=[], pes=["cable"], seeds=seeds, train_lengths=None, lrs=None,
+                                      experiment="seeds", runs_dir=runs, extra=extra, stage="fit"))
     return [cmd[3:] for _, cmd in sweep.commands(namespace)]  # after python -m cable_lightning
 
 
@@ -122,7 +122,8 @@ def test_every_encodings_sweep_command_parses_to_that_encoding(pe, capsys):
     """The sweep's --model.init_args.backbone.pos_encoding argument, read back by the CLI, is the encoding itself
     (an unset setting once reached it as the string 'None')."""
     (_, cmd), = sweep.commands(argparse.Namespace(config=["configs/quickstart.yaml"], pes=[pe], seeds=None,
-                                                  train_lengths=None, experiment="x", runs_dir="runs", extra=[],
+                                                  train_lengths=None, lrs=None, experiment="x", runs_dir="runs",
+                                                  extra=[],
                                                   stage="fit"))
     with pytest.raises(SystemExit):
         main(cmd[cmd.index("fit"):] + ["--print_config"])
@@ -174,7 +175,7 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
                         "--out", str(tmp_path / "set"), "--doc_tokens", "256", "--queries", "8",
                         "--train_pairs", "16"])
     cmds = [cmd for _, cmd in sweep.commands(argparse.Namespace(
-        config=["c.yaml"], pes=["cable"], seeds=[0, 1], train_lengths=None, experiment="seeds", runs_dir=runs,
+        config=["c.yaml"], pes=["cable"], seeds=[0, 1], train_lengths=None, lrs=None, experiment="seeds", runs_dir=runs,
         extra=[], stage="retrieval", retrieval_set=str(tmp_path / "set"), retrieval_lengths=[32, 256],
         finetune_steps=2, finetune_batch=4, finetune_lr=1e-4))]
     assert [cmd[1:5] for cmd in cmds] == [["-m", "cable_lightning", "export", "--ckpt_path"],

@@ -21,7 +21,7 @@ from cable_lightning.lit import CausalLM, MaskedLM
 from cable_lightning.lit.modules import weighted_loss
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
-from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, TRAIN, TaskMix, TaskVocabulary
+from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, TRAIN, Task, TaskMix, TaskVocabulary
 from cable_lightning.tasks.scoring import (
     argmax_predictions,
     effective_length,
@@ -280,7 +280,7 @@ def test_a_masked_lm_is_asked_with_every_answer_token_masked():
         assert torch.equal(predict(ids, answer), model.backbone(ids[:, 1:].masked_fill(answer, OWN_MASK_ID)).argmax(-1))
 
     class Copier:  # a model that returns its input: right only if the answer were in it
-        def argmax_tokens(self, inputs, chunk):
+        def argmax_tokens(self, inputs, chunk, layout=None):
             return inputs
 
     assert not any(score_examples(masked_predictions(Copier(), OWN_MASK_ID), examples))
@@ -387,12 +387,12 @@ def test_fit_and_validate_write_task_accuracy_at_every_checkpoint(tmp_path, monk
      "data.block_size 48 is too short for a task: task associative_recall (pairs=20, queries=4) needs a length of "
      "at least 52 tokens, got 48"),
     (dict(tasks={"needle": {}, "recall": {}}),
-     "unknown task 'recall'; valid tasks: associative_recall, copy, needle, passkey, variable_tracking"),
+     "unknown task 'recall'; valid tasks: " + ", ".join(sorted(Task.registry))),
     (dict(tasks={"needle": {"depth": 0.5}}), "task needle has no setting 'depth' (its settings: keys, value_tokens)"),
     (dict(tasks={"associative_recall": {"pairs": 4, "queries": 5}}),
      "associative_recall needs 1 <= queries <= pairs <= 64, got pairs=4, queries=5"),
     (dict(tasks={"needle": {}}, task_fraction=0.5), "data.path is null, which only a run of tasks alone can be"),
-    (dict(tasks={}), "data.tasks is empty; name at least one task: associative_recall, copy, needle, passkey"),
+    (dict(tasks={}), "data.tasks is empty; name at least one task: " + ", ".join(sorted(Task.registry))),
     (dict(tasks={"needle": {"keys": "two"}}), "task needle setting keys must be an integer, got 'two'"),
     (dict(tasks={"needle": 2}), "task needle: settings must be a mapping ({setting: value}), got 2; its settings: "
                                 "keys, value_tokens"),

@@ -63,11 +63,18 @@ class TaskAccuracy(L.Callback):
             raise ConfigError("task_eval.enabled is true but the data has no tasks; set data.tasks")
         if not self.active(trainer):
             return
-        shortest = min(self.grid_lengths(pl_module))
+        shortest, longest = min(self.grid_lengths(pl_module)), max(self.grid_lengths(pl_module))
         try:
             self.mix(trainer).check_length(shortest)
         except ConfigError as exc:
             raise ConfigError(f"evaluation length {shortest} is too short for a task: {exc}") from None
+        layout = pl_module.layout
+        for task in self.mix(trainer).tasks:  # a masked LM trained at randomized positions is asked at them too
+            if task.length_is_input and layout.positions == "randomized" and \
+                    (tokens := task.tokens_read(longest)) > layout.position_range:
+                raise ConfigError(f"task {task.name} at evaluation length {longest} reads {tokens} tokens, more than "
+                                  f"data.layout.position_range {layout.position_range} randomized positions; raise it "
+                                  f"to >= {tokens} or evaluate shorter lengths")
 
     def on_validation_end(self, trainer, pl_module):
         if not self.active(trainer) or trainer.sanity_checking:
@@ -102,6 +109,13 @@ class TaskAccuracy(L.Callback):
             summary = "  ".join(f"{length}: {format_accuracy(mean_accuracy(self.results, task, length))}"
                                 for length in lengths)
             print(f"{task} accuracy by length ({pe}, {self.trials} trials, step {step}): {summary}", flush=True)
+            scores = [mean_accuracy(self.results, task, n) for n in lengths if n > pl_module.config.original_length]
+            per_token = any(r.scoring == "per_token" for r in self.results if r.task == task)
+            if per_token and scores:  # the papers' score: the mean over the lengths above training
+                score = None if None in scores else sum(scores) / len(scores)
+                print(f"{task} score ({pe}, per-token accuracy over the {len(scores)} evaluated lengths "
+                      f"{min(n for n in lengths if n > pl_module.config.original_length)}-{max(lengths)}): "
+                      f"{format_accuracy(score)}", flush=True)
 
 
 def format_accuracy(value: Optional[float]) -> str:

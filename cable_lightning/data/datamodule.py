@@ -127,7 +127,10 @@ class TokenDataModule(L.LightningDataModule):
         endpoint_url: an S3-compatible store's endpoint (default: boto3's, from ``AWS_ENDPOINT_URL`` or the
             profile); credentials and region always come from boto3's usual places.
         tasks: synthetic tasks to train on, ``{name: {setting: value}}`` (:mod:`cable_lightning.tasks`), taken in
-            turn; training batches become ``{"tokens", "loss_weight"}``. With ``path`` null the tasks use a
+            turn; training batches become ``{"tokens", "loss_weight"}``. An algorithmic task (the Chomsky-hierarchy
+            benchmark, :mod:`cable_lightning.tasks.chomsky`) trains alone: each batch draws one input length in
+            [1, ``block_size``] and its rows hold that many input symbols and the output (``block_size`` is the
+            longest input trained on, not the tokens read). With ``path`` null the tasks use a
             vocabulary of their own and validation perplexity is measured on task examples; with a prepared
             ``path``, its tokenizer's ids (and its text, for ``passkey``).
         task_fraction: the share of each training batch's rows that are task examples (the rest: the corpus).
@@ -151,6 +154,9 @@ class TokenDataModule(L.LightningDataModule):
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         task_mix = TaskMix(tasks) if tasks is not None else None  # an empty, unknown or bad task: one line, now
+        if task_mix is not None and task_mix.algorithmic and path is not None:
+            raise ConfigError(f"task {task_mix.tasks[0].name} is algorithmic: it trains alone, in the tasks' own "
+                              f"vocabulary; set data.path null (got {path!r})")
         if path is None and (not tasks or task_fraction < 1 or source is not None):
             raise ConfigError("data.path is null, which only a run of tasks alone can be (data.tasks set, "
                               f"task_fraction 1, no source); got tasks={tasks}, task_fraction={task_fraction}; "
@@ -260,6 +266,11 @@ class TokenDataModule(L.LightningDataModule):
         per (batch number, rank), the same after a resume), the loss weight of every target (1 for corpus rows and
         for answers, ``lm_loss_weight`` for a task row's other tokens) and which targets are answers (a masked LM
         hides those from its input). Both are (B, L), aligned with ``tokens[:, 1:]``."""
+        if self.tasks.algorithmic:  # rows of one drawn input length replace the blank batch
+            length = self.tasks.training_length(self.seed, batch_number, self.block_size)
+            ids, answer = self.tasks.training_rows(length, self.seed, batch_number, rank, world_size, batch.shape[0])
+            answers = torch.from_numpy(answer[:, 1:])
+            return {"tokens": torch.from_numpy(ids), "loss_weight": answers.float(), "answer": answers}
         rows = round(self.task_fraction * batch.shape[0])
         weight = torch.ones(batch.shape[0], batch.shape[1] - 1)
         answers = torch.zeros(batch.shape[0], batch.shape[1] - 1, dtype=torch.bool)

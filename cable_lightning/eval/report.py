@@ -21,7 +21,10 @@ way (no one-seed interval: it keeps no per-window values), and so is each synthe
 passkey is one of them), averaged over depths (``<out>_task_<name>.md/.csv``), followed by the effective length
 per task and encoding (``<out>_effective.md``): the longest evaluated length, from the training length on, whose
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
-brackets; "-" where the training length falls short. Encoders' retrieval rows (``retrieval.jsonl``, from
+brackets; "-" where the training length falls short. The algorithmic tasks (docs/chomsky.md) get
+``<out>_algorithmic.md``: per task and encoding the score (per-token accuracy over the lengths above training), its
+mean and interval and its maximum over seeds, per learning rate, and the maximum over seeds and learning rates.
+Encoders' retrieval rows (``retrieval.jsonl``, from
 ``python -m cable_lightning retrieval evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval
 set, aggregated and tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws
 the training loss against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard
@@ -89,8 +92,19 @@ def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
     return [row for steps in rows_by_step(files, kind, cell).values() for row in steps[max(steps)]]
 
 
-def column_name(pe: str, train_length: int, several_lengths: bool) -> str:
-    return f"{pe}@{train_length}" if several_lengths else pe
+def column_name(pe: str, train_length: int, several_lengths: bool, lr: Optional[float] = None,
+                several_lrs: bool = False) -> str:
+    name = f"{pe}@{train_length}" if several_lengths else pe
+    return f"{name} lr={lr:g}" if several_lrs and lr is not None else name
+
+
+def differing(rows: list[Record]) -> tuple[bool, bool]:
+    """Whether the rows' runs differ in training length, and in learning rate (then columns name them)."""
+    return len({r.train_length for r in rows}) > 1, len({r.lr for r in rows}) > 1
+
+
+def run_column(r: Record, differ: tuple[bool, bool]) -> str:
+    return column_name(r.run_name(), r.train_length, differ[0], r.lr, differ[1])
 
 
 @dataclass
@@ -121,10 +135,10 @@ Table = tuple[list[str], list[list]]  # columns, rows of [row label, Cell or Non
 
 def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Optional[Callable] = None) -> Table:
     """Cells of ``value(row)`` by (``label(row)``, encoding column), one value per run seed."""
-    several = len({r.train_length for r in rows}) > 1
+    differ = differing(rows)
     cells: dict[tuple, Cell] = {}
     for r in rows:
-        cell = cells.setdefault((label(r), column_name(r.run_name(), r.train_length, several)), Cell({}, {}))
+        cell = cells.setdefault((label(r), run_column(r, differ)), Cell({}, {}))
         cell.values[r.run_seed] = value(r)
         if windows is not None:
             cell.windows[r.run_seed] = windows(r)
@@ -184,8 +198,8 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
     """The effective length per task (rows) and encoding (columns): from the mean accuracy over seeds, then each
     seed's own in brackets when there are several."""
     tasks = sorted({r.task for r in rows})
-    several = len({r.train_length for r in rows}) > 1
-    columns = sorted({column_name(r.run_name(), r.train_length, several) for r in rows})
+    differ = differing(rows)
+    columns = sorted({run_column(r, differ) for r in rows})
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for task in tasks:
         cells = []
@@ -193,7 +207,7 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
             runs: dict = {}  # seed -> {length: accuracy}
             train_length = None
             for (run, length), value in depth_means([r for r in rows if r.task == task]).items():
-                if column_name(run[0], run[1], several) == column:
+                if column_name(run[0], run[1], differ[0], run[3], differ[1]) == column:
                     runs.setdefault(run[2], {})[length] = value
                     train_length = run[1]
             if not runs:
@@ -209,6 +223,56 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
             cells.append(text)
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def algorithmic_scores(rows: list[TaskRecord]) -> dict[tuple, Optional[float]]:
+    """{(task, run): score}: an algorithmic task's per-token accuracy averaged over the evaluated lengths above the
+    training length (the papers' score, over 41-500 for training lengths up to 40); None where a length could not be
+    run or none was evaluated."""
+    lengths: dict[tuple, list] = {}
+    for r in rows:
+        if r.scoring == "per_token" and r.length > r.train_length:
+            lengths.setdefault((r.task, r.run_key()), []).append(r.accuracy)
+    return {key: None if None in values else sum(values) / len(values) for key, values in lengths.items()}
+
+
+def algorithmic_table(rows: list[TaskRecord]) -> str:
+    """The Chomsky-hierarchy table: per task (rows) and encoding (columns, with the learning rate when runs differ in
+    it), the score's mean over seeds [95% Student-t interval] and its maximum over seeds (the papers report the
+    maximum over seeds and learning rates), in %; with several learning rates, a last column per encoding of the
+    maximum over both."""
+    scores = algorithmic_scores(rows)
+    runs = {r.run_key(): r for r in rows if r.scoring == "per_token"}
+    differ = differing(list(runs.values()))
+    columns = sorted({run_column(r, differ) for r in runs.values()})
+    encodings = sorted({column_name(r.run_name(), r.train_length, differ[0]) for r in runs.values()})
+    tasks = sorted({task for task, _ in scores})
+    header = columns + ([f"{e} max over seeds and lrs" for e in encodings] if differ[1] else [])
+    lines = ["| task | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for task in tasks:
+        cells = []
+        for column in columns:
+            values = [scores[task, key] for key, r in runs.items() if run_column(r, differ) == column
+                      and (task, key) in scores]
+            cells.append(score_cell(values))
+        if differ[1]:
+            for encoding in encodings:
+                values = [scores[task, key] for key, r in runs.items() if (task, key) in scores
+                          and column_name(r.run_name(), r.train_length, differ[0]) == encoding]
+                cells.append("-" if not values or None in values else f"{100 * max(values):.1f}")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def score_cell(values: list[Optional[float]]) -> str:
+    """Mean [interval] and max over seeds, in %; '-' where a run could not serve a length."""
+    if not values:
+        return ""
+    if None in values:
+        return "-"
+    e = seed_interval([100 * v for v in values])
+    interval = "" if e.low is None else f" [{e.low:.1f}, {e.high:.1f}]"
+    return f"{e.mean:.1f}{interval}, max {100 * max(values):.1f} (n={len(values)})"
 
 
 def format_length(length: Optional[int]) -> str:
@@ -437,6 +501,13 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         with open(f"{out}_task_{task}.md", "w") as f:
             f.write(tables[f"task {task}"] + "\n")
         write_csv(f"{out}_task_{task}.csv", table, "accuracy")
+    if any(r.scoring == "per_token" for r in task_rows):
+        tables["algorithmic"] = (algorithmic_table(task_rows) + "\n\n_per-token accuracy (%) averaged over the "
+                                 "evaluated lengths above the training length: mean over seeds [95% Student-t "
+                                 "interval], max over seeds (n seeds); the papers report the max over seeds and "
+                                 "learning rates and call >= 90 solved._")
+        with open(f"{out}_algorithmic.md", "w") as f:
+            f.write(tables["algorithmic"] + "\n")
     if task_rows:
         tables["effective length"] = (effective_table(task_rows, threshold) + "\n\n"
                                       + f"_the longest length, from the training length on, whose exact-match accuracy "

@@ -17,13 +17,14 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import read_checkpoint, shown_name
-from ..data.layouts import TrainingLayout, check_encoding, layout_generator
+from ..data.layouts import TrainingLayout, check_encoding, layout_generator, randomized_positions
 from ..data.manifest import DataInfo
 from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
+from ..positional.layout import Layout
 from ..records import LengthRecord, PositionRecord
 from ..tasks.scoring import Predict, argmax_predictions, masked_predictions
 from .checkpoint_format import saved_weights
@@ -55,7 +56,7 @@ class LanguageModel(L.LightningModule):
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 6e-4,
-                 min_lr: float = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95),
+                 min_lr: Optional[float] = 6e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1, compile: bool = False,
                  activation_checkpointing: bool = False, init_weights: Optional[str] = None):
         super().__init__()
@@ -242,7 +243,8 @@ class LanguageModel(L.LightningModule):
         h = self.hparams
         # fp16's grad scaler unscales the gradients before clipping; a fused optimizer would unscale them itself
         fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
-        return build_optimizer(self.backbone, h.lr, h.min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
+        min_lr = h.lr if h.min_lr is None else h.min_lr  # None: no decay, the rate stays at lr after warm-up
+        return build_optimizer(self.backbone, h.lr, min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
                                h.weight_decay, fused=fused)
 
     # --- validation: one loader per (length, stride) window set -----------------------------------
@@ -303,7 +305,7 @@ class LanguageModel(L.LightningModule):
         self.run_context = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
                                 extended_to=self.config.block_size if self.config.trained_length else None,
                                 layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
-                                checkpoint=checkpoint, run_seed=self.run_seed)
+                                checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr)
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
@@ -405,6 +407,7 @@ class CausalLM(LanguageModel):
 
 
 EVAL_MASK_SEED = 1_000_003  # the validation stream's fixed masking (position_draws)
+EVAL_POSITIONS_SEED = 1_000_033  # a task evaluation's randomized positions, for weights trained at randomized ones
 
 
 class MaskedLM(LanguageModel):
@@ -415,7 +418,7 @@ class MaskedLM(LanguageModel):
     """
 
     def __init__(self, backbone: Optional[BackboneConfig] = None, data: Optional[dict] = None, lr: float = 1e-4,
-                 min_lr: float = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999),
+                 min_lr: Optional[float] = 1e-5, warmup_steps: int = 750, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, compile: bool = False,
                  activation_checkpointing: bool = False, mask_probability: float = 0.15, mask_id: Optional[int] = None,
                  special_ids: tuple[int, ...] = (), init_weights: Optional[str] = None):
@@ -473,5 +476,17 @@ class MaskedLM(LanguageModel):
         return weighted_loss(nll, torch.where(labels == IGNORE_INDEX, 0.0, weight)), inputs
 
     def task_predictions(self) -> Predict:
-        """How a task example is asked: every answer token masked and filled in at once (:func:`masked_predictions`)."""
-        return masked_predictions(self.backbone, self.mask_id)
+        """How a task example is asked: every answer token masked and filled in at once (:func:`masked_predictions`).
+        Weights trained at randomized positions read it at randomized positions from the same range too, as Ruoss et
+        al. test them (drawn from a fixed seed: every evaluation draws the same)."""
+        layout = self.trained_layout or self.layout
+        if layout.positions != "randomized":
+            return masked_predictions(self.backbone, self.mask_id)
+        generator = torch.Generator().manual_seed(EVAL_POSITIONS_SEED)
+
+        def positions(inputs):
+            contiguous = Layout.build(*inputs.shape, inputs.device)
+            drawn = randomized_positions(contiguous, layout.position_range, generator)
+            return Layout.build(*inputs.shape, inputs.device, positions=drawn)
+
+        return masked_predictions(self.backbone, self.mask_id, layout=positions)

@@ -291,10 +291,11 @@ class Backbone(nn.Module):
         c = self.config
         return 6 * sum(p.numel() for p in self.parameters()) + 12 * c.n_layer * c.n_embd * length
 
-    def argmax_tokens(self, input_ids: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:
+    def argmax_tokens(self, input_ids: Tensor, chunk: int = LOSS_CHUNK, layout: Layout | None = None) -> Tensor:
         """The most likely next token at every position (B, T); the head runs ``chunk`` positions at a time. One
-        method, not hidden_states then logits, so that a sharded (FSDP2) backbone can gather its weights for it."""
-        hidden = self.hidden_states(input_ids)
+        method, not hidden_states then logits, so that a sharded (FSDP2) backbone can gather its weights for it.
+        ``layout``: the tokens' positions and documents (None: 0..T-1, one document)."""
+        hidden = self.hidden_states(input_ids, layout=layout)
         return torch.cat([self.logits(hidden[:, s:s + chunk]).argmax(-1) for s in range(0, hidden.shape[1], chunk)],
                          dim=1)
 

@@ -72,6 +72,7 @@ class Example:
     ids: np.ndarray  # (length,) int64
     answer: np.ndarray  # (length,) bool: the tokens to predict (never the first)
     depth: Optional[float] = None  # where the queried fact sits in the filler, for tasks that place it
+    scored: Optional[np.ndarray] = None  # (length,) bool: the answer tokens accuracy counts (None: every one)
 
 
 def example_rng(seed: int, split: int, index: int) -> np.random.Generator:
@@ -85,11 +86,14 @@ class Task:
     name: ClassVar[str]
     has_depth: ClassVar[bool] = False  # evaluated per depth of the queried fact
     needs_text: ClassVar[bool] = False  # written in the run's tokenizer's text (not available with the own vocabulary)
+    # ``length`` counts input symbols, not tokens read, and accuracy is per answer token (the algorithmic tasks)
+    length_is_input: ClassVar[bool] = False
     registry: ClassVar[dict[str, type["Task"]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        Task.registry[cls.name] = cls
+        if "name" in cls.__dict__:  # a family's base class (no name of its own) is not a task
+            Task.registry[cls.name] = cls
 
     def fixed_tokens(self, vocab: Optional[TaskVocabulary]) -> Optional[int]:
         """Tokens an example needs besides filler (None when that depends on a tokenizer not known yet)."""
@@ -352,6 +356,9 @@ class TaskMix:
             raise ConfigError("data.tasks is empty; name at least one task: " + ", ".join(sorted(Task.registry)))
         self.tasks = [build_task(name, settings) for name, settings in tasks.items()]
         self.vocab = vocab
+        self.algorithmic = any(task.length_is_input for task in self.tasks)
+        if self.algorithmic and len(self.tasks) > 1:  # a batch has one input length, and tasks' outputs differ
+            raise ConfigError(f"an algorithmic task trains alone; data.tasks names {', '.join(tasks)}: give one")
 
     def check_length(self, length: int) -> None:
         """Every task fits ``length`` (a text task is checked once the tokenizer is known)."""
@@ -371,3 +378,9 @@ class TaskMix:
         first = (batch_number * world_size + rank) * rows
         examples = [self.example(length, seed, TRAIN, first + r) for r in range(rows)]
         return np.stack([e.ids for e in examples]), np.stack([e.answer for e in examples])
+
+    @staticmethod
+    def training_length(seed: int, batch_number: int, longest: int) -> int:
+        """An algorithmic task's input length for one training batch, uniform in [1, ``longest``] (the papers': one
+        length per batch), the same on every rank and after a resume."""
+        return int(np.random.default_rng([seed, TRAIN, batch_number, longest]).integers(1, longest + 1))

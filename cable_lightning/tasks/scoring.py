@@ -1,5 +1,6 @@
-"""Scoring synthetic tasks (:mod:`.generation`): exact match of every answer token, and the effective
-length.
+"""Scoring synthetic tasks (:mod:`.generation`): exact match of every answer token, per-token accuracy for the
+algorithmic tasks (:mod:`.chomsky`: the share of an example's scored answer tokens that are right, the papers'
+measure), and the effective length.
 
 An example is right when the model's most likely token is the answer at every answer position. A decoder predicts
 each answer token after the example's own tokens before it (teacher forcing). That is what greedy decoding would
@@ -33,11 +34,16 @@ def argmax_predictions(backbone, chunk: int = 512) -> Predict:
     return lambda ids, answer: backbone.argmax_tokens(ids[:, :-1], chunk)
 
 
-def masked_predictions(backbone, mask_id: int, chunk: int = 512) -> Predict:
+def masked_predictions(backbone, mask_id: int, chunk: int = 512, layout: Callable = lambda inputs: None) -> Predict:
     """A masked LM's most likely token at each of ids[:, 1:], read with the answer tokens masked (the example's first
-    token, filler, is dropped so that it reads as many tokens as a decoder)."""
+    token, filler, is dropped so that it reads as many tokens as a decoder); ``layout(inputs)``: the positions it
+    reads them at (None: 0, 1, 2, ...)."""
 
-    return lambda ids, answer: backbone.argmax_tokens(ids[:, 1:].masked_fill(answer, mask_id), chunk)
+    def predict(ids, answer):
+        inputs = ids[:, 1:].masked_fill(answer, mask_id)
+        return backbone.argmax_tokens(inputs, chunk, layout=layout(inputs))
+
+    return predict
 
 
 def exact_match(predicted: torch.Tensor, targets: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
@@ -45,33 +51,48 @@ def exact_match(predicted: torch.Tensor, targets: torch.Tensor, answer: torch.Te
     return ((predicted == targets) | ~answer).all(dim=1)
 
 
-def score_examples(predict: Predict, examples: Sequence[Example], batch_size: int = 16, device="cpu") -> list[bool]:
-    """Whether each example is answered exactly, ``batch_size`` examples at a time."""
+def token_accuracy(predicted: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """(B,) the share of each row's scored targets that are predicted."""
+    return ((predicted == targets) & scored).sum(1) / scored.sum(1).clamp(min=1)
+
+
+def score_examples(predict: Predict, examples: Sequence[Example], batch_size: int = 16, device="cpu",
+                   per_token: bool = False) -> list:
+    """Whether each example is answered exactly (or, ``per_token``, the share of its scored answer tokens that are
+    right), ``batch_size`` examples at a time."""
     ids = torch.from_numpy(np.stack([e.ids for e in examples])).to(device)
     answer = torch.from_numpy(np.stack([e.answer for e in examples]))[:, 1:].to(device)
+    scored = torch.from_numpy(np.stack([e.answer if e.scored is None else e.scored for e in examples]))[:, 1:]
+    scored = scored.to(device)
+    score = token_accuracy if per_token else exact_match
     right = []
     for start in range(0, len(examples), batch_size):
         rows = slice(start, start + batch_size)
-        right += exact_match(predict(ids[rows], answer[rows]), ids[rows, 1:], answer[rows]).tolist()
+        right += score(predict(ids[rows], answer[rows]), ids[rows, 1:], scored[rows]).tolist()
     return right
 
 
 def task_grid(predict: Predict, mix: TaskMix, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
               trials: int = 32, seed: int = 0, batch_size: int = 16, device="cpu") -> list[dict]:
-    """One row per (task, length, depth; depth None for tasks that do not place their fact): trials, correct and
-    accuracy (None where the model cannot take the length). ``length`` is what the model reads; trial t is evaluation
-    example t of ``seed`` in every cell, so cells differ only in length and depth."""
+    """One row per (task, length, depth; depth None for tasks that do not place their fact): trials, correct (answered
+    exactly) and accuracy (None where the model cannot take the length): the exact-match share, or for an algorithmic
+    task the mean per-token accuracy (``scoring``). ``length`` is what the model reads, or for an algorithmic task
+    its input symbols; trial t is evaluation example t of ``seed`` in every cell, so cells differ only in length and
+    depth."""
     rows = []
     for task in mix.tasks:
+        scoring = "per_token" if task.length_is_input else "exact_match"
         for length in lengths:
             for depth in depths if task.has_depth else [None]:
-                examples = [mix.example(length + 1, seed, EVAL, t, task=task, depth=depth) for t in range(trials)]
+                size = length if task.length_is_input else length + 1
+                examples = [mix.example(size, seed, EVAL, t, task=task, depth=depth) for t in range(trials)]
                 try:
-                    correct = sum(score_examples(predict, examples, batch_size, device))
+                    shares = score_examples(predict, examples, batch_size, device, per_token=task.length_is_input)
                 except UnsupportedLengthError:
-                    correct = None
-                rows.append({"task": task.name, "length": length, "depth": depth, "trials": trials, "correct": correct,
-                             "accuracy": None if correct is None else correct / trials})
+                    shares = None
+                rows.append({"task": task.name, "length": length, "depth": depth, "trials": trials,
+                             "correct": None if shares is None else sum(share == 1 for share in shares),
+                             "accuracy": None if shares is None else sum(shares) / trials, "scoring": scoring})
     return rows
 
 

@@ -1,0 +1,315 @@
+"""The Chomsky-hierarchy tasks (docs/chomsky.md): every generator against a slow, obvious reference computed from the
+example's own input tokens; one input length per training batch; per-token scoring that stops at a terminator; the
+report's score table (mean, interval and maximum over seeds, per learning rate); randomized positions in training
+and evaluation for every encoding that reads positions; one-line errors."""
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cable_lightning.cli import main
+from cable_lightning.data.datamodule import TokenDataModule
+from cable_lightning.errors import ConfigError
+from cable_lightning.eval.report import algorithmic_scores, algorithmic_table
+from cable_lightning.lit import MaskedLM
+from cable_lightning.models import BackboneConfig
+from cable_lightning.positional import available, encoding_class
+from cable_lightning.records import TaskRecord
+from cable_lightning.sweep import main as sweep_main
+from cable_lightning.tasks.chomsky import OUTPUT_OFFSET, AlgorithmicTask
+from cable_lightning.tasks.generation import EVAL, TRAIN, Task, TaskMix, TaskVocabulary
+from cable_lightning.tasks.scoring import task_grid
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+VOCAB = TaskVocabulary.own()
+TASKS = sorted(name for name, cls in Task.registry.items() if issubclass(cls, AlgorithmicTask))
+
+
+def reference(name: str, x: list[int], length: int) -> list[int]:
+    """The output, worked out the slow, obvious way from the input symbols alone."""
+    if name == "even_pairs":
+        return [int(sum(a != b for a, b in zip(x, x[1:])) % 2 == 0)]
+    if name == "parity_check":
+        return [x.count(1) % 2]
+    if name == "cycle_navigation":
+        state = 0
+        for a in x:
+            state = {0: (state - 1) % 5, 1: state, 2: (state + 1) % 5}[a]
+        return [state]
+    if name == "modular_arithmetic":  # Python evaluates * before + and -, as the task does
+        text = "".join(str(s) if s < 5 else "+-*"[s - 5] for s in x)
+        return [eval(text) % 5]
+    if name == "reverse_string":
+        return [x[i] for i in range(len(x) - 1, -1, -1)]
+    if name == "duplicate_string":
+        return x * 2
+    if name == "odds_first":
+        return [x[i] for i in range(len(x)) if i % 2 == 1] + [x[i] for i in range(len(x)) if i % 2 == 0]
+    if name == "bucket_sort":
+        return [s for s in range(5) for _ in range(x.count(s))]
+    if name == "missing_duplicate":
+        if length == 1:
+            return [1]
+        half = length // 2
+        at = x.index(2)
+        return [x[(at + half) % (2 * half)]]
+    if name == "stack_manipulation":
+        if length == 1:
+            return x + [2]
+        bottom = [s for s in itertools.takewhile(lambda s: s < 2, x)]
+        stack = "".join(map(str, bottom))
+        for action in x[len(bottom):]:
+            stack = stack[:-1] if action == 2 else stack + str(action - 3)
+        out = [int(c) for c in reversed(stack)] + [2]
+        return out + [0] * (length + 1 - len(out))
+    if name == "binary_addition":
+        if length <= 2:
+            total = int("".join(map(str, reversed(x))), 2)
+        else:
+            plus = x.index(2)
+            total = sum(int("".join(map(str, reversed(part))), 2) for part in (x[:plus], x[plus + 1:]))
+        out = [int(c) for c in reversed(bin(total)[2:])] + [2]
+        return out + [0] * (length + 1 - len(out))
+    if name == "binary_multiplication":
+        if length <= 2:
+            out = [0] * (length - 1)
+        else:
+            times = x.index(2)
+            product = 1
+            for part in (x[:times], x[times + 1:]):
+                product *= sum(bit << i for i, bit in enumerate(part))
+            out = [int(c) for c in reversed(bin(product)[2:])]
+        return out + [2] + [0] * (length - 1 - len(out))
+    if name == "compute_sqrt":
+        value = int("".join(map(str, x)), 2)
+        root = max(r for r in range(value + 1) if r * r <= value)  # slow: every candidate
+        return [int(c) for c in bin(root)[2:].zfill((length + 1) // 2)]
+    raise AssertionError(f"no reference for {name}")
+
+
+def split(example, task):
+    """(input symbols, output classes) read back from an example's ids."""
+    ids = example.ids.tolist()
+    symbols = VOCAB.symbols.tolist()
+    first = np.flatnonzero(example.answer)[0]
+    return [symbols.index(i) for i in ids[1:first]], [symbols.index(i) - OUTPUT_OFFSET for i in ids[first:]]
+
+
+def test_the_registry_holds_the_papers_tasks_at_their_levels():
+    levels = {name: Task.registry[name].level for name in TASKS}
+    assert levels == {"even_pairs": "R", "modular_arithmetic": "R", "parity_check": "R", "cycle_navigation": "R",
+                      "stack_manipulation": "DCF", "reverse_string": "DCF", "duplicate_string": "CS",
+                      "missing_duplicate": "CS", "odds_first": "CS", "binary_addition": "CS", "bucket_sort": "CS",
+                      "binary_multiplication": "CS", "compute_sqrt": "CS"}
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_every_answer_matches_the_reference_at_small_lengths(name):
+    mix = TaskMix({name: {}}, VOCAB)
+    task = mix.tasks[0]
+    for length in range(1, 13):
+        for index in range(25):
+            example = mix.example(length, 7, TRAIN, index)
+            x, y = split(example, task)
+            expected_inputs = length - (name == "modular_arithmetic" and length % 2 == 0)  # cut to an odd length
+            assert len(x) == expected_inputs and max(x) < task.inputs
+            assert y == reference(name, x, length), (name, length, x)
+            assert len(y) == task.output_length(length) == example.answer.sum()
+            scored = example.scored[example.answer].tolist()
+            if task.terminated:  # up to and with the terminator, nothing after it
+                end = y.index(task.outputs - 1)
+                assert scored == [True] * (end + 1) + [False] * (len(y) - end - 1)
+            else:
+                assert all(scored)
+            assert not example.scored[~example.answer].any()
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_examples_are_fixed_by_seed_split_index_and_length_and_vary_otherwise(name):
+    mix = TaskMix({name: {}}, VOCAB)
+    first = mix.example(9, 3, EVAL, 4)
+    assert np.array_equal(first.ids, mix.example(9, 3, EVAL, 4).ids)
+    inputs = {tuple(split(mix.example(9, 3, EVAL, i), None)[0]) for i in range(40)}
+    assert len(inputs) > 20  # 40 draws of an input of 9 symbols: almost all distinct
+    assert not np.array_equal(first.ids, mix.example(9, 3, TRAIN, 4).ids)
+
+
+def test_short_inputs_take_every_value():
+    """At length 3, uniform bits reach all 8 inputs, and the stack's split and the addition's split vary."""
+    for name in ("parity_check", "reverse_string", "odds_first"):
+        mix = TaskMix({name: {}}, VOCAB)
+        assert len({tuple(split(mix.example(3, 0, TRAIN, i), None)[0]) for i in range(200)}) == 8
+    stack = TaskMix({"stack_manipulation": {}}, VOCAB)
+    bottoms = {sum(s < 2 for s in split(stack.example(6, 0, TRAIN, i), None)[0][:5]) for i in range(200)}
+    assert {1, 5} <= bottoms  # initial stacks of 1 to length - 1 symbols
+
+
+def test_a_training_batch_has_one_input_length_drawn_uniformly_from_1_to_the_block_size():
+    dm = TokenDataModule(path=None, tasks={"reverse_string": {}}, block_size=40, micro_batch_size=4)
+    blank = torch.zeros(4, 41, dtype=torch.long)
+    lengths = []
+    for batch_number in range(400):
+        batch = dm.task_batch(blank, batch_number, rank=0, world_size=1)
+        n = int(batch["answer"][0].sum())  # reverse string: as many outputs as inputs
+        assert batch["tokens"].shape == (4, 1 + 2 * n) and (batch["answer"].sum(1) == n).all()
+        assert torch.equal(batch["loss_weight"], batch["answer"].float())
+        lengths.append(n)
+    assert set(lengths) == set(range(1, 41))
+    again = dm.task_batch(blank, 17, rank=0, world_size=1)  # a resumed run makes the same batch
+    other_rank = dm.task_batch(blank, 17, rank=1, world_size=2)
+    assert torch.equal(again["tokens"], dm.task_batch(blank, 17, rank=0, world_size=1)["tokens"])
+    assert other_rank["tokens"].shape == again["tokens"].shape and not torch.equal(other_rank["tokens"],
+                                                                                    again["tokens"])
+
+
+def test_per_token_accuracy_counts_the_output_up_to_its_terminator():
+    mix = TaskMix({"binary_addition": {}}, VOCAB)
+    examples = {t: mix.example(12, 0, EVAL, t) for t in range(4)}
+
+    def right_then_wrong_after_terminator(ids, answer):
+        predicted = ids[:, 1:].clone()
+        scored = torch.from_numpy(np.stack([examples[t].scored for t in range(4)]))[:, 1:]
+        predicted[answer & ~scored] = 0  # wrong, where nothing is scored
+        return predicted
+
+    [row] = task_grid(right_then_wrong_after_terminator, mix, [12], trials=4)
+    assert (row["accuracy"], row["correct"], row["scoring"]) == (1.0, 4, "per_token")
+
+    def first_output_wrong(ids, answer):
+        predicted = ids[:, 1:].clone()
+        first = answer.int().argmax(1)
+        predicted[torch.arange(len(ids)), first] = 0
+        return predicted
+
+    [row] = task_grid(first_output_wrong, mix, [12], trials=4)
+    scored = [examples[t].scored.sum() for t in range(4)]
+    assert row["correct"] == 0 and row["accuracy"] == pytest.approx(np.mean([1 - 1 / n for n in scored]))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(tasks={"reverse_string": {}, "parity_check": {}}),
+     "an algorithmic task trains alone; data.tasks names reverse_string, parity_check: give one"),
+    (dict(tasks={"reverse_string": {}}, path="data/pydocs-bpe4096"),
+     "task reverse_string is algorithmic: it trains alone, in the tasks' own vocabulary; set data.path null "
+     "(got 'data/pydocs-bpe4096')"),
+    (dict(tasks={"reverse_string": {"length": 3}}), "task reverse_string has no setting 'length' (its settings: none)"),
+])
+def test_impossible_settings_are_refused_in_one_line(settings, message):
+    with pytest.raises(ConfigError) as error:
+        TokenDataModule(**{"path": None, "block_size": 40, **settings})
+    assert str(error.value) == message
+
+
+def record(pe, seed, lr, length, accuracy, task="parity_check"):
+    return TaskRecord(pe=pe, train_length=40, step=10, run_seed=seed, lr=lr, task=task, length=length, depth=None,
+                      accuracy=accuracy, trials=8, correct=0, scoring="per_token")
+
+
+def test_the_report_scores_the_lengths_above_training_with_mean_interval_and_max_over_seeds():
+    rows = [record(pe, seed, lr, length, accuracy)
+            for pe, base in (("rope", 0.6), ("nope", 0.5)) for lr in (1e-4, 5e-4) for seed in (0, 1, 2)
+            for length, accuracy in ((40, 1.0), (41, base + 0.1 * seed), (80, base + 0.1 * seed - 0.1 * (lr > 2e-4)))]
+    scores = algorithmic_scores(rows)
+    assert scores["parity_check", ("rope", 40, 2, 1e-4)] == pytest.approx(0.8)  # length 40 is not a test length
+    table = algorithmic_table(rows).splitlines()
+    assert table[0] == ("| task | nope lr=0.0001 | nope lr=0.0005 | rope lr=0.0001 | rope lr=0.0005 | "
+                        "nope max over seeds and lrs | rope max over seeds and lrs |")
+    cells = [c.strip() for c in table[2].split("|")[2:-1]]
+    assert cells[2].startswith("70.0 [45.2, 94.8], max 80.0 (n=3)")  # rope at 1e-4: 60, 70, 80 over three seeds
+    assert cells[3].startswith("65.0 [") and cells[4:] == ["70.0", "80.0"]
+    table = algorithmic_table(rows + [record("alibi", 0, 1e-4, 41, None)]).splitlines()  # a length it cannot serve
+    header, cells = ([c.strip() for c in line.split("|")[2:-1]] for line in (table[0], table[2]))
+    assert cells[header.index("alibi lr=0.0001")] == cells[header.index("alibi max over seeds and lrs")] == "-"
+
+
+def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):
+    sweep_main(["--config", "configs/chomsky/base.yaml", "--config", "configs/chomsky/parity_check.yaml",
+                "--pes", "nope", "rope", "--seeds", "0", "1", "--lrs", "1e-4", "5e-4", "--experiment", "ch",
+                "--print-only"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8
+    assert sum("--experiment ch-lr0.0001 " in line and line.endswith("--model.init_args.lr 0.0001")
+               for line in lines) == 4
+    with pytest.raises(SystemExit):
+        sweep_main(["--config", "a.yaml", "--pes", "nope", "--lrs", "fast", "--print-only"])
+    assert "a learning rate is a positive number, got 'fast'" in capsys.readouterr().err
+
+
+def chomsky_batch(dm):
+    return dm.task_batch(torch.zeros(2, 41, dtype=torch.long), batch_number=3, rank=0, world_size=1)
+
+
+READERS = [name for name in available() if encoding_class(name).module.reads_positions is True]
+
+
+@pytest.mark.parametrize("pe", READERS)
+def test_randomized_positions_train_and_evaluate_with_every_encoding_that_reads_positions(pe):
+    layout = {"positions": "randomized", "position_range": 256}
+    dm = TokenDataModule(path=None, tasks={"odds_first": {}}, block_size=40, micro_batch_size=2, layout=layout)
+    torch.manual_seed(0)
+    settings = encoding_class(pe)(max_positions=256) if pe == "learnable" else pe  # a table must hold the range
+    model = MaskedLM(BackboneConfig(preset="bert-base", pos_encoding=settings, n_layer=1, n_head=2, n_embd=32),
+                     data=dm.describe())
+    seen = []
+    hidden = model.backbone.hidden_states
+    model.backbone.hidden_states = lambda ids, *a, layout=None, **k: seen.append(layout) or hidden(ids, layout=layout)
+    loss, _ = model.batch_loss(chomsky_batch(dm))
+    assert torch.isfinite(loss)
+    trained = seen[-1].positions
+    assert (trained.diff(dim=-1) > 0).all() and trained.max() < 256 and trained.max() >= trained.shape[1]
+    model.eval()
+    with torch.no_grad():
+        first = task_grid(model.task_predictions(), dm.tasks, [60], trials=2)
+        asked = seen[-1].positions
+        again = task_grid(model.task_predictions(), dm.tasks, [60], trials=2)
+    # evaluation draws positions from the training range too (Ruoss et al.), the same at every evaluation
+    assert asked.shape[1] == 120 and (asked.diff(dim=-1) > 0).all() and asked.max() < 256
+    assert not torch.equal(asked[0], torch.arange(120)) and torch.equal(seen[-1].positions, asked)
+    assert first == again
+
+
+def test_encodings_that_read_no_positions_refuse_randomized_ones_in_one_line():
+    dm = TokenDataModule(path=None, tasks={"odds_first": {}}, block_size=40,
+                         layout={"positions": "randomized", "position_range": 256})
+    with pytest.raises(ConfigError) as error:
+        MaskedLM(BackboneConfig(preset="bert-base", pos_encoding="nope", n_layer=1, n_head=2, n_embd=32),
+                 data=dm.describe())
+    assert str(error.value).startswith("data.layout.positions=randomized changes nothing for nope: it reads no "
+                                       "position indices") and "\n" not in str(error.value)
+
+
+def test_a_fit_reports_accuracy_by_length_and_the_score(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    main(["fit", "--config", "configs/chomsky/base.yaml", "--config", "configs/chomsky/stack_manipulation.yaml",
+          "--runs_dir", str(tmp_path), "--trainer.max_steps", "2", "--checkpoint.every_n_train_steps", "2",
+          "--data.micro_batch_size", "4", "--data.eval_tokens", "64", "--task_eval.lengths", "[20, 40, 41, 60]",
+          "--task_eval.trials", "2", "--model.init_args.backbone.n_layer", "1",
+          "--model.init_args.backbone.pos_encoding", "rope", "--trainer.enable_progress_bar", "false",
+          "--trainer.enable_model_summary", "false"])
+    out = capsys.readouterr().out
+    assert "stack_manipulation score (rope, per-token accuracy over the 2 evaluated lengths 41-60): " in out
+    [path] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == TaskRecord.FILE]
+    rows = [json.loads(line) for line in open(path)]
+    assert [(r["length"], r["scoring"], r["lr"], r["train_length"]) for r in rows] == [
+        (n, "per_token", 5e-4, 40) for n in (20, 40, 41, 60)]
+
+
+def test_an_evaluation_longer_than_the_randomized_range_is_refused_before_training():
+    from types import SimpleNamespace
+
+    from cable_lightning.callbacks.task_eval import TaskAccuracy
+    from cable_lightning.data.layouts import TrainingLayout
+
+    dm = TokenDataModule(path=None, tasks={"duplicate_string": {}}, block_size=40)
+    module = SimpleNamespace(layout=TrainingLayout(positions="randomized", position_range=1024))
+    trainer = SimpleNamespace(datamodule=dm)
+    TaskAccuracy(lengths=[40, 341]).setup(trainer, module, "fit")  # 3 x 341 = 1023 tokens fit
+    with pytest.raises(ConfigError) as error:
+        TaskAccuracy(lengths=[40, 342]).setup(trainer, module, "fit")
+    assert str(error.value) == ("task duplicate_string at evaluation length 342 reads 1026 tokens, more than "
+                                "data.layout.position_range 1024 randomized positions; raise it to >= 1026 or "
+                                "evaluate shorter lengths")
