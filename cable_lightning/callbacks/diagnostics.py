@@ -225,6 +225,6 @@ def increment_summary(pe: str, length: int, inputs: str, increments: list[Increm
         parts.append("no per-token increments")
     pair = [p for p in pairs if p.length == length]
     if pair:
-        parts.append(f"answer 1 vs 2 final hidden states: relative difference {pair[0].difference_mean:.4f} "
-                     f"(min {pair[0].difference_min:.4f})")
+        parts.append(f"answer 1 vs 2 final hidden states: relative difference {pair[0].difference_mean:.3g} "
+                     f"(min {pair[0].difference_min:.3g})")
     return f"increments ({pe}, length {length}, {inputs}): " + "; ".join(parts)
