@@ -151,14 +151,18 @@ def panels_figure(cells: Cells, title: str, ylabel: str, train_lengths: set[int]
     groups = sorted({where for (where, _), _ in cells}, key=lambda w: row_order((w, 0)))
     encodings = sorted({c for _, c in cells})
     fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups) + 1, 3.6), squeeze=False, sharey=share_y)
+    handles = {}
     for ax, where in zip(axes[0], groups):
-        for encoding in encodings:
+        for number, encoding in enumerate(encodings):
             points = sorted((length, e) for ((w, length), c), values in cells.items()
                             if w == where and c == encoding and (e := estimate(values)) is not None
                             and math.isfinite(e.mean))
             if not points:
                 continue
-            line, = ax.plot([x for x, _ in points], [e.mean for _, e in points], marker="o", label=encoding)
+            # one colour per encoding in every panel, whichever encodings a panel lacks
+            line, = ax.plot([x for x, _ in points], [e.mean for _, e in points], marker="o", label=encoding,
+                            color=f"C{number % 10}")
+            handles.setdefault(encoding, line)
             band = [(x, e.low, e.high) for x, e in points if e.low is not None]
             if band:
                 ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
@@ -168,7 +172,7 @@ def panels_figure(cells: Cells, title: str, ylabel: str, train_lengths: set[int]
         ax.set_title(where)
         ax.set_xlabel("evaluation length (tokens)")
     axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize="x-small")
+    axes[0][-1].legend(list(handles.values()), list(handles), fontsize="x-small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -220,8 +224,8 @@ def increment_cells(rows: list[IncrementRecord], quantity: str, figure: str) -> 
 
 def increments_report(paths: list[str], out: str) -> Optional[str]:
     """``<out>_increments.md/.csv`` and one figure ``<out>_increments.png`` (the share of zero increments at all
-    tokens, the mask and the answers per layer, and the answer pair's difference, against length); None when no run
-    recorded them."""
+    tokens and at a task's answers per layer, at the mask where there are none, and the answer pair's difference,
+    against length); None when no run recorded them."""
     rows = latest(record_files(paths, IncrementRecord.FILE), IncrementRecord,
                   lambda r: (r.length, r.layer, r.head, r.quantity, r.tokens))
     pairs = latest(record_files(paths, HiddenPairRecord.FILE), HiddenPairRecord, lambda r: r.length)
@@ -239,8 +243,9 @@ def increments_report(paths: list[str], out: str) -> Optional[str]:
     with open(f"{out}_increments.md", "w") as f:
         f.write(text + "\n")
     write_csv(f"{out}_increments.csv", tables)
-    shown = {key: v for key, v in tables.get("increment exactly 0, share of tokens", {}).items()
-             if key[0][0].split(":")[0] in ("all", "mask", "answer")}
+    zeros = tables.get("increment exactly 0, share of tokens", {})
+    pictured = ("all", "answer") if any(key[0][0].startswith("answer:") for key in zeros) else ("all", "mask")
+    shown = {key: v for key, v in zeros.items() if key[0][0].split(":")[0] in pictured}
     shown |= {(("answer pair: hidden difference", length), c): v
               for ((_, length), c), v in tables.get(PAIR_TABLE, {}).items()}
     panels_figure(shown, "share of increments exactly 0 (per set of tokens and layer); the answer pair's hidden "
