@@ -110,6 +110,34 @@ def configured_backbone(config) -> BackboneConfig:
     return BackboneConfig.from_dict(backbone.as_dict() if backbone is not None else {})
 
 
+SWITCH = "--model.init_args.backbone.pos_encoding"
+
+
+def carried_settings(args: list[str], encoding) -> Optional[str]:
+    """One line naming the settings of ``encoding`` (the parsed one) that a switch of ``pos_encoding`` on the command
+    line ``args`` carried over from an earlier config (jsonargparse keeps the earlier class's settings the new class
+    also has: a base config's ``bias_activation`` survives a switch to a CABLE variant): those that differ from the
+    new encoding's defaults and that the command line does not set itself. None without a switch or with nothing
+    carried."""
+    switched, given = None, set()
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key == SWITCH:
+            switched, given = value or (args[i + 1] if i + 1 < len(args) else None), set()
+        elif key.startswith(SWITCH + ".") and switched is not None:
+            given.add(key[len(SWITCH) + 1 :])
+    if switched is None or switched.rpartition(".")[2] != encoding.name:
+        return None
+    defaults = type(encoding)()
+    carried = [f"{f.name}={getattr(encoding, f.name)!r} (its default: {getattr(defaults, f.name)!r})"
+               for f in dataclasses.fields(encoding)
+               if f.name not in given and getattr(encoding, f.name) != getattr(defaults, f.name)]
+    if not carried:
+        return None
+    return (f"pos_encoding {encoding.name} (set on the command line) keeps settings of the earlier config: "
+            f"{', '.join(carried)}; set them after it ({SWITCH}.NAME VALUE) to change them")
+
+
 def run_folder(config) -> str:
     """``<runs_dir>/<experiment>/<encoding>``, and ``.../<encoding>/seed<N>`` with ``--folder_per_seed true`` (what
     ``sweep --seeds`` passes): TensorBoard versions and the checkpoints folder live under it. Named by the
@@ -329,7 +357,10 @@ class CableCLI(LightningCLI):
 
     def before_instantiate_classes(self):
         config = self.config[self.subcommand] if self.subcommand else self.config
-        configured_backbone(config)  # fail fast: every model setting is checked before the data is prepared
+        backbone = configured_backbone(config)  # fail fast: every model setting is checked before the data is prepared
+        carried = carried_settings(self._args if self._args is not None else sys.argv[1:], backbone.pos_encoding)
+        if carried:
+            print(carried, flush=True)
         if config.get("data") is not None:  # what training sees of a block, against the encoding (data/layouts.py)
             check_configured_layout(config.data.get("layout"), configured_backbone(config), config.data.block_size)
         if config.trainer.logger in (None, True):

@@ -205,6 +205,53 @@ class LongContextRecord(Record):
     hurt_loss_short: Optional[float]
 
 
+@dataclass(kw_only=True)
+class IncrementRecord(Record):
+    """One head's per-token quantity of a context-aware encoding (``PositionalEncoding.token_increments``: CABLE's
+    increment b and weight g, FoX's -log f, ...) over one set of ``tokens`` of the ``inputs`` read at one length
+    (``eval.diagnostics``, docs/diagnostics.md#increments): how many tokens, the share whose value is exactly 0, the
+    mean and nearest-rank quantiles."""
+
+    FILE: ClassVar[str] = "increments.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {
+        "length": (1, None), "layer": (0, None), "head": (0, None), "count": (1, None), "zero_share": (0, 1),
+        "examples": (1, None)}
+
+    length: int
+    inputs: str  # what was read: "windows" (the diagnostics' windows) or "task:<name>" (its evaluation examples)
+    examples: int
+    layer: int
+    head: int
+    quantity: str  # the encoding's own name for it: increment, weight, weight_right, ...
+    tokens: str  # all, mask, answer, marker, symbol, filler
+    count: int
+    zero_share: float
+    mean: float
+    p10: float
+    p50: float
+    p90: float
+
+
+@dataclass(kw_only=True)
+class HiddenPairRecord(Record):
+    """How far apart the final hidden states of two positions are, ||h_a - h_b|| / max(||h_a||, ||h_b||) per example
+    (0: the model cannot tell them apart): a task's first two answer positions, as the model reads them
+    (``eval.diagnostics``)."""
+
+    FILE: ClassVar[str] = "hidden_pairs.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {
+        "length": (1, None), "examples": (1, None), "difference_mean": (0, None), "difference_min": (0, None),
+        "difference_max": (0, None)}
+
+    length: int
+    inputs: str
+    pair: str  # which two positions: "answer 1, answer 2"
+    examples: int
+    difference_mean: float
+    difference_min: float
+    difference_max: float
+
+
 def format_value(value: float, digits: int = 2) -> str:
     """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
     model's perplexity would otherwise print hundreds of digits)."""

@@ -256,3 +256,41 @@ def test_validate_reads_an_earlier_versions_checkpoint_through_the_cli(tiny_corp
         assert cli.model.config.pos_encoding.label() == "dape_v2+cable"
         measured[name] = [(r.length, r.ppl) for r in cli.model.length_results]
     assert measured["legacy"] == measured["current"] and measured["current"][0][1] > 1
+
+
+@pytest.mark.parametrize("switch, extra, expected", [
+    ("cable_dir", [], "pos_encoding cable_dir (set on the command line) keeps settings of the earlier config: "
+                      "bias_activation='softplus' (its default: 'relu'); set them after it "
+                      "(--model.init_args.backbone.pos_encoding.NAME VALUE) to change them"),
+    ("cable_dir", ["--model.init_args.backbone.pos_encoding.bias_activation", "softplus"], None),  # set, not carried
+    ("alibi", [], None),  # no setting in common
+    # naming the config's own encoding again keeps its settings too, and says so
+    ("cable", [], "pos_encoding cable (set on the command line) keeps settings of the earlier config: "
+                  "bias_activation='softplus' (its default: 'relu'); set them after it "
+                  "(--model.init_args.backbone.pos_encoding.NAME VALUE) to change them"),
+])
+def test_a_switch_of_encoding_on_the_command_line_names_the_settings_it_carried_over(tmp_path, capsys, switch, extra,
+                                                                                      expected):
+    config = tmp_path / "base.yaml"
+    config.write_text(yaml.safe_dump({"model": {"class_path": "cable_lightning.lit.CausalLM", "init_args": {
+        "backbone": {"pos_encoding": {"class_path": "cable", "init_args": {"bias_activation": "softplus"}}}}}}))
+    # max_steps 0 stops the run in one line right after the config is checked, before any data is read
+    with pytest.raises(Exception, match="max_steps"):
+        main(["fit", "--config", str(config), "--model.init_args.backbone.pos_encoding", switch, *extra,
+              "--trainer.max_steps", "0", "--data.path", "null", "--data.tasks", '{"needle": {}}',
+              "--runs_dir", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "keeps settings" in line]
+    assert lines == ([expected] if expected else [])
+
+
+def test_t5s_bidirectional_bias_is_directional_as_probes_md_says():
+    """docs/probes.md: T5's bidirectional buckets are half per direction (not |i - j|): a key d tokens to the right
+    falls in another bucket than one d tokens to the left, so the learned bias can differ."""
+    from cable_lightning.positional.t5 import NUM_BUCKETS, relative_bucket
+
+    d = torch.arange(1, 200)
+    left, right = relative_bucket(d, causal=False), relative_bucket(-d, causal=False)
+    assert not set(left.tolist()) & set(right.tolist())
+    assert max(left.tolist()) < NUM_BUCKETS // 2 <= min(right.tolist())
+    text = open(os.path.join(ROOT, "docs", "probes.md")).read()
+    assert "T5 is not\n  symmetric: its bidirectional buckets are directional" in text

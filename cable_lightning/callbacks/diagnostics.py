@@ -1,7 +1,11 @@
 """Attention diagnostics at validations (docs/diagnostics.md): per layer and head, at every evaluation length,
 the entropy, distance, sink and locality of the weights attention applies and its largest logit
 (``<log_dir>/attention.jsonl``), and what the whole window gains over the training length on the tokens that need it
-(``<log_dir>/long_context.jsonl``); TensorBoard figures of each quantity against length, a line per layer.
+(``<log_dir>/long_context.jsonl``); TensorBoard figures of each quantity against length, a line per layer. For an
+encoding built on per-token increments (CABLE, its variants, FoX, DAPEv2 over them), their share of exact zeros and
+their distribution per layer, head and set of tokens (``<log_dir>/increments.jsonl``), and for a task run how far
+apart the final hidden states of its first two answer positions are (``<log_dir>/hidden_pairs.jsonl``, any
+encoding): docs/diagnostics.md#increments.
 
 A callback, so it runs at checkpoints' validations inside ``fit`` and on ``validate --ckpt_path FILE``: every
 ``validate``, the first and the last validation of a fit, and the others while their cost stays within ``budget``
@@ -16,15 +20,24 @@ import math
 from typing import Optional
 
 import lightning as L
+import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..data.windows import EvalWindows
 from ..errors import ConfigError
-from ..eval.diagnostics import DEFAULT_SINK, DEFAULT_THRESHOLD, QUANTITIES, diagnose
+from ..eval.diagnostics import (
+    DEFAULT_SINK,
+    DEFAULT_THRESHOLD,
+    QUANTITIES,
+    diagnose,
+    has_increments,
+    increment_diagnostics,
+)
 from ..figures import line_figure
 from ..positional import UnsupportedLengthError
-from ..records import AttentionRecord, LongContextRecord, append_records
+from ..records import AttentionRecord, HiddenPairRecord, IncrementRecord, LongContextRecord, append_records
+from ..tasks.generation import EVAL
 
 
 class AttentionDiagnostics(L.Callback):
@@ -33,13 +46,15 @@ class AttentionDiagnostics(L.Callback):
     training length advancing by ``short_stride`` (default a quarter of it), run ``batch_size`` at a time (default
     all of a length's in one forward). In a fit, a validation other than the first and the last runs them only while
     their seconds so far stay within ``budget`` times the length evaluations' (this one's included); ``budget``
-    None runs them at every validation."""
+    None runs them at every validation. The increments of a task run are read on its first task's first
+    ``examples`` evaluation examples per length, those of any other run on the windows."""
 
     def __init__(self, enabled: bool = True, windows: int = 2, sink: int = DEFAULT_SINK, local: Optional[int] = None,
                  threshold: float = DEFAULT_THRESHOLD, short_stride: Optional[int] = None,
-                 batch_size: Optional[int] = None, budget: Optional[float] = 0.5):
+                 batch_size: Optional[int] = None, budget: Optional[float] = 0.5, examples: int = 16):
         for name, value, low in (("windows", windows, 1), ("sink", sink, 1), ("local", local, 1),
-                                 ("short_stride", short_stride, 1), ("batch_size", batch_size, 1)):
+                                 ("short_stride", short_stride, 1), ("batch_size", batch_size, 1),
+                                 ("examples", examples, 1)):
             if value is not None and value < low:
                 raise ConfigError(f"diagnostics.{name} must be >= {low}, got {value}")
         if not threshold > 0:
@@ -49,8 +64,11 @@ class AttentionDiagnostics(L.Callback):
                               f"validation), got {budget}")
         self.enabled, self.windows, self.sink, self.local = enabled, windows, sink, local
         self.threshold, self.short_stride, self.batch_size, self.budget = threshold, short_stride, batch_size, budget
+        self.examples = examples
         self.attention: list[AttentionRecord] = []
         self.long_context: list[LongContextRecord] = []
+        self.increments: list[IncrementRecord] = []
+        self.pairs: list[HiddenPairRecord] = []
         self.spent = self.evaluated = 0.0  # seconds of this process's diagnostics and length evaluations
         self.runs = 0
 
@@ -78,7 +96,7 @@ class AttentionDiagnostics(L.Callback):
         evaluation = sum(r.seconds or 0.0 for r in pl_module.length_results)
         self.evaluated += evaluation
         final = trainer.state.fn != "fit" or 0 < trainer.max_steps <= trainer.global_step
-        self.attention, self.long_context = [], []
+        self.attention, self.long_context, self.increments, self.pairs = [], [], [], []
         if not self.due(final):
             print(f"attention diagnostics skipped at step {context['step']}: {self.spent:.1f} s so far against "
                   f"{self.evaluated:.1f} s of length evaluation, above the budget of {self.budget:g}x "
@@ -107,15 +125,59 @@ class AttentionDiagnostics(L.Callback):
                         **context, length=length, context=config.block_size, threshold=self.threshold,
                         stride=self.short_stride or max(1, config.block_size // 4), windows=found.windows,
                         **vars(found.gain)))
+                read = self.increment_inputs(trainer, pl_module, length, inputs)
+                if read is None:
+                    continue
+                name, read_ids, tokens, pair = read
+                measured = increment_diagnostics(backbone, read_ids, tokens, pair)
+                seconds += measured.seconds
+                where = dict(context, length=length, inputs=name, examples=len(read_ids))
+                self.increments += [IncrementRecord(**where, **row) for row in measured.increments]
+                if measured.pair is not None:
+                    self.pairs.append(HiddenPairRecord(**where, pair="answer 1, answer 2", **{
+                        f"difference_{k}": measured.pair[k] for k in ("mean", "min", "max")}))
+                print(increment_summary(context["pe"], length, name, self.increments, self.pairs), flush=True)
         finally:
             backbone.train(was_training)
-        append_records(log_dir, self.attention + self.long_context)
+        append_records(log_dir, self.attention + self.long_context + self.increments + self.pairs)
         self.spent, self.runs = self.spent + seconds, self.runs + 1
         print(f"attention diagnostics ({context['pe']}, step {context['step']}, {self.windows} windows per length): "
               f"{seconds:.1f} s, the length evaluation {evaluation:.1f} s", flush=True)
         experiment = getattr(trainer.logger, "experiment", None)
         if hasattr(experiment, "add_figure") and self.attention:
             self.log_figures(experiment, context)
+
+    def increment_inputs(self, trainer, pl_module, length: int, windows: torch.Tensor) -> Optional[tuple]:
+        """What the increment diagnostics read at ``length``: (its name, the inputs (B, L), the sets of tokens
+        (name -> (B, L) bool), the pair of positions or None). A task run's first task's first ``examples``
+        evaluation examples as the model reads them (the answer positions, the pair its first two, and the
+        vocabulary's markers, symbols and filler), another run's ``windows``; the mask token's positions for a
+        masked LM. None where there is nothing to measure: no increments and no pair."""
+        data, mask_id = trainer.datamodule, getattr(pl_module, "mask_id", None)
+        mix, pair = getattr(data, "tasks", None), None
+        if mix is not None:
+            task = mix.tasks[0]
+            examples = [mix.example(length + 1, data.seed, EVAL, i, task=task) for i in range(self.examples)]
+            ids = torch.from_numpy(np.stack([e.ids for e in examples])).to(pl_module.device)
+            answer = torch.from_numpy(np.stack([e.answer for e in examples]))[:, 1:].to(pl_module.device)
+            read, name = pl_module.task_inputs(ids, answer), f"task:{task.name}"
+            tokens = {"all": torch.ones_like(answer), "answer": answer}
+            if mix.vocab is not None:
+                roles = {"marker": list(mix.vocab.markers.values()), "symbol": mix.vocab.symbols,
+                         "filler": mix.vocab.filler}
+                tokens |= {role: torch.isin(read, torch.as_tensor(np.asarray(ids_), device=read.device))
+                           for role, ids_ in roles.items()}
+            if min(int(e.answer[1:].sum()) for e in examples) >= 2:
+                first_two = np.stack([np.flatnonzero(e.answer[1:])[:2] for e in examples])
+                pair = tuple(torch.from_numpy(first_two[:, k]).to(pl_module.device) for k in range(2))
+        else:
+            read, name = windows, "windows"
+            tokens = {"all": torch.ones_like(windows, dtype=torch.bool)}
+        if mask_id is not None:
+            tokens["mask"] = read == mask_id
+        if pair is None and not has_increments(pl_module.backbone):
+            return None
+        return name, read, tokens, pair
 
     def log_figures(self, experiment, context: dict) -> None:
         """One figure per quantity against length, a line per layer (the mean over heads; max_logit the maximum);
@@ -141,3 +203,28 @@ class AttentionDiagnostics(L.Callback):
                                       context["step"])
             if r.key_loss is not None and math.isfinite(r.key_loss):
                 experiment.add_scalar(f"long_context/key_loss/len_{r.length}", r.key_loss, context["step"])
+
+
+def increment_summary(pe: str, length: int, inputs: str, increments: list[IncrementRecord],
+                      pairs: list[HiddenPairRecord]) -> str:
+    """One line: per set of tokens, the share of increments exactly 0 per layer (the mean over heads) and the mean
+    weight; the pair's relative difference."""
+    rows = [r for r in increments if r.length == length]
+    parts = []
+    for tokens in dict.fromkeys(r.tokens for r in rows if r.tokens in ("all", "mask", "answer")):
+        layers = sorted({r.layer for r in rows})
+        shares = []
+        for layer in layers:
+            values = [r.zero_share for r in rows if r.quantity == "increment" and r.tokens == tokens
+                      and r.layer == layer]
+            shares.append(f"{sum(values) / len(values):.0%}" if values else "-")
+        weights = [r.mean for r in rows if r.quantity == "weight" and r.tokens == tokens]
+        weight = f", weight mean {sum(weights) / len(weights):.3f}" if weights else ""
+        parts.append(f"{tokens}: increment = 0 at {'/'.join(shares)} (layers {'/'.join(map(str, layers))}){weight}")
+    if not rows:
+        parts.append("no per-token increments")
+    pair = [p for p in pairs if p.length == length]
+    if pair:
+        parts.append(f"answer 1 vs 2 final hidden states: relative difference {pair[0].difference_mean:.3g} "
+                     f"(min {pair[0].difference_min:.3g})")
+    return f"increments ({pe}, length {length}, {inputs}): " + "; ".join(parts)

@@ -18,6 +18,13 @@ Shares and distances are averaged over the rows that put weight anywhere, over e
 computed one block at a time, so memory is O(rows x length), never O(length^2) per head; each layer's per-row values
 are reduced once and every length's read back to the host once (docs/diagnostics.md#cost).
 
+Context-aware increments (issue 53; docs/diagnostics.md#increments): for an encoding built on per-token quantities
+(CABLE's increment b and weight g, FoX's -log f; each encoding names its own through
+``PositionalEncoding.token_increments``, none for the others), per layer, head, quantity and set of tokens (all, the
+mask token, a task's answer positions, its markers, symbols and filler): the share of tokens whose value is exactly 0,
+the mean and nearest-rank quantiles; and the relative difference of the final hidden states at a task's first two
+answer positions (any encoding): 0 when the model cannot tell them apart.
+
 Tokens that need the long context (LongPPL's key tokens, Fang et al., 2025, with the model itself as the reference
 instead of a separate evaluator model): each target's loss with the whole window against its loss when the model sees
 at most the training length (sliding windows of the training length, :func:`short_context_nll`); a target past the
@@ -286,3 +293,89 @@ def diagnose(backbone, inputs: Tensor, targets: Tensor, train_length: int, sink:
         gain = context_gain(long_nll.float(), short, targets != -100, train_length, threshold)
     attention = stats.results()  # read back after everything else was queued: the time includes the device's
     return LengthDiagnostics(attention, gain, inputs.shape[0], time.perf_counter() - started)
+
+
+INCREMENT_FIGURES = ("count", "zero_share", "mean", "p10", "p50", "p90")  # per (layer, quantity, tokens, head)
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def has_increments(backbone) -> bool:
+    """Whether the backbone's encoding has per-token quantities (asked of the encoding itself, on one zero token)."""
+    h = torch.zeros(1, 1, backbone.config.n_embd, device=backbone.wte.weight.device)
+    return bool(backbone.pe.token_increments(h, 0))
+
+
+def selected_figures(values: Tensor, where: Tensor) -> Tensor:
+    """(6, H) of :data:`INCREMENT_FIGURES` over the tokens ``where`` (B, T) of ``values`` (B, H, T), on the device:
+    masks and a sort, not a boolean index (whose size a GPU would have to read back)."""
+    values = values.float().transpose(0, 1).flatten(1)  # (H, B*T)
+    where = where.flatten()[None, :].expand_as(values)
+    count = where.sum(-1).float()
+    zero = ((values == 0) & where).sum(-1) / count
+    mean = torch.where(where, values, 0.0).sum(-1) / count
+    ordered = torch.where(where, values, float("inf")).sort(-1).values
+    ranks = ((count[0] - 1).clamp(min=0) * torch.tensor(QUANTILES, device=values.device)).round().long()
+    return torch.cat([torch.stack([count, zero, mean]), ordered[:, ranks].T])
+
+
+def relative_difference(hidden: Tensor, first: Tensor, second: Tensor) -> Tensor:
+    """(B,) ||h_a - h_b|| / max(||h_a||, ||h_b||) of each row's final hidden states at positions ``first`` and
+    ``second`` (B,)."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    a, b = hidden[rows, first].float(), hidden[rows, second].float()
+    scale = torch.maximum(a.norm(dim=-1), b.norm(dim=-1)).clamp(min=torch.finfo(torch.float32).tiny)
+    return (a - b).norm(dim=-1) / scale
+
+
+@dataclass
+class IncrementDiagnostics:
+    """One length's increments: one dict per (layer, head, quantity, tokens) with :data:`INCREMENT_FIGURES` (sets
+    with no token left out), and the pair's relative differences (``examples``, ``mean``, ``min``, ``max``; None
+    without a pair)."""
+
+    increments: list[dict]
+    pair: Optional[dict]
+    seconds: float
+
+
+@torch.no_grad()
+def increment_diagnostics(backbone, inputs: Tensor, tokens: dict[str, Tensor],
+                          pair: Optional[tuple[Tensor, Tensor]] = None) -> IncrementDiagnostics:
+    """One forward of ``inputs`` (B, T) with every layer's per-token quantities (``token_increments`` of the
+    layer's normalised input, taken by a hook before its attention) reduced over each set of ``tokens`` (name ->
+    (B, T) bool), and the relative difference of the final hidden states at ``pair`` (first, second), positions
+    (B,) per row. Everything is read back at once."""
+    started = time.perf_counter()
+    found: list[tuple[int, str, str, Tensor]] = []
+
+    def hook(module, args):
+        h, pe = args[0], args[1]
+        for quantity, values in pe.token_increments(h, module.layer).items():
+            found.extend((module.layer, quantity, name, selected_figures(values, where))
+                         for name, where in tokens.items())
+
+    handles = [block.attn.register_forward_pre_hook(hook) for block in backbone.blocks]
+    try:
+        hidden = backbone.hidden_states(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    parts = [figures.flatten() for *_, figures in found]
+    if pair is not None:
+        difference = relative_difference(hidden, *pair)
+        parts.append(torch.stack([difference.mean(), difference.min(), difference.max()]))
+    held = torch.cat(parts).double().tolist() if parts else []  # the one read back
+    rows, at = [], 0
+    for layer, quantity, name, figures in found:
+        size = figures.numel()
+        values = torch.tensor(held[at : at + size]).view(figures.shape).T.tolist()  # (H, 6)
+        at += size
+        for head, numbers in enumerate(values):
+            if numbers[0] > 0:
+                rows.append({"layer": layer, "head": head, "quantity": quantity, "tokens": name,
+                             "count": int(numbers[0])} | {k: round(v, 6) for k, v in
+                                                          zip(INCREMENT_FIGURES[1:], numbers[1:])})
+    summary = None
+    if pair is not None:
+        summary = {"examples": inputs.shape[0]} | dict(zip(("mean", "min", "max"), (round(v, 6) for v in held[at:])))
+    return IncrementDiagnostics(rows, summary, time.perf_counter() - started)

@@ -10,7 +10,8 @@ heads (the maximum); a cell is the mean over the runs' seeds with a 95% Student-
 Written: ``<out>_attention.md/.csv``, ``<out>_attention_<quantity>.png`` (a panel per layer and one for all, a line
 per encoding with its interval band), and where causal runs recorded them ``<out>_long_context.md/.csv/.png`` (the key
 tokens: the targets past the training length whose loss the whole window lowers by the threshold, beside the
-perplexity of the same evaluation).
+perplexity of the same evaluation); where runs recorded the increments of a context-aware encoding or a task's answer
+pair, ``<out>_increments.md/.csv/.png`` (docs/diagnostics.md#increments).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ import math
 import os
 from typing import Callable, Optional
 
-from ..records import AttentionRecord, LengthRecord, LongContextRecord, Record, format_value, read_records
+from ..records import (
+    AttentionRecord,
+    HiddenPairRecord,
+    IncrementRecord,
+    LengthRecord,
+    LongContextRecord,
+    Record,
+    format_value,
+    read_records,
+)
 from .diagnostics import MAXIMA, QUANTITIES
 from .intervals import Estimate, seed_interval
 
@@ -141,14 +151,18 @@ def panels_figure(cells: Cells, title: str, ylabel: str, train_lengths: set[int]
     groups = sorted({where for (where, _), _ in cells}, key=lambda w: row_order((w, 0)))
     encodings = sorted({c for _, c in cells})
     fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups) + 1, 3.6), squeeze=False, sharey=share_y)
+    handles = {}
     for ax, where in zip(axes[0], groups):
-        for encoding in encodings:
+        for number, encoding in enumerate(encodings):
             points = sorted((length, e) for ((w, length), c), values in cells.items()
                             if w == where and c == encoding and (e := estimate(values)) is not None
                             and math.isfinite(e.mean))
             if not points:
                 continue
-            line, = ax.plot([x for x, _ in points], [e.mean for _, e in points], marker="o", label=encoding)
+            # one colour per encoding in every panel, whichever encodings a panel lacks
+            line, = ax.plot([x for x, _ in points], [e.mean for _, e in points], marker="o", label=encoding,
+                            color=f"C{number % 10}")
+            handles.setdefault(encoding, line)
             band = [(x, e.low, e.high) for x, e in points if e.low is not None]
             if band:
                 ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
@@ -158,7 +172,7 @@ def panels_figure(cells: Cells, title: str, ylabel: str, train_lengths: set[int]
         ax.set_title(where)
         ax.set_xlabel("evaluation length (tokens)")
     axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize="x-small")
+    axes[0][-1].legend(list(handles.values()), list(handles), fontsize="x-small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -183,6 +197,60 @@ def simple_cells(rows: list[Record], value: Callable) -> Cells:
     for r in rows:
         cells.setdefault((("all", r.length), column(r, several)), {})[r.run_seed] = value(r)
     return cells
+
+
+INCREMENT_TABLES = {  # table name -> (the encoding's quantity, the figure of it)
+    "increment exactly 0, share of tokens": ("increment", "zero_share"),
+    "increment, mean": ("increment", "mean"),
+    "increment, median": ("increment", "p50"),
+    "weight, mean": ("weight", "mean"),
+}
+PAIR_TABLE = "answer 1 vs answer 2: relative difference of the final hidden states"
+
+
+def increment_cells(rows: list[IncrementRecord], quantity: str, figure: str) -> Cells:
+    """(("<tokens>: layer N", length), encoding) -> {seed: the mean over the run's heads}."""
+    several = len({r.train_length for r in rows}) > 1
+    grouped: dict[tuple, list] = {}
+    for r in rows:
+        if r.quantity == quantity:
+            key = (column(r, several), r.run_seed, r.length, f"{r.tokens}: layer {r.layer}")
+            grouped.setdefault(key, []).append(getattr(r, figure))
+    cells: Cells = {}
+    for (encoding, seed, length, where), values in grouped.items():
+        cells.setdefault(((where, length), encoding), {})[seed] = sum(values) / len(values)
+    return cells
+
+
+def increments_report(paths: list[str], out: str) -> Optional[str]:
+    """``<out>_increments.md/.csv`` and one figure ``<out>_increments.png`` (the share of zero increments at all
+    tokens and at a task's answers per layer, at the mask where there are none, and the answer pair's difference,
+    against length); None when no run recorded them."""
+    rows = latest(record_files(paths, IncrementRecord.FILE), IncrementRecord,
+                  lambda r: (r.length, r.layer, r.head, r.quantity, r.tokens))
+    pairs = latest(record_files(paths, HiddenPairRecord.FILE), HiddenPairRecord, lambda r: r.length)
+    if not rows and not pairs:
+        return None
+    tables = {name: cells for name, (quantity, figure) in INCREMENT_TABLES.items()
+              if (cells := increment_cells(rows, quantity, figure))}
+    if pairs:
+        tables[PAIR_TABLE] = simple_cells(pairs, lambda r: r.difference_mean)
+    inputs = sorted({r.inputs for r in rows} | {r.inputs for r in pairs})
+    parts = [f"Context-aware increments (docs/diagnostics.md#increments), read on: {', '.join(inputs)}. Per run the "
+             "mean over heads; rows: the set of tokens and the layer."]
+    parts += [f"### {name}\n\n{markdown(cells)}\n\n{interval_note(cells)}" for name, cells in tables.items()]
+    text = "\n\n".join(parts)
+    with open(f"{out}_increments.md", "w") as f:
+        f.write(text + "\n")
+    write_csv(f"{out}_increments.csv", tables)
+    zeros = tables.get("increment exactly 0, share of tokens", {})
+    pictured = ("all", "answer") if any(key[0][0].startswith("answer:") for key in zeros) else ("all", "mask")
+    shown = {key: v for key, v in zeros.items() if key[0][0].split(":")[0] in pictured}
+    shown |= {(("answer pair: hidden difference", length), c): v
+              for ((_, length), c), v in tables.get(PAIR_TABLE, {}).items()}
+    panels_figure(shown, "share of increments exactly 0 (per set of tokens and layer); the answer pair's hidden "
+                  "difference", "", {r.train_length for r in rows + pairs}, f"{out}_increments.png", share_y=False)
+    return text
 
 
 def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
@@ -227,4 +295,7 @@ def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
         merged = {((name, length), c): v for name in shown for ((_, length), c), v in by_name[name].items()}
         panels_figure(merged, "tokens that need the long context", "", {r.train_length for r in gains},
                       f"{out}_long_context.png", share_y=False)
+    increments = increments_report(paths, out)
+    if increments is not None:
+        tables["increments"] = increments
     return tables

@@ -26,7 +26,7 @@ from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
 from ..records import LengthRecord, PositionRecord
-from ..tasks.scoring import Predict, argmax_predictions, masked_predictions
+from ..tasks.scoring import Predict, argmax_predictions, decoder_inputs, masked_inputs, masked_predictions
 from .checkpoint_format import saved_weights
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
 from .optim import build_optimizer
@@ -405,6 +405,10 @@ class CausalLM(LanguageModel):
         """How a task example is asked: the answer predicted after the question (:func:`argmax_predictions`)."""
         return argmax_predictions(self.backbone)
 
+    def task_inputs(self, ids: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        """What the model reads of task examples ``ids`` (B, L + 1) (:func:`decoder_inputs`)."""
+        return decoder_inputs(ids, answer)
+
 
 EVAL_MASK_SEED = 1_000_003  # the validation stream's fixed masking (position_draws)
 EVAL_POSITIONS_SEED = 1_000_033  # a task evaluation's randomized positions, for weights trained at randomized ones
@@ -490,3 +494,7 @@ class MaskedLM(LanguageModel):
             return Layout.build(*inputs.shape, inputs.device, positions=drawn)
 
         return masked_predictions(self.backbone, self.mask_id, layout=positions)
+
+    def task_inputs(self, ids: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        """What the model reads of task examples ``ids`` (B, L + 1) (:func:`masked_inputs`)."""
+        return masked_inputs(ids, answer, self.mask_id)

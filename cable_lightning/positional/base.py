@@ -384,6 +384,12 @@ class PositionalEncoding(nn.Module):
         ``state``: this layer's decoding cache (a dict the PE may extend) or None."""
         return None
 
+    def token_increments(self, h: Tensor, layer: int, layout: Layout | None = None) -> dict[str, Tensor]:
+        """The per-token quantities a context-aware bias is built from, for the increment diagnostics
+        (``eval.diagnostics``): name -> (B, H, T) at layer ``layer`` from its normalised input ``h``, ``increment``
+        the one summed along the tokens. Empty for an encoding with none: only the encoding knows its own."""
+        return {}
+
 
 class OverBase(PositionalEncoding):
     """The module of an encoding that works over another (``settings.base``: DAPEv2, SSMax): positions, layouts,
@@ -417,3 +423,6 @@ class OverBase(PositionalEncoding):
 
     def window(self, layer):
         return self.base.window(layer)
+
+    def token_increments(self, h, layer, layout=None):
+        return self.base.token_increments(h, layer, **with_layout(layout))

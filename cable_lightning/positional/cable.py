@@ -58,38 +58,58 @@ class CumulativeBias(PositionalEncoding):
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.weighted, self.kernel = settings.weighted, settings.kernel
-        outputs = 2 if self.weighted else 1
-        # One linear map per layer giving, per head, the bias logit (and the weight logit).
-        self.proj = nn.ModuleList(nn.Linear(config.n_embd, outputs * config.n_head, bias=settings.gate_offset)
+        self.activation = settings.token_bias()
+        # The per-token quantities, in the order of the projection's outputs: name -> the map from its logits.
+        self.maps = {"increment": self.activation} | ({"weight": F.softplus} if self.weighted else {})
+        self.maps |= self.extra_maps(settings, config)
+        # One linear map per layer giving, per head, each quantity's logit.
+        self.proj = nn.ModuleList(nn.Linear(config.n_embd, len(self.maps) * config.n_head, bias=settings.gate_offset)
                                   for _ in range(config.n_layer))
         for p in self.proj:
             nn.init.normal_(p.weight, std=0.02)
             if p.bias is not None:
                 nn.init.zeros_(p.bias)
-        self.activation = settings.token_bias()
 
     per_layer = ("proj",)
 
     reads_positions = False  # sums of per-token biases along the tokens, restarting at each document
 
-    def score_bias(self, h, layer, offset, state, layout=None):
-        # Cumulative sums run in fp32 (or wider): at 15k tokens bf16 would lose the small differences S_i - S_j.
+    def extra_maps(self, settings, config) -> dict:
+        """Per-token quantities a variant adds after the increment and the weight (none here)."""
+        return {}
+
+    def per_token(self, h: Tensor, layer: int) -> dict[str, Tensor]:
+        """Each quantity of :attr:`maps` (B, H, T) in fp32 or wider: at 15k tokens bf16 would lose the small
+        differences S_i - S_j of their sums."""
         proj = self.proj[layer]
         dtype = torch.promote_types(proj.weight.dtype, torch.float32)
         with torch.autocast(device_type=h.device.type, enabled=False):
             offsets = proj.bias.to(dtype) if proj.bias is not None else None
-            out = F.linear(h.to(dtype), proj.weight.to(dtype), offsets).transpose(1, 2)  # (B, outputs*H, T)
-            b = self.activation(out[:, : self.n_head])
-            g = F.softplus(out[:, self.n_head :]) if self.weighted else None
+            out = F.linear(h.to(dtype), proj.weight.to(dtype), offsets).transpose(1, 2)  # (B, quantities*H, T)
+            return {name: map_(part) for (name, map_), part in zip(self.maps.items(), out.split(self.n_head, dim=1))}
+
+    def token_increments(self, h, layer, layout=None):
+        return self.per_token(h, layer)
+
+    def sums(self, b: Tensor, offset: int, state: dict | None, layout=None, key: str = "cable_s"):
+        """(S for the queries, S for every key): cumulative sums of ``b`` along the tokens (restarting at each
+        document of a layout), continuing the cache's ``key``."""
+        with torch.autocast(device_type=b.device.type, enabled=False):
             s_q = torch.cumsum(b, dim=-1) if layout is None else layout.restart_sums(b)
             if offset:
-                s_q = s_q + state["cable_s"][..., -1:]
-                s_k = torch.cat([state["cable_s"], s_q], dim=-1)
+                s_q = s_q + state[key][..., -1:]
+                s_k = torch.cat([state[key], s_q], dim=-1)
             else:
                 s_k = s_q
             if state is not None:
-                state["cable_s"] = s_k
-        return CableBias(s_q, s_k, g, q_offset=offset, causal=self.causal, kernel=self.kernel, layout=layout)
+                state[key] = s_k
+        return s_q, s_k
+
+    def score_bias(self, h, layer, offset, state, layout=None):
+        found = self.per_token(h, layer)
+        s_q, s_k = self.sums(found["increment"], offset, state, layout)
+        return CableBias(s_q, s_k, found.get("weight"), q_offset=offset, causal=self.causal, kernel=self.kernel,
+                         layout=layout)
 
 
 @dataclass

@@ -83,6 +83,9 @@ class PerLayer(PositionalEncoding):
     def score_bias(self, h, layer, offset, state, layout=None):
         return self.parts[self.part_of[layer]].score_bias(h, self.local[layer], offset, state, **with_layout(layout))
 
+    def token_increments(self, h, layer, layout=None):
+        return self.parts[self.part_of[layer]].token_increments(h, self.local[layer], **with_layout(layout))
+
 
 @dataclass
 class layers(Encoding):

@@ -28,19 +28,30 @@ DEFAULT_THRESHOLD = 0.85  # RULER's: the accuracy a length must keep to count as
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def decoder_inputs(ids: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """What a decoder reads of examples ``ids`` (B, L + 1): ids[:, :-1]; position t predicts ids[:, t + 1], an answer
+    token where ``answer[:, t]``."""
+    return ids[:, :-1]
+
+
+def masked_inputs(ids: torch.Tensor, answer: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """What a masked LM reads: ids[:, 1:] with the answer tokens masked (the example's first token, filler, is
+    dropped so that it reads as many tokens as a decoder); position t predicts ids[:, t + 1]."""
+    return ids[:, 1:].masked_fill(answer, mask_id)
+
+
 def argmax_predictions(backbone, chunk: int = 512) -> Predict:
     """A decoder's most likely next token after each of ids[:, :-1]; the head runs ``chunk`` positions at a time."""
 
-    return lambda ids, answer: backbone.argmax_tokens(ids[:, :-1], chunk)
+    return lambda ids, answer: backbone.argmax_tokens(decoder_inputs(ids, answer), chunk)
 
 
 def masked_predictions(backbone, mask_id: int, chunk: int = 512, layout: Callable = lambda inputs: None) -> Predict:
-    """A masked LM's most likely token at each of ids[:, 1:], read with the answer tokens masked (the example's first
-    token, filler, is dropped so that it reads as many tokens as a decoder); ``layout(inputs)``: the positions it
-    reads them at (None: 0, 1, 2, ...)."""
+    """A masked LM's most likely token at each position, read as :func:`masked_inputs`; ``layout(inputs)``: the
+    positions it reads them at (None: 0, 1, 2, ...)."""
 
     def predict(ids, answer):
-        inputs = ids[:, 1:].masked_fill(answer, mask_id)
+        inputs = masked_inputs(ids, answer, mask_id)
         return backbone.argmax_tokens(inputs, chunk, layout=layout(inputs))
 
     return predict
