@@ -151,12 +151,13 @@ class AttentionDiagnostics(L.Callback):
         """What the increment diagnostics read at ``length``: (its name, the inputs (B, L), the sets of tokens
         (name -> (B, L) bool), the pair of positions or None). A task run's first task's first ``examples``
         evaluation examples as the model reads them (the answer positions, the pair its first two, and the
-        vocabulary's markers, symbols and filler), another run's ``windows``; the mask token's positions for a
-        masked LM. None where there is nothing to measure: no increments and no pair."""
+        vocabulary's markers, symbols and filler) where the task fits ``length``, else the ``windows``; the mask
+        token's positions for a masked LM. None where there is nothing to measure: no increments and no pair."""
         data, mask_id = trainer.datamodule, getattr(pl_module, "mask_id", None)
         mix, pair = getattr(data, "tasks", None), None
-        if mix is not None:
-            task = mix.tasks[0]
+        task = mix.tasks[0] if mix is not None else None
+        shortest = task.fixed_tokens(mix.vocab) if task is not None else None
+        if task is not None and (shortest is None or length >= shortest):  # else the windows (a passkey at 32)
             examples = [mix.example(length + 1, data.seed, EVAL, i, task=task) for i in range(self.examples)]
             ids = torch.from_numpy(np.stack([e.ids for e in examples])).to(pl_module.device)
             answer = torch.from_numpy(np.stack([e.answer for e in examples]))[:, 1:].to(pl_module.device)
