@@ -6,20 +6,13 @@ and fold). Export, layouts, cached decoding and the backends run for it through 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_context_aware import randomised
 
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import build_positional
 from cable_lightning.positional.cable_dir import cable_dir
 
 HEADS, WIDTH = 2, 16
-
-
-def randomised(module, scale=0.3, seed=0):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return module
 
 
 def config(pe, causal=False, **overrides):
