@@ -3,14 +3,23 @@ to zero reads as such, the figures against a slow reference, the answer pair's h
 an encoder checkpoint prints and records, and the report's tables and figure."""
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from cable_lightning.callbacks.diagnostics import AttentionDiagnostics
 from cable_lightning.cli import main
-from cable_lightning.eval.diagnostics import has_increments, increment_diagnostics, selected_figures
+from cable_lightning.data.datamodule import TokenDataModule
+from cable_lightning.eval.diagnostics import (
+    has_increments,
+    increment_diagnostics,
+    relative_difference,
+    selected_figures,
+)
 from cable_lightning.eval.diagnostics_report import diagnostics_report
+from cable_lightning.lit import MaskedLM
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
 from cable_lightning.records import HiddenPairRecord, IncrementRecord, append_records, read_records
@@ -72,6 +81,27 @@ def test_only_encodings_with_increments_say_they_have_them():
     names = {r["quantity"] for r in increment_diagnostics(encoder("cable_dir"), masked_rows()[0],
                                                            {"all": torch.ones(4, 12, dtype=torch.bool)}).increments}
     assert names == {"increment", "weight", "weight_right"}
+
+
+def test_a_run_trained_at_randomized_positions_is_diagnosed_at_the_positions_its_tasks_are_read_at():
+    layout = {"positions": "randomized", "position_range": 256}
+    dm = TokenDataModule(path=None, tasks={"reverse_string": {}}, block_size=40, micro_batch_size=2, layout=layout)
+    torch.manual_seed(0)
+    model = MaskedLM(BackboneConfig(preset="bert-base", pos_encoding="rope", n_layer=1, n_head=2, n_embd=32),
+                     data=dm.describe()).eval()
+    name, read, tokens, pair, positions = AttentionDiagnostics(examples=3).increment_inputs(
+        SimpleNamespace(datamodule=dm), model, 60, windows=None)
+    assert name == "task:reverse_string" and len(read) == 3 and read.shape[1] > 120  # 60 symbols, 60 masks
+    drawn = positions.positions
+    assert (drawn.diff(dim=-1) > 0).all() and drawn.max() < 256
+    assert not torch.equal(drawn[0], torch.arange(read.shape[1]))
+    assert torch.equal(drawn, model.task_layout()(read).positions)  # a fixed draw: what the task evaluation reads
+    found = increment_diagnostics(model.backbone, read, tokens, pair, positions)
+    with torch.no_grad():
+        expected = relative_difference(model.backbone.hidden_states(read, layout=positions), *pair).mean().item()
+        contiguous = relative_difference(model.backbone.hidden_states(read), *pair).mean().item()
+    assert found.pair["mean"] == pytest.approx(expected, rel=1e-2)  # recorded to 3 significant figures
+    assert abs(contiguous - expected) > 0.1 * expected  # the positions matter to RoPE: the old reading differed
 
 
 def test_figures_against_a_slow_reference():

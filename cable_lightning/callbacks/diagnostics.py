@@ -128,8 +128,8 @@ class AttentionDiagnostics(L.Callback):
                 read = self.increment_inputs(trainer, pl_module, length, inputs)
                 if read is None:
                     continue
-                name, read_ids, tokens, pair = read
-                measured = increment_diagnostics(backbone, read_ids, tokens, pair)
+                name, read_ids, tokens, pair, layout = read
+                measured = increment_diagnostics(backbone, read_ids, tokens, pair, layout)
                 seconds += measured.seconds
                 where = dict(context, length=length, inputs=name, examples=len(read_ids))
                 self.increments += [IncrementRecord(**where, **row) for row in measured.increments]
@@ -149,12 +149,13 @@ class AttentionDiagnostics(L.Callback):
 
     def increment_inputs(self, trainer, pl_module, length: int, windows: torch.Tensor) -> Optional[tuple]:
         """What the increment diagnostics read at ``length``: (its name, the inputs (B, L), the sets of tokens
-        (name -> (B, L) bool), the pair of positions or None). A task run's first task's first ``examples``
-        evaluation examples as the model reads them (the answer positions, the pair its first two, and the
-        vocabulary's markers, symbols and filler) where the task fits ``length``, else the ``windows``; the mask
+        (name -> (B, L) bool), the pair of positions or None, their Layout or None). A task run's first task's first
+        ``examples`` evaluation examples as the model reads them (at the positions its task evaluation reads them,
+        the answer positions, the pair its first two, and the vocabulary's markers, symbols and filler) where the
+        task fits ``length``, else the ``windows`` at 0, 1, 2, ... as the length evaluation reads them; the mask
         token's positions for a masked LM. None where there is nothing to measure: no increments and no pair."""
         data, mask_id = trainer.datamodule, getattr(pl_module, "mask_id", None)
-        mix, pair = getattr(data, "tasks", None), None
+        mix, pair, layout = getattr(data, "tasks", None), None, None
         task = mix.tasks[0] if mix is not None else None
         shortest = task.fixed_tokens(mix.vocab) if task is not None else None
         if task is not None and (shortest is None or length >= shortest):  # else the windows (a passkey at 32)
@@ -162,6 +163,7 @@ class AttentionDiagnostics(L.Callback):
             ids = torch.from_numpy(np.stack([e.ids for e in examples])).to(pl_module.device)
             answer = torch.from_numpy(np.stack([e.answer for e in examples]))[:, 1:].to(pl_module.device)
             read, name = pl_module.task_inputs(ids, answer), f"task:{task.name}"
+            layout = pl_module.task_layout()(read)
             tokens = {"all": torch.ones_like(answer), "answer": answer}
             if mix.vocab is not None:
                 roles = {"marker": list(mix.vocab.markers.values()), "symbol": mix.vocab.symbols,
@@ -178,7 +180,7 @@ class AttentionDiagnostics(L.Callback):
             tokens["mask"] = read == mask_id
         if pair is None and not has_increments(pl_module.backbone):
             return None
-        return name, read, tokens, pair
+        return name, read, tokens, pair, layout
 
     def log_figures(self, experiment, context: dict) -> None:
         """One figure per quantity against length, a line per layer (the mean over heads; max_logit the maximum);

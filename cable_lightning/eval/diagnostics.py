@@ -340,11 +340,11 @@ class IncrementDiagnostics:
 
 @torch.no_grad()
 def increment_diagnostics(backbone, inputs: Tensor, tokens: dict[str, Tensor],
-                          pair: Optional[tuple[Tensor, Tensor]] = None) -> IncrementDiagnostics:
+                          pair: Optional[tuple[Tensor, Tensor]] = None, layout=None) -> IncrementDiagnostics:
     """One forward of ``inputs`` (B, T) with every layer's per-token quantities (``token_increments`` of the
     layer's normalised input, taken by a hook before its attention) reduced over each set of ``tokens`` (name ->
     (B, T) bool), and the relative difference of the final hidden states at ``pair`` (first, second), positions
-    (B,) per row. Everything is read back at once."""
+    (B,) per row; ``layout``: the inputs' positions (None: 0, 1, 2, ...). Everything is read back at once."""
     started = time.perf_counter()
     found: list[tuple[int, str, str, Tensor]] = []
 
@@ -356,7 +356,7 @@ def increment_diagnostics(backbone, inputs: Tensor, tokens: dict[str, Tensor],
 
     handles = [block.attn.register_forward_pre_hook(hook) for block in backbone.blocks]
     try:
-        hidden = backbone.hidden_states(inputs)
+        hidden = backbone.hidden_states(inputs, layout=layout)
     finally:
         for handle in handles:
             handle.remove()

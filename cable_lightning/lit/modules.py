@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import replace
 from functools import cached_property
-from typing import Optional
+from typing import Callable, Optional
 
 import lightning as L
 import torch
@@ -409,6 +409,10 @@ class CausalLM(LanguageModel):
         """What the model reads of task examples ``ids`` (B, L + 1) (:func:`decoder_inputs`)."""
         return decoder_inputs(ids, answer)
 
+    def task_layout(self) -> Callable[[torch.Tensor], Optional[Layout]]:
+        """The positions task inputs are read at: 0, 1, 2, ... (None)."""
+        return lambda inputs: None
+
 
 EVAL_MASK_SEED = 1_000_003  # the validation stream's fixed masking (position_draws)
 EVAL_POSITIONS_SEED = 1_000_033  # a task evaluation's randomized positions, for weights trained at randomized ones
@@ -480,12 +484,17 @@ class MaskedLM(LanguageModel):
         return weighted_loss(nll, torch.where(labels == IGNORE_INDEX, 0.0, weight)), inputs
 
     def task_predictions(self) -> Predict:
-        """How a task example is asked: every answer token masked and filled in at once (:func:`masked_predictions`).
-        Weights trained at randomized positions read it at randomized positions from the same range too, as Ruoss et
-        al. test them (drawn from a fixed seed: every evaluation draws the same)."""
+        """How a task example is asked: every answer token masked and filled in at once (:func:`masked_predictions`),
+        at the positions of :meth:`task_layout`."""
+        return masked_predictions(self.backbone, self.mask_id, layout=self.task_layout())
+
+    def task_layout(self) -> Callable[[torch.Tensor], Optional[Layout]]:
+        """The positions task inputs are read at (inputs -> Layout, None: 0, 1, 2, ...). Weights trained at
+        randomized positions read them at randomized positions from the same range, as Ruoss et al. test them: a
+        fresh generator from a fixed seed, so every evaluation (and the diagnostics) draws the same."""
         layout = self.trained_layout or self.layout
         if layout.positions != "randomized":
-            return masked_predictions(self.backbone, self.mask_id)
+            return lambda inputs: None
         generator = torch.Generator().manual_seed(EVAL_POSITIONS_SEED)
 
         def positions(inputs):
@@ -493,7 +502,7 @@ class MaskedLM(LanguageModel):
             drawn = randomized_positions(contiguous, layout.position_range, generator)
             return Layout.build(*inputs.shape, inputs.device, positions=drawn)
 
-        return masked_predictions(self.backbone, self.mask_id, layout=positions)
+        return positions
 
     def task_inputs(self, ids: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
         """What the model reads of task examples ``ids`` (B, L + 1) (:func:`masked_inputs`)."""
