@@ -313,3 +313,12 @@ def test_an_evaluation_longer_than_the_randomized_range_is_refused_before_traini
     assert str(error.value) == ("task duplicate_string at evaluation length 342 reads 1026 tokens, more than "
                                 "data.layout.position_range 1024 randomized positions; raise it to >= 1026 or "
                                 "evaluate shorter lengths")
+
+
+def test_records_written_before_runs_carried_their_learning_rate_join_the_runs_that_name_one():
+    rows = [record("rope", seed, lr, length, 0.5 + 0.1 * seed)
+            for seed, lr in ((0, None), (1, 1e-3), (2, 1e-3)) for length in (40, 41)]
+    table = algorithmic_table(rows).splitlines()
+    assert table[0] == "| task | rope |" and table[2].startswith("| parity_check | 60.0 [") and "(n=3)" in table[2]
+    table = algorithmic_table(rows + [record("rope", 0, 1e-4, 41, 0.3)]).splitlines()  # rates differ: named
+    assert table[0].startswith("| task | rope | rope lr=0.0001 | rope lr=0.001 |")

@@ -99,8 +99,9 @@ def column_name(pe: str, train_length: int, several_lengths: bool, lr: Optional[
 
 
 def differing(rows: list[Record]) -> tuple[bool, bool]:
-    """Whether the rows' runs differ in training length, and in learning rate (then columns name them)."""
-    return len({r.train_length for r in rows}) > 1, len({r.lr for r in rows}) > 1
+    """Whether the rows' runs differ in training length, and in learning rate (then columns name them). A record
+    written before runs carried their rate (lr None) differs from none: it joins the runs that name one."""
+    return len({r.train_length for r in rows}) > 1, len({r.lr for r in rows if r.lr is not None}) > 1
 
 
 def run_column(r: Record, differ: tuple[bool, bool]) -> str:
