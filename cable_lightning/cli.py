@@ -362,7 +362,7 @@ class CableCLI(LightningCLI):
         if carried:
             print(carried, flush=True)
         if config.get("data") is not None:  # what training sees of a block, against the encoding (data/layouts.py)
-            check_configured_layout(config.data.get("layout"), configured_backbone(config), config.data.block_size)
+            check_configured_layout(config.data.get("layout"), backbone, config.data.block_size)
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
