@@ -184,3 +184,32 @@ def test_a_run_past_the_limit_warns_once_and_gives_the_same_numbers(recorded_fle
         torch.testing.assert_close(out, model.hidden_states(ids))
     mine = [w for w in caught if "FlexAttention hit Dynamo's recompile limit (2" in str(w.message)]
     assert len(mine) == 1 and "\n" not in str(mine[0].message), [str(w.message) for w in caught]
+
+
+def test_flex_trains_on_cuda_with_tiles_that_fit_its_shared_memory_and_evaluates_with_inductors_own(monkeypatch):
+    """Inductor's default tiles for a compiled training block that reads a position table asked an H100 for 245,760
+    bytes of shared memory (it has 232,448), and the fit failed; ``FLEX_TRAIN_KERNEL_OPTIONS`` compiled and trained
+    there. Where FlexAttention runs compiled (CUDA; here the CPU stands in, the kernel recorded), a step with a gradient
+    asks for those tiles and an evaluation leaves the choice to inductor; uncompiled FlexAttention (the CPU) gets none."""
+    q = torch.randn(1, HEADS, 32, WIDTH // HEADS)
+    pe = tiny_pe("kerple_log", causal=True)
+    calls = []
+
+    def recording_kernel(device):
+        def run(*args, **kwargs):
+            calls.append(kwargs["kernel_options"])
+            return flex_module.flex_attention(*args, **kwargs)
+        return run
+
+    def run_flex(grad):
+        with torch.set_grad_enabled(grad):
+            attn_mod._flex(q, q, q, pe.score_bias(torch.zeros(1, 32, WIDTH), 0, 0, None), True, 0)
+
+    monkeypatch.setattr(attn_mod, "flex_kernel", recording_kernel)
+    run_flex(grad=True)
+    assert calls == [None]  # the CPU: FlexAttention is not compiled there
+    monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    run_flex(grad=True)
+    run_flex(grad=False)
+    assert calls[1:] == [attn_mod.FLEX_TRAIN_KERNEL_OPTIONS, None]
+    assert calls[1] is not attn_mod.FLEX_TRAIN_KERNEL_OPTIONS  # a copy: a kernel cannot change the project's tiles

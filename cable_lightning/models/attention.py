@@ -62,6 +62,12 @@ FLEX_BACKEND = "inductor"
 FLEX_DEVICES = ("cuda",)  # where FlexAttention runs compiled (the CPU build's flex is forward only: eager there)
 _compiled_flex: dict = {}  # grad enabled -> FlexAttention compiled for it
 _warned_flex_fallback = False
+# The tile sizes FlexAttention trains with on CUDA. Inductor's defaults for a compiled block whose score_mod reads a
+# position table (KERPLE-log, FIRE, gpt2-small, 1024 tokens, bf16) asked for 245,760 bytes of shared memory on an
+# H100, which has 232,448: "No valid triton configs", and the fit failed (gpu-check, 2026-11-27). With these tiles the
+# same step compiled and ran, 48.8 ms against NoPE's 28.4 (tools/gpu/results-2026-11-27). Evaluation keeps inductor's
+# choice: its kernels compiled with it on the same card.
+FLEX_TRAIN_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
 # The most entries (heads x positions^2, fp32: 256 MiB) of the table a positional bias is read from in a FlexAttention
 # training step (flex_score_mod); a longer training length computes the bias at each score instead.
 FLEX_TABLE_ELEMENTS = 2**26
@@ -479,4 +485,11 @@ def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None, block_ma
         block_mask = flex_block_mask(tq, tk, q_offset, causal, window, documents, q.device)
     extent = bias.layout.extent if bias is not None and bias.layout is not None else tk
     score_mod = flex_score_mod(bias, q.shape[1], extent, q.device)
-    return flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    options = flex_kernel_options(q.device, torch.is_grad_enabled())
+    return flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+
+
+def flex_kernel_options(device: torch.device, grad: bool) -> dict | None:
+    """The tiles FlexAttention runs with: :data:`FLEX_TRAIN_KERNEL_OPTIONS` where it trains on CUDA (inductor's own
+    choice asked for more shared memory than an H100 has), inductor's choice elsewhere."""
+    return dict(FLEX_TRAIN_KERNEL_OPTIONS) if grad and device.type in FLEX_DEVICES else None
