@@ -59,6 +59,18 @@ class NanGradientsAt(L.Callback):
             next(pl_module.parameters()).grad.fill_(float("nan"))
 
 
+class StateAtStepEnd(L.Callback):
+    """The weights and the optimizer's step counts at each training batch's end, by global step, in ``seen`` (a
+    class attribute: the CLI builds the instance). Runs before the checkpoint callback, which Lightning puts last."""
+
+    seen: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        counts = [float(state["step"]) for state in trainer.optimizers[0].state.values() if "step" in state]
+        weights = {name: value.detach().clone() for name, value in pl_module.state_dict().items()}
+        StateAtStepEnd.seen[trainer.global_step] = (weights, counts)
+
+
 class Warns(L.Callback):
     """Warns once at the start of training, as a user's own code might: the console must still show it."""
 

@@ -189,8 +189,9 @@ def test_a_run_past_the_limit_warns_once_and_gives_the_same_numbers(recorded_fle
 def test_flex_trains_on_cuda_with_tiles_that_fit_its_shared_memory_and_evaluates_with_inductors_own(monkeypatch):
     """Inductor's default tiles for a compiled training block that reads a position table asked an H100 for 245,760
     bytes of shared memory (it has 232,448), and the fit failed; ``FLEX_TRAIN_KERNEL_OPTIONS`` compiled and trained
-    there. Where FlexAttention runs compiled (CUDA; here the CPU stands in, the kernel recorded), a step with a gradient
-    asks for those tiles and an evaluation leaves the choice to inductor; uncompiled FlexAttention (the CPU) gets none."""
+    there. Where FlexAttention runs compiled (CUDA; here the CPU stands in, the kernel recorded), a step with a
+    gradient asks for those tiles and an evaluation leaves the choice to inductor; uncompiled FlexAttention (the CPU)
+    gets none."""
     q = torch.randn(1, HEADS, 32, WIDTH // HEADS)
     pe = tiny_pe("kerple_log", causal=True)
     calls = []

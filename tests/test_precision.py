@@ -140,7 +140,7 @@ def test_a_compiled_fit_holds_through_validations_at_several_lengths(tiny_corpus
 def test_a_training_step_never_reads_back_to_the_host(name):
     """Forward and backward of every encoding queue their work without waiting for it: no ``.item()``, ``bool(t)``,
     ``.tolist()`` or ``.cpu()`` inside (each is a host sync on a GPU; the fold's ``F.one_hot`` was one per layer).
-    The step's one read back is the optimizer step's divergence check (``LanguageModel.stop_if_diverged``)."""
+    The optimizer step's divergence check reads nothing that waits either (``tests/test_step_syncs.py``)."""
     from cable_lightning.eval.work import DeviceWork
 
     model = build_backbone(BackboneConfig(pos_encoding=from_label(name), block_size=LENGTH, **SHAPE))

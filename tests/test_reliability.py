@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import recorders
 import torch
 from test_cli import args
 
@@ -147,10 +148,21 @@ def test_first_fit_that_prepares_its_data_honours_the_seed(tiny_corpus_docs, tmp
 # --- divergence -------------------------------------------------------------------------------------------------------
 
 def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tiny_corpus_dir, tmp_path, capsys):
+    """The NaN step's update is held back on the device (the fused optimizer's ``found_inf``), read a step later
+    (no step waits for its own flag), and the run stops before the next checkpoint is written."""
+    recorders.StateAtStepEnd.seen.clear()
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=8, every=2),
-                                    "--trainer.callbacks+=recorders.NanGradientsAt", "--trainer.callbacks.step=3"],
+                                    "--trainer.callbacks+=recorders.NanGradientsAt", "--trainer.callbacks.step=3",
+                                    "--trainer.callbacks+=recorders.StateAtStepEnd"],
                            status=1)
     assert line.startswith("error: training diverged at step 3: loss ") and "gradient norm nan" in line
+    seen = recorders.StateAtStepEnd.seen
+    assert sorted(seen) == [1, 2, 3, 4]  # step 3's update ran (held back), then the checkpoint at 4 was refused
+    (before, counted), (after, counted_after) = seen[3], seen[4]
+    assert counted_after == counted  # the optimizer's state did not step
+    for name, value in after.items():
+        torch.testing.assert_close(value, before[name], atol=0, rtol=0, msg=name)  # nor did the weights
+    assert any(not torch.equal(value, seen[2][0][name]) for name, value in before.items())  # a step that applies
     folder = checkpoints(str(tmp_path), "cable")
     assert sorted(os.listdir(folder)) == ["last.ckpt", "step0000002.ckpt"]
     last = torch.load(os.path.join(folder, "last.ckpt"), weights_only=True)

@@ -31,13 +31,15 @@ class DeviceWork:
     """Counts, while inside ``with work:`` (re-entered as often as needed; counts add up): ``kernels``, the
     operators that compute (not views or allocations); ``transfers``, the reads back to the host; ``uploads``, tensors
     made from Python data with a device named (``torch.tensor(x, device=...)``, whatever the device: a sync on a GPU);
-    ``forwards``, the passes through ``backbone``'s blocks (its first block's calls). A tensor read back once
+    ``forwards``, the passes through ``backbone``'s blocks (its first block's calls); ``deferred``, copies to the
+    host that do not wait (:func:`copy_to_host`: read later, after an event, not a read here). A tensor
+    read back once
     (``.cpu()``) and what is computed from such tensors alone is host memory: neither a kernel nor a transfer
     afterwards."""
 
     def __init__(self, backbone=None):
         self.backbone = backbone
-        self.kernels = self.transfers = self.forwards = self.uploads = 0
+        self.kernels = self.transfers = self.forwards = self.uploads = self.deferred = 0
         self.host = WeakIdKeyDictionary()
         self._entered: list = []
 
@@ -104,6 +106,12 @@ class _Reads(TorchFunctionMode):
             self.work.uploads += 1
         name = getattr(func, "__name__", "")
         tensor = args[0] if args and isinstance(args[0], Tensor) else None
+        if func is copy_to_host:
+            self.work.deferred += 1
+            out = func(*args, **kwargs)
+            out = out.clone() if out is tensor else out  # a copy, as from a GPU
+            self.work.host[out] = True
+            return out
         if name not in READS or tensor is None or tensor in self.work.host:
             return func(*args, **kwargs)
         self.work.transfers += 1
@@ -112,3 +120,12 @@ class _Reads(TorchFunctionMode):
             out = out.clone() if out is tensor else out  # a copy, as from a GPU: the device tensor stays one
             self.work.host[out] = True
         return out
+
+
+def copy_to_host(tensor: Tensor) -> Tensor:
+    """``tensor`` copied to host memory without waiting for it (from a GPU: pinned memory, ordered on the current
+    stream): read it after an event recorded behind the copy. ``DeviceWork`` counts it as ``deferred``, not as a
+    read (a move to the CPU by ``.to`` is not told apart from the batch's move to a CPU model)."""
+    if torch.overrides.has_torch_function((tensor,)) or torch._C._is_torch_function_mode_enabled():
+        return torch.overrides.handle_torch_function(copy_to_host, (tensor,), tensor)
+    return tensor.to("cpu", non_blocking=True)

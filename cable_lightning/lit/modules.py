@@ -22,6 +22,7 @@ from ..data.manifest import DataInfo
 from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL
+from ..eval.work import copy_to_host
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
@@ -41,6 +42,33 @@ from .resume import (
 )
 
 MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
+
+
+class StepVerdict:
+    """Whether an optimizer step's loss or gradient was non-finite, read one step later. Reading it at once waits for
+    the step's kernels: on an H100 that cost a compiled gpt2-small fit 4.4 ms of a 33.4 ms step, the host's work
+    between steps no longer overlapping the device's (tools/gpu/results-2026-11-27/syncprobe.md). The flag is copied
+    to the host without waiting; the next step reads it once that step's work is queued, by when it is long done."""
+
+    def __init__(self):
+        self._pending: Optional[tuple] = None
+
+    def record(self, bad: torch.Tensor, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        done = torch.cuda.Event() if bad.is_cuda else None
+        host = copy_to_host(bad)
+        if done is not None:
+            done.record()
+        self._pending = (host, done, step, loss, norm)
+
+    def take(self) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(step, loss, gradient norm) of the recorded step if it was bad, else None; forgets it."""
+        if self._pending is None:
+            return None
+        host, done, *step_loss_norm = self._pending
+        self._pending = None
+        if done is not None:
+            done.synchronize()
+        return tuple(step_loss_norm) if bool(host) else None
 
 
 class LanguageModel(L.LightningModule):
@@ -89,6 +117,7 @@ class LanguageModel(L.LightningModule):
         self.run_seed: Optional[int] = None
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
+        self._verdict = StepVerdict()
         self._grad_norm: Optional[torch.Tensor] = None  # measured before the optimizer step, then clipped by
 
     @cached_property
@@ -191,13 +220,14 @@ class LanguageModel(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer):
+        self.stop_if_diverged()  # the previous step's verdict, done by now: reading it waits for nothing
         grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
         self._grad_norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
         norm = self._grad_norm
         if isinstance(norm, DTensor):  # sharded (FSDP2): the norm of every rank's shard
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
-        self.stop_if_diverged(norm)
+        self.hold_back_if_diverged(optimizer, norm)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Clip by the norm :meth:`on_before_optimizer_step` measured (one pass over the gradients, not two), here
@@ -211,24 +241,42 @@ class LanguageModel(L.LightningModule):
         else:
             torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self._grad_norm)
 
-    def stop_if_diverged(self, norm: torch.Tensor) -> None:
-        """A non-finite loss or gradient stops the run before the optimizer applies it, so the weights (and every
-        checkpoint) stay finite. Under fp16 the grad scaler skips steps with inf gradients itself; only the loss
-        counts there. One host sync per optimizer step; all ranks decide together."""
+    def hold_back_if_diverged(self, optimizer, norm: torch.Tensor) -> None:
+        """A non-finite loss or gradient never reaches the weights: the fused optimizer is told so on the device
+        (``found_inf``, as a grad scaler tells it: the weights and its state stay as they were) and the run stops at
+        the next step, its next checkpoint or its end (:meth:`stop_if_diverged`), without waiting for the device at
+        this one. An optimizer that cannot be told (not fused: under fp16's grad scaler, which skips inf gradients
+        itself, so only the loss counts there) is stopped here, waiting. All ranks decide together."""
         loss = self._last_loss if self._last_loss is not None else torch.zeros(())
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         finite = torch.isfinite(loss) & (torch.isfinite(norm.to(loss.device)) if scaler is None else True)
-        if self.trainer.strategy.reduce_boolean_decision(not bool(finite), all=False):
-            saved = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or None
-            raise RunFailedError(
-                f"training diverged at step {self.global_step}: loss {loss.item():.4g}, "
-                f"gradient norm {norm.item():.4g}; "
-                "the update was not applied and no checkpoint was written from it; "
-                + (f"the last checkpoint is {saved}: resume from it" if saved
-                   else "no checkpoint was written before it: restart")
-                + " with a lower model.lr or longer model.warmup_steps")
+        bad = self.trainer.strategy.reduce((~finite).float(), reduce_op="max")  # on the device: no rank waits
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or torch's own
+        self._verdict.record(bad, self.global_step, loss, norm)
+        if all(group.get("fused") for group in optimizer.param_groups):
+            optimizer.found_inf = bad
+        else:
+            self.stop_if_diverged()
+
+    def stop_if_diverged(self) -> None:
+        """Stops the run if the last optimizer step's loss or gradient was non-finite (:meth:`hold_back_if_diverged`
+        kept it from the weights, and no checkpoint is written after it)."""
+        if (diverged := self._verdict.take()) is None:
+            return
+        step, loss, norm = diverged
+        saved = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or None
+        raise RunFailedError(
+            f"training diverged at step {step}: loss {loss.item():.4g}, gradient norm {norm.item():.4g}; "
+            "the update was not applied and no checkpoint was written from it; "
+            + (f"the last checkpoint is {saved}: resume from it" if saved
+               else "no checkpoint was written before it: restart")
+            + " with a lower model.lr or longer model.warmup_steps")
+
+    def on_train_end(self):
+        self.stop_if_diverged()  # the last step's verdict
 
     def on_save_checkpoint(self, checkpoint):
+        self.stop_if_diverged()  # never a checkpoint of a step whose update was held back
         # A checkpoint must never hold non-finite weights (a finite but huge update can overflow them).
         # Sharded (FSDP2), each rank checks its shard and all decide together.
         bad = [name for name, p in self.backbone.named_parameters()

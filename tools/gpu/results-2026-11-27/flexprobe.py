@@ -33,8 +33,6 @@ def log(**row):
     out.flush()
 
 
-from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
-
 seen = []
 OPTS = {"opts": {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2},
         "small": {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}}.get(variant)

@@ -23,7 +23,8 @@ with run.watch.watching(), (gpu_check.eager_dynamo() if REH else gpu_check.nullc
     stamp = run.stamp
     for name in sys.argv[1:] or ["as-is", "no-read", "workers4", "no-read+workers4"]:
         run.stamp = f"{stamp}-{name}"  # each fit its own run folder
-        run.sizes = dataclasses.replace(base, extra=base.extra + (("--data.num_workers", "4") if "workers4" in name else ()))
+        workers = ("--data.num_workers", "4") if "workers4" in name else ()
+        run.sizes = dataclasses.replace(base, extra=base.extra + workers)
         LanguageModel.stop_if_diverged = (lambda self, norm: None) if "no-read" in name else checked
         run.fit(name, "nope")
 report.close()
