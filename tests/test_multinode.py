@@ -217,7 +217,8 @@ def stand_in_scontrol(folder, status=0, said=""):
 def test_srun_tasks_on_sigusr1_save_at_the_step_requeue_and_the_requeued_job_ends_as_uninterrupted(
         store, uninterrupted, tmp_path):
     """SLURM's warning (#SBATCH --signal=SIGUSR1@90) reaches task 1 between step 5's two micro-batches: both tasks
-    finish step 5, save last.ckpt, task 0 runs `scontrol requeue 4242` (it was not signalled itself), both exit 138.
+    finish step 5, agree on it at the end of step 6 (read a step late: no step waits for the device), save last.ckpt
+    there, task 0 runs `scontrol requeue 4242` (it was not signalled itself), both exit 138.
     The requeued job (--ckpt_path last) ends as the torchrun run that was never stopped, bitwise."""
     url = store[0]
     calls = stand_in_scontrol(tmp_path / "bin")
@@ -228,7 +229,7 @@ def test_srun_tasks_on_sigusr1_save_at_the_step_requeue_and_the_requeued_job_end
     assert calls.read_text() == "requeue 4242\n"
     assert [windows(signalled, rank)[0]["environment"] for rank in (0, 1)] == ["SLURMEnvironment"] * 2
     checkpoints = tmp_path / "runs" / "default" / "cable" / "checkpoints"
-    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 5
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 6
     assert not list(tmp_path.rglob("hpc_ckpt*")), "Lightning's own SIGUSR1 handler saved too"
     assert not any("auto-requeueing enabled" in log(signalled, rank) for rank in (0, 1)), "Lightning's handler is on"
     last_line = log(signalled, 0).strip().splitlines()[-1]
@@ -238,7 +239,7 @@ def test_srun_tasks_on_sigusr1_save_at_the_step_requeue_and_the_requeued_job_end
     requeued = tmp_path / "requeued"
     assert srun(url, requeued, tmp_path / "bin", "--ckpt_path", "last") == [0, 0], log(requeued, 0)[-3000:]
     whole = losses(uninterrupted)
-    assert losses(signalled) == whole[:10] and losses(requeued) == whole[10:]
+    assert losses(signalled) == whole[:12] and losses(requeued) == whole[12:]
     final, expected = weights(checkpoints / "last.ckpt"), weights(uninterrupted.parent / "runs" / "default" / "cable"
                                                                   / "checkpoints" / "last.ckpt")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
@@ -267,7 +268,8 @@ def test_requeue_names_an_array_task_and_says_a_failure_in_one_line(tmp_path, mo
 def test_one_srun_task_on_sigusr1_mid_accumulation_saves_the_step_and_a_failing_requeue_is_one_line(
         tiny_corpus_dir, tmp_path, monkeypatch, capsys):
     """One task under SLURM (job array 77, task 3), accumulation 2; SIGUSR1 between step 3's micro-batches: last.ckpt
-    holds step 3 whole, scontrol fails, and the run still ends in one line with status 138, its handler gone."""
+    holds step 4 whole (the signal is read at the end of the step after its own), scontrol fails, and the run still
+    ends in one line with status 138, its handler gone."""
     for name, value in dict(SLURM_JOB_ID="4242", SLURM_ARRAY_JOB_ID="77", SLURM_ARRAY_TASK_ID="3",
                             SLURM_JOB_NAME="cable", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1",
                             SLURM_PROCID="0", SLURM_NODEID="0", SLURM_LOCALID="0").items():
@@ -286,6 +288,6 @@ def test_one_srun_task_on_sigusr1_mid_accumulation_saves_the_step_and_a_failing_
         "; scontrol requeue 77_3 failed (exit 1: scontrol: error: Job has already finished); requeue or submit the "
         "job again; continue with --ckpt_path last"), said
     assert torch.load(tmp_path / "runs" / "test" / "cable" / "checkpoints" / "last.ckpt",
-                      weights_only=True)["global_step"] == 3
+                      weights_only=True)["global_step"] == 4
     assert not list(tmp_path.rglob("hpc_ckpt*"))
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

@@ -361,20 +361,22 @@ def sigterm_run(data, runs, extra, sigterm_args=()):
 
 
 def test_sigterm_saves_last_at_the_optimizer_step_exits_143_and_the_resumed_run_is_the_same(tiny_corpus_dir, tmp_path):
-    """SIGTERM arrives mid-accumulation (2 micro-batches per step): the run finishes that step, saves last.ckpt, exits
-    143; resuming it with --ckpt_path last ends with the weights of a run that was never stopped."""
+    """SIGTERM arrives mid-accumulation (2 micro-batches per step) in step 4: the run finishes that step and the next
+    (the ranks' word on a step is read at the end of the next), saves last.ckpt at step 5, exits 143; resuming it
+    with --ckpt_path last ends with the weights of a run that was never stopped."""
     accumulate = ["--global_batch_tokens", "256"]  # 2 x (4 x 32)
     straight = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "straight"), steps=6, every=4), *accumulate])
     runs = str(tmp_path / "stopped")
     done = sigterm_run(tiny_corpus_dir, runs, accumulate)
     assert done.returncode == 143, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGTERM; saved ")
-    assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
+    assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 5
     resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=4), *accumulate, "--ckpt_path", "last"])
     assert resumed.trainer.global_step == 6
     # the resumed run's checkpoints replace last.ckpt (no last-v1.ckpt beside a stale one)
     assert sorted(os.listdir(checkpoints(runs, "cable"))) == ["last.ckpt", "step0000004.ckpt"]
-    assert {r["step"] for r in jsonl_rows(runs, "cable") if "version_1" in resumed.trainer.log_dir} == {6}
+    resumed_rows = [json.loads(line) for line in open(os.path.join(resumed.trainer.log_dir, "length_eval.jsonl"))]
+    assert resumed.trainer.log_dir.endswith("version_1") and {r["step"] for r in resumed_rows} == {6}
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
 
@@ -384,7 +386,7 @@ def test_ctrl_c_saves_last_and_exits_130(tiny_corpus_dir, tmp_path):
     assert done.returncode == 130, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGINT; saved ")
     assert torch.load(os.path.join(checkpoints(str(tmp_path), "cable"), "last.ckpt"),
-                      weights_only=True)["global_step"] == 4
+                      weights_only=True)["global_step"] == 5
 
 
 def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_corpus_dir, tmp_path):
@@ -392,7 +394,7 @@ def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tiny_
     done = sigterm_run(tiny_corpus_dir, runs, ["--trainer.devices", "2", "--trainer.strategy", "ddp"],
                        sigterm_args=["--trainer.callbacks.rank=0"])
     assert done.returncode == 143, done.stderr[-2000:]
-    assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 4
+    assert torch.load(os.path.join(checkpoints(runs, "cable"), "last.ckpt"), weights_only=True)["global_step"] == 5
 
 
 # --- one-line user errors -------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Save on preemption: clusters stop jobs with SIGTERM (and people with Ctrl-C), and SLURM warns a job before its time
-limit with the signal of ``#SBATCH --signal=SIGUSR1@90``; this saves ``last.ckpt`` at the next optimizer step and
+limit with the signal of ``#SBATCH --signal=SIGUSR1@90``; this saves ``last.ckpt`` one optimizer step later and
 stops the run with ``SIGTERMException``, so that the command line exits with status 143 (130 for Ctrl-C, 138 for
 SIGUSR1), not 0, and the requeued job continues with ``--ckpt_path last``. After SLURM's signal, rank 0 also requeues
 the job (``scontrol requeue``)."""
@@ -12,17 +12,23 @@ import signal
 import subprocess
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from ..eval.work import ReadLater
 
 
 class PreemptionCheckpoint(L.Callback):
     """Replaces Lightning's SIGTERM handler for fit. Lightning's handler runs a ``broadcast`` inside the signal
     handler, which deadlocks DDP when a rank is signalled twice (by the scheduler and by rank 0's forwarding) or in
     the middle of another collective. Here the handler only sets a flag; at the end of each optimizer step the ranks
-    agree on it with one small all-reduce (nothing on a single device), all save ``<dirpath>/last.ckpt`` together,
-    and fit stops. Waiting for the optimizer step keeps a gradient accumulation whole, so the resumed run is the
-    run that was not interrupted. A SIGTERM during validation takes effect after it. The first Ctrl-C does the same;
+    agree on it with one small all-reduce on the device, read back at the end of the next optimizer step (read at
+    once, it made every step of a DDP run wait for the device: :class:`eval.work.ReadLater`); then all save
+    ``<dirpath>/last.ckpt`` together, and fit stops. So a signal takes effect at the end of the optimizer step after
+    the one it arrives in (or at the end of training). Waiting for optimizer steps keeps a gradient accumulation
+    whole, so the resumed run is the run that was not interrupted. A SIGTERM during validation takes effect after
+    it. The first Ctrl-C does the same;
     a second one interrupts at once (Lightning's KeyboardInterrupt shutdown, no save).
 
     Under SLURM (Lightning's SLURMEnvironment, i.e. tasks started by ``srun``) its requeue signal (SIGUSR1) is handled
@@ -34,6 +40,8 @@ class PreemptionCheckpoint(L.Callback):
         self.requested: int | None = None  # the signal received
         self.requeue_signal: int | None = None  # SLURM's, when the run is under SLURM with requeueing on
         self.requeue = False  # it was received
+        self.agreed = ReadLater()  # every rank's flags after an optimizer step, all-reduced, read a step later
+        self._flags: torch.Tensor | None = None
 
     def setup(self, trainer, pl_module, stage):
         environment = trainer._accelerator_connector.cluster_environment  # what Lightning's signal connector reads
@@ -55,9 +63,29 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # mid-accumulation: wait for the optimizer step
-        if trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
-            requeue = self.requeue_signal is not None and trainer.strategy.reduce_boolean_decision(self.requeue,
-                                                                                                   all=False)
+        agreed = self.agreed.take()  # the ranks' word on the previous optimizer step: done by now
+        flags = self.flags(pl_module.device)
+        flags[0].fill_(float(self.requested is not None))  # a kernel's argument: nothing uploaded, nothing waits
+        flags[1].fill_(float(self.requeue))
+        self.agreed.put(trainer.strategy.reduce(flags.clone(), reduce_op="max"))  # any rank's signal, every rank
+        if agreed is not None:
+            self.stop_if_signalled(trainer, agreed[0])
+
+    def on_train_end(self, trainer, pl_module):
+        agreed = self.agreed.take()  # the last optimizer step's word
+        if agreed is not None:
+            self.stop_if_signalled(trainer, agreed[0])
+
+    def flags(self, device) -> torch.Tensor:
+        """(signal received, requeue signal received) on the device, made once."""
+        if self._flags is None or self._flags.device != device:
+            self._flags = torch.zeros(2, device=device)
+        return self._flags
+
+    def stop_if_signalled(self, trainer, agreed: torch.Tensor) -> None:
+        requested, requeue = (bool(flag) for flag in agreed.tolist())
+        if requested:
+            requeue = requeue and self.requeue_signal is not None
             trainer.save_checkpoint(self.path, weights_only=False)
             stop = SIGTERMException()
             stop.saved_checkpoint = os.path.abspath(self.path)  # for the command line's last word

@@ -22,7 +22,7 @@ from ..data.manifest import DataInfo
 from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL
-from ..eval.work import copy_to_host
+from ..eval.work import ReadLater
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
@@ -42,33 +42,6 @@ from .resume import (
 )
 
 MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
-
-
-class StepVerdict:
-    """Whether an optimizer step's loss or gradient was non-finite, read one step later. Reading it at once waits for
-    the step's kernels: on an H100 that cost a compiled gpt2-small fit 4.4 ms of a 33.4 ms step, the host's work
-    between steps no longer overlapping the device's (tools/gpu/results-2026-11-27/syncprobe.md). The flag is copied
-    to the host without waiting; the next step reads it once that step's work is queued, by when it is long done."""
-
-    def __init__(self):
-        self._pending: Optional[tuple] = None
-
-    def record(self, bad: torch.Tensor, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        done = torch.cuda.Event() if bad.is_cuda else None
-        host = copy_to_host(bad)
-        if done is not None:
-            done.record()
-        self._pending = (host, done, step, loss, norm)
-
-    def take(self) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(step, loss, gradient norm) of the recorded step if it was bad, else None; forgets it."""
-        if self._pending is None:
-            return None
-        host, done, *step_loss_norm = self._pending
-        self._pending = None
-        if done is not None:
-            done.synchronize()
-        return tuple(step_loss_norm) if bool(host) else None
 
 
 class LanguageModel(L.LightningModule):
@@ -117,7 +90,7 @@ class LanguageModel(L.LightningModule):
         self.run_seed: Optional[int] = None
         self._last_step_time = None
         self._last_loss: Optional[torch.Tensor] = None
-        self._verdict = StepVerdict()
+        self._verdict = ReadLater()  # the last optimizer step's "loss or gradient not finite", read a step late
         self._grad_norm: Optional[torch.Tensor] = None  # measured before the optimizer step, then clipped by
 
     @cached_property
@@ -245,14 +218,15 @@ class LanguageModel(L.LightningModule):
         """A non-finite loss or gradient never reaches the weights: the fused optimizer is told so on the device
         (``found_inf``, as a grad scaler tells it: the weights and its state stay as they were) and the run stops at
         the next step, its next checkpoint or its end (:meth:`stop_if_diverged`), without waiting for the device at
-        this one. An optimizer that cannot be told (not fused: under fp16's grad scaler, which skips inf gradients
-        itself, so only the loss counts there) is stopped here, waiting. All ranks decide together."""
+        this one (:class:`eval.work.ReadLater`: the wait cost 4.4 ms of a 33.4 ms step on an H100). An optimizer that
+        cannot be told (not fused: under fp16's grad scaler, which skips inf gradients itself, so only the loss counts
+        there) is stopped here, waiting. All ranks decide together."""
         loss = self._last_loss if self._last_loss is not None else torch.zeros(())
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         finite = torch.isfinite(loss) & (torch.isfinite(norm.to(loss.device)) if scaler is None else True)
         bad = self.trainer.strategy.reduce((~finite).float(), reduce_op="max")  # on the device: no rank waits
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or torch's own
-        self._verdict.record(bad, self.global_step, loss, norm)
+        self._verdict.put(bad, self.global_step, loss, norm)
         if all(group.get("fused") for group in optimizer.param_groups):
             optimizer.found_inf = bad
         else:
@@ -261,9 +235,10 @@ class LanguageModel(L.LightningModule):
     def stop_if_diverged(self) -> None:
         """Stops the run if the last optimizer step's loss or gradient was non-finite (:meth:`hold_back_if_diverged`
         kept it from the weights, and no checkpoint is written after it)."""
-        if (diverged := self._verdict.take()) is None:
+        taken = self._verdict.take()
+        if taken is None or not bool(taken[0]):
             return
-        step, loss, norm = diverged
+        step, loss, norm = taken[1]
         saved = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or None
         raise RunFailedError(
             f"training diverged at step {step}: loss {loss.item():.4g}, gradient norm {norm.item():.4g}; "
