@@ -121,3 +121,21 @@ def test_loop_counters_are_carried_to_another_accumulation_or_the_resume_is_refu
         carry_accumulation(ragged, batch(2, 8, 1), "ckpt")
     same = {"global_step": 2, "global_batch": batch(1, 8, 2)}
     assert carry_accumulation(same, batch(1, 8, 2), "ckpt") is None
+
+
+def test_dropout_draws_depend_on_the_micro_batch_alone_not_on_evaluations_or_a_resume(tiny_corpus_dir, tmp_path):
+    """With dropout, a run validated at every checkpoint (steps 2, 4, 6) trains the run validated only at its end,
+    and a run resumed at step 4 trains the uninterrupted one, bitwise. Dropout drew from the global generator: an
+    evaluation's loader took a draw from it for its workers' seed (so an evaluation schedule changed the training
+    run) and a resume reseeded it."""
+    dropout = ["--model.init_args.backbone.dropout", "0.1", *RECORD]
+    often = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "often"), steps=6, every=2), *dropout])
+    once = main(["fit", *args(tiny_corpus_dir, str(tmp_path / "once"), steps=6, every=6), *dropout])
+    runs = str(tmp_path / "resumed")
+    main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=2), *dropout,  # stopped at 4, the schedule of 6
+          "--trainer.callbacks+=recorders.StopAt", "--trainer.callbacks.step=4"])
+    resumed = main(["fit", *args(tiny_corpus_dir, runs, steps=6, every=2), *dropout, "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 6
+    for (name, p), q, r in zip(often.model.named_parameters(), once.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, atol=0, rtol=0, msg=f"validated once: {name}")
+        torch.testing.assert_close(r, p, atol=0, rtol=0, msg=f"resumed: {name}")

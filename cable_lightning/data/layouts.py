@@ -200,6 +200,11 @@ def layout_generator(seed: int, step: int, batch_idx: int, rank: int) -> torch.G
     return torch.Generator().manual_seed(hash((int(seed), int(step), int(batch_idx), int(rank))) % 2**63)
 
 
+def micro_batch_seed(seed: int, step: int, batch_idx: int, rank: int) -> int:
+    """The global generator's seed for one training micro-batch (dropout's draws), apart from its positions'."""
+    return hash((int(seed), int(step), int(batch_idx), int(rank), 1)) % 2**63
+
+
 
 def check_encoding(layout: TrainingLayout, pe) -> None:
     """The layout against the model's encoding (``pe``: its module), before training: positions other than

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import read_checkpoint, shown_name
-from ..data.layouts import TrainingLayout, check_encoding, layout_generator, randomized_positions
+from ..data.layouts import TrainingLayout, check_encoding, layout_generator, micro_batch_seed, randomized_positions
 from ..data.manifest import DataInfo
 from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
@@ -172,6 +172,9 @@ class LanguageModel(L.LightningModule):
         return self.backbone.loss(inputs, targets, layout=self.batch_layout(inputs, True, batch_idx)), inputs
 
     def training_step(self, batch, batch_idx):
+        # Dropout draws from the global generator: seeded from this micro-batch alone, the run's draws do not depend
+        # on what ran before it (an evaluation's loader takes a draw from it) and are the same after a resume.
+        torch.manual_seed(micro_batch_seed(self.run_seed or 0, self.global_step, batch_idx, self.global_rank))
         loss, inputs = self.batch_loss(batch, batch_idx)
         self._last_loss = loss.detach()
         self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by TokenThroughput for MFU
