@@ -28,8 +28,8 @@ class PreemptionCheckpoint(L.Callback):
     ``<dirpath>/last.ckpt`` together, and fit stops. So a signal takes effect at the end of the optimizer step after
     the one it arrives in (or at the end of training). Waiting for optimizer steps keeps a gradient accumulation
     whole, so the resumed run is the run that was not interrupted. A SIGTERM during validation takes effect after
-    it. The first Ctrl-C does the same;
-    a second one interrupts at once (Lightning's KeyboardInterrupt shutdown, no save).
+    it. The first Ctrl-C does the same; a second one interrupts at once (Lightning's KeyboardInterrupt shutdown, no
+    save).
 
     Under SLURM (Lightning's SLURMEnvironment, i.e. tasks started by ``srun``) its requeue signal (SIGUSR1) is handled
     the same way, and then rank 0 runs ``scontrol requeue``. Lightning's own SIGUSR1 handler is turned off: it saves

@@ -197,12 +197,13 @@ def pose_positions(layout: Layout, position_range: int, chunks: int, generator: 
 
 def layout_generator(seed: int, step: int, batch_idx: int, rank: int) -> torch.Generator:
     """The random positions' generator of one training batch: the same after a resume."""
-    return torch.Generator().manual_seed(hash((int(seed), int(step), int(batch_idx), int(rank))) % 2**63)
+    return torch.Generator().manual_seed(micro_batch_seed(seed, step, batch_idx, rank))
 
 
-def micro_batch_seed(seed: int, step: int, batch_idx: int, rank: int) -> int:
-    """The global generator's seed for one training micro-batch (dropout's draws), apart from its positions'."""
-    return hash((int(seed), int(step), int(batch_idx), int(rank), 1)) % 2**63
+def micro_batch_seed(seed: int, step: int, batch_idx: int, rank: int, *stream: int) -> int:
+    """A seed of one training micro-batch, the same after a resume; ``stream`` tells apart the draws of one batch
+    (none: its positions; 1: dropout's)."""
+    return hash((int(seed), int(step), int(batch_idx), int(rank), *stream)) % 2**63
 
 
 

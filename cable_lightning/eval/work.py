@@ -32,9 +32,8 @@ class DeviceWork:
     operators that compute (not views or allocations); ``transfers``, the reads back to the host; ``uploads``, tensors
     made from Python data with a device named (``torch.tensor(x, device=...)``, whatever the device: a sync on a GPU);
     ``forwards``, the passes through ``backbone``'s blocks (its first block's calls); ``deferred``, copies to the
-    host that do not wait (:func:`copy_to_host`: read later, after an event, not a read here). A tensor
-    read back once
-    (``.cpu()``) and what is computed from such tensors alone is host memory: neither a kernel nor a transfer
+    host that do not wait (:func:`copy_to_host`: read later, after an event, not a read here). A tensor read back
+    once (``.cpu()``) and what is computed from such tensors alone is host memory: neither a kernel nor a transfer
     afterwards."""
 
     def __init__(self, backbone=None):

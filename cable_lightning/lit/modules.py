@@ -174,7 +174,7 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         # Dropout draws from the global generator: seeded from this micro-batch alone, the run's draws do not depend
         # on what ran before it (an evaluation's loader takes a draw from it) and are the same after a resume.
-        torch.manual_seed(micro_batch_seed(self.run_seed or 0, self.global_step, batch_idx, self.global_rank))
+        torch.manual_seed(micro_batch_seed(self.run_seed or 0, self.global_step, batch_idx, self.global_rank, 1))
         loss, inputs = self.batch_loss(batch, batch_idx)
         self._last_loss = loss.detach()
         self.flops_per_batch = inputs.numel() * self._flops_per_token  # read by TokenThroughput for MFU
