@@ -43,6 +43,15 @@ def reference(name: str, x: list[int], length: int) -> list[int]:
     if name == "modular_arithmetic":  # Python evaluates * before + and -, as the task does
         text = "".join(str(s) if s < 5 else "+-*"[s - 5] for s in x)
         return [eval(text) % 5]
+    if name == "modular_arithmetic_brackets":  # Python reads the brackets, unary minus and * as the grammar does
+        return [eval("".join("01234+-*()"[s] for s in x)) % 5]
+    if name == "solve_equation":  # try every digit for x: exactly one balances the equation
+        if length < 3:
+            return [0]
+        left, right = "".join("01234+-()x="[s] for s in x).split("=")
+        solutions = [d for d in range(5) if eval(left.replace("x", str(d))) % 5 == int(right)]
+        assert len(solutions) == 1, (left, right, solutions)
+        return solutions
     if name == "reverse_string":
         return [x[i] for i in range(len(x) - 1, -1, -1)]
     if name == "duplicate_string":
@@ -102,7 +111,8 @@ def split(example, task):
 def test_the_registry_holds_the_papers_tasks_at_their_levels():
     levels = {name: Task.registry[name].level for name in TASKS}
     assert levels == {"even_pairs": "R", "modular_arithmetic": "R", "parity_check": "R", "cycle_navigation": "R",
-                      "stack_manipulation": "DCF", "reverse_string": "DCF", "duplicate_string": "CS",
+                      "stack_manipulation": "DCF", "reverse_string": "DCF", "modular_arithmetic_brackets": "DCF",
+                      "solve_equation": "DCF", "duplicate_string": "CS",
                       "missing_duplicate": "CS", "odds_first": "CS", "binary_addition": "CS", "bucket_sort": "CS",
                       "binary_multiplication": "CS", "compute_sqrt": "CS"}
 

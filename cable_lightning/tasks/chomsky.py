@@ -179,6 +179,58 @@ class ReverseString(AlgorithmicTask):
         return x, x[::-1]
 
 
+def bracket_expression(rng: np.random.Generator, length: int, operators: str) -> tuple[str, int]:
+    """An arithmetic expression of exactly ``length`` characters over the digits 0-4 and its value mod 5: a digit, -d,
+    (d) and (-d) at lengths 1-4, else (left op right) split at a uniform point (the authors' recursive grammar)."""
+    if length <= 4:
+        digit = int(rng.integers(0, 5))
+        sign = -1 if length in (2, 4) else 1
+        text = ("-" if sign < 0 else "") + str(digit)
+        return (f"({text})" if length > 2 else text), sign * digit % 5
+    left_length = int(rng.integers(1, length - 3))
+    left, a = bracket_expression(rng, left_length, operators)
+    right, b = bracket_expression(rng, length - 3 - left_length, operators)
+    op = operators[int(rng.integers(0, len(operators)))]
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"({left}{op}{right})", value % 5
+
+
+@dataclass(frozen=True)
+class ModularArithmeticBrackets(AlgorithmicTask):
+    """A bracketed expression of exactly ``length`` characters with ``+ - *`` (the papers' ``mult=True``), mod 5;
+    input 0-4 digits, 5-9 ``+ - * ( )`` (10 and 11, the ``x`` and ``=`` of solve equation, are never drawn)."""
+
+    name: ClassVar[str] = "modular_arithmetic_brackets"
+    level, inputs, outputs = "DCF", 11, 5
+    ALPHABET: ClassVar[str] = "01234+-*()"
+
+    def sample(self, rng, length):
+        text, value = bracket_expression(rng, length, "+-*")
+        return [self.ALPHABET.index(c) for c in text], [value]
+
+
+@dataclass(frozen=True)
+class SolveEquation(AlgorithmicTask):
+    """A bracketed ``+ -`` expression of ``length - 2`` characters with one digit replaced by ``x``, then ``=`` and its
+    value mod 5; output the replaced digit (unique: x enters with coefficient +-1). Input 0-4 digits, 5-10
+    ``+ - ( ) x =``. The digit is the first one at or after a uniform position, wrapping round; lengths 1-2 are all
+    zeros with the answer 0 (the authors' code)."""
+
+    name: ClassVar[str] = "solve_equation"
+    level, inputs, outputs = "DCF", 11, 5
+    ALPHABET: ClassVar[str] = "01234+-()x="
+
+    def sample(self, rng, length):
+        if length < 3:
+            return [0] * length, [0]
+        text, value = bracket_expression(rng, length - 2, "+-")
+        at = int(rng.integers(0, len(text)))
+        while not text[at].isdigit():
+            at = (at + 1) % len(text)
+        equation = f"{text[:at]}x{text[at + 1:]}={value}"
+        return [self.ALPHABET.index(c) for c in equation], [int(text[at])]
+
+
 @dataclass(frozen=True)
 class DuplicateString(AlgorithmicTask):
     name: ClassVar[str] = "duplicate_string"
