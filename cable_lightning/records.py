@@ -124,6 +124,11 @@ class TaskRecord(Record):
     seed: int = 0  # the evaluation examples' seed
     scoring: str = "exact_match"  # or per_token: accuracy is the mean share of each example's answer tokens right
 
+    def run_key(self) -> tuple:
+        """An algorithmic task (per-token scoring) trains a model of its own, so the task is part of its run: a report
+        over several tasks keeps each task's runs, not only the one evaluated last."""
+        return super().run_key() + ((self.task,) if self.scoring == "per_token" else ())
+
 
 @dataclass(kw_only=True)
 class RetrievalRecord(Record):

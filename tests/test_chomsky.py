@@ -6,6 +6,7 @@ and evaluation for every encoding that reads positions; one-line errors."""
 import itertools
 import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,11 +15,11 @@ import torch
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
-from cable_lightning.eval.report import algorithmic_scores, algorithmic_table
+from cable_lightning.eval.report import algorithmic_scores, algorithmic_table, find_records, latest_rows
 from cable_lightning.lit import MaskedLM
 from cable_lightning.models import BackboneConfig
 from cable_lightning.positional import available, encoding_class
-from cable_lightning.records import TaskRecord
+from cable_lightning.records import TaskRecord, append_records
 from cable_lightning.sweep import main as sweep_main
 from cable_lightning.tasks.chomsky import OUTPUT_OFFSET, AlgorithmicTask
 from cable_lightning.tasks.generation import EVAL, TRAIN, Task, TaskMix, TaskVocabulary
@@ -224,7 +225,7 @@ def test_the_report_scores_the_lengths_above_training_with_mean_interval_and_max
             for pe, base in (("rope", 0.6), ("nope", 0.5)) for lr in (1e-4, 5e-4) for seed in (0, 1, 2)
             for length, accuracy in ((40, 1.0), (41, base + 0.1 * seed), (80, base + 0.1 * seed - 0.1 * (lr > 2e-4)))]
     scores = algorithmic_scores(rows)
-    assert scores["parity_check", ("rope", 40, 2, 1e-4)] == pytest.approx(0.8)  # length 40 is not a test length
+    assert scores["parity_check", ("rope", 40, 2, 1e-4, "parity_check")] == pytest.approx(0.8)  # 40: not a test length
     table = algorithmic_table(rows).splitlines()
     assert table[0] == ("| task | nope lr=0.0001 | nope lr=0.0005 | rope lr=0.0001 | rope lr=0.0005 | "
                         "nope max over seeds and lrs | rope max over seeds and lrs |")
@@ -234,6 +235,20 @@ def test_the_report_scores_the_lengths_above_training_with_mean_interval_and_max
     table = algorithmic_table(rows + [record("alibi", 0, 1e-4, 41, None)]).splitlines()  # a length it cannot serve
     header, cells = ([c.strip() for c in line.split("|")[2:-1]] for line in (table[0], table[2]))
     assert cells[header.index("alibi lr=0.0001")] == cells[header.index("alibi max over seeds and lrs")] == "-"
+
+
+def test_a_report_over_several_tasks_keeps_every_tasks_runs(tmp_path):
+    """Each algorithmic task trains its own model: the same encoding and seed on two tasks are two runs, and a later
+    evaluation of one does not hide the other (it did: the report kept one run per encoding and seed)."""
+    for task, steps, seeds in (("bucket_sort", 600, (0, 1, 2)), ("cycle_navigation", 4000, (0,))):
+        for seed in seeds:
+            rows = [replace(record("rope", seed, 5e-4, length, 0.5 + 0.1 * seed, task), step=steps)
+                    for length in (40, 41)]
+            append_records(str(tmp_path / task / f"seed{seed}"), rows)
+    rows = latest_rows(find_records([str(tmp_path)], TaskRecord.FILE), TaskRecord, lambda r: (r.task, r.length))
+    table = algorithmic_table(rows).splitlines()
+    assert table[2].startswith("| bucket_sort | 60.0 [") and "max 70.0 (n=3)" in table[2]
+    assert table[3] == "| cycle_navigation | 50.0, max 50.0 (n=1) |"
 
 
 def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):
