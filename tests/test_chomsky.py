@@ -230,11 +230,27 @@ def test_the_report_scores_the_lengths_above_training_with_mean_interval_and_max
     assert table[0] == ("| task | nope lr=0.0001 | nope lr=0.0005 | rope lr=0.0001 | rope lr=0.0005 | "
                         "nope max over seeds and lrs | rope max over seeds and lrs |")
     cells = [c.strip() for c in table[2].split("|")[2:-1]]
-    assert cells[2].startswith("70.0 [45.2, 94.8], max 80.0 (n=3)")  # rope at 1e-4: 60, 70, 80 over three seeds
-    assert cells[3].startswith("65.0 [") and cells[4:] == ["70.0", "80.0"]
+    assert cells[2] == "**70.0 [45.2, 94.8], max 80.0 (n=3)**"  # rope at 1e-4: 60, 70, 80 over three seeds: best
+    assert cells[3].startswith("65.0 [") and cells[4:] == ["70.0", "80.0"]  # 5 points below in every seed: separated
     table = algorithmic_table(rows + [record("alibi", 0, 1e-4, 41, None)]).splitlines()  # a length it cannot serve
     header, cells = ([c.strip() for c in line.split("|")[2:-1]] for line in (table[0], table[2]))
     assert cells[header.index("alibi lr=0.0001")] == cells[header.index("alibi max over seeds and lrs")] == "-"
+
+
+def test_the_table_bolds_the_best_and_every_encoding_the_seeds_cannot_separate_from_it():
+    """Paired over shared seeds: alibi is 1 point below rope in seed 0 and 1 above in seed 2 (not separated), nope
+    20 below in every seed (separated); cable ran one seed, which no test can separate."""
+    rows = [record(pe, seed, 5e-4, 41, accuracy)
+            for pe, by_seed in (("rope", (0.60, 0.70, 0.65)), ("alibi", (0.59, 0.72, 0.66)),
+                                ("nope", (0.40, 0.50, 0.45)), ("cable", (0.2,)))
+            for seed, accuracy in enumerate(by_seed)]
+    table = algorithmic_table(rows).splitlines()
+    header, cells = ([c.strip() for c in line.split("|")[2:-1]] for line in (table[0], table[2]))
+    bold = {pe for pe, cell in zip(header, cells) if cell.startswith("**") and cell.endswith("**")}
+    assert header == ["alibi", "cable", "nope", "rope"] and bold == {"alibi", "rope", "cable"}
+    rows = [replace(r, accuracy=0.45 + 0.05 * r.run_seed) if r.pe == "alibi" else r for r in rows]  # 15 below always
+    cells = [c.strip() for c in algorithmic_table(rows).splitlines()[2].split("|")[2:-1]]
+    assert not cells[0].startswith("**") and cells[3].startswith("**")
 
 
 def test_a_report_over_several_tasks_keeps_every_tasks_runs(tmp_path):
@@ -247,8 +263,8 @@ def test_a_report_over_several_tasks_keeps_every_tasks_runs(tmp_path):
             append_records(str(tmp_path / task / f"seed{seed}"), rows)
     rows = latest_rows(find_records([str(tmp_path)], TaskRecord.FILE), TaskRecord, lambda r: (r.task, r.length))
     table = algorithmic_table(rows).splitlines()
-    assert table[2].startswith("| bucket_sort | 60.0 [") and "max 70.0 (n=3)" in table[2]
-    assert table[3] == "| cycle_navigation | 50.0, max 50.0 (n=1) |"
+    assert table[2].startswith("| bucket_sort | **60.0 [") and "max 70.0 (n=3)**" in table[2]
+    assert table[3] == "| cycle_navigation | **50.0, max 50.0 (n=1)** |"
 
 
 def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):
@@ -344,6 +360,6 @@ def test_records_written_before_runs_carried_their_learning_rate_join_the_runs_t
     rows = [record("rope", seed, lr, length, 0.5 + 0.1 * seed)
             for seed, lr in ((0, None), (1, 1e-3), (2, 1e-3)) for length in (40, 41)]
     table = algorithmic_table(rows).splitlines()
-    assert table[0] == "| task | rope |" and table[2].startswith("| parity_check | 60.0 [") and "(n=3)" in table[2]
+    assert table[0] == "| task | rope |" and table[2].startswith("| parity_check | **60.0 [") and "(n=3)" in table[2]
     table = algorithmic_table(rows + [record("rope", 0, 1e-4, 41, 0.3)]).splitlines()  # rates differ: named
     assert table[0].startswith("| task | rope | rope lr=0.0001 | rope lr=0.001 |")

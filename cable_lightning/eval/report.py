@@ -23,7 +23,8 @@ per task and encoding (``<out>_effective.md``): the longest evaluated length, fr
 accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
 brackets; "-" where the training length falls short. The algorithmic tasks (docs/chomsky.md) get
 ``<out>_algorithmic.md``: per task and encoding the score (per-token accuracy over the lengths above training), its
-mean and interval and its maximum over seeds, per learning rate, and the maximum over seeds and learning rates.
+mean and interval and its maximum over seeds, per learning rate, and the maximum over seeds and learning rates; bold
+marks the highest mean and every encoding a paired t-test over shared seeds does not separate from it.
 Encoders' retrieval rows (``retrieval.jsonl``, from
 ``python -m cable_lightning retrieval evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval
 set, aggregated and tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws
@@ -241,7 +242,8 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
     """The Chomsky-hierarchy table: per task (rows) and encoding (columns, with the learning rate when runs differ in
     it), the score's mean over seeds [95% Student-t interval] and its maximum over seeds (the papers report the
     maximum over seeds and learning rates), in %; with several learning rates, a last column per encoding of the
-    maximum over both."""
+    maximum over both. Bold: the highest mean and every column a paired t-test over shared seeds does not separate
+    from it, or that shares fewer than two seeds with it (nothing can separate those)."""
     scores = algorithmic_scores(rows)
     runs = {r.run_key(): r for r in rows if r.scoring == "per_token"}
     differ = differing(list(runs.values()))
@@ -251,11 +253,11 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
     header = columns + ([f"{e} max over seeds and lrs" for e in encodings] if differ[1] else [])
     lines = ["| task | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for task in tasks:
-        cells = []
-        for column in columns:
-            values = [scores[task, key] for key, r in runs.items() if run_column(r, differ) == column
-                      and (task, key) in scores]
-            cells.append(score_cell(values))
+        seeds = [Cell({r.run_seed: scores[task, key] for key, r in runs.items() if run_column(r, differ) == column
+                       and (task, key) in scores}) for column in columns]
+        marked = best_columns([c if c.values else None for c in seeds], higher=True, unpaired=True)
+        cells = [f"**{text}**" if i in marked and text else text
+                 for i, text in enumerate(score_cell(list(c.values.values())) for c in seeds)]
         if differ[1]:
             for encoding in encodings:
                 values = [scores[task, key] for key, r in runs.items() if (task, key) in scores
@@ -293,8 +295,9 @@ def paired(a: Cell, b: Cell) -> Optional[tuple[list, list]]:
     return None
 
 
-def best_columns(cells: list[Optional[Cell]], higher: bool = False) -> set[int]:
-    """The best mean's column and every column a paired t-test does not separate from it."""
+def best_columns(cells: list[Optional[Cell]], higher: bool = False, unpaired: bool = False) -> set[int]:
+    """The best mean's column and every column a paired t-test does not separate from it; ``unpaired``: also every
+    column with nothing to pair with the best (no test can separate it)."""
     estimates = {i: c.estimate() for i, c in enumerate(cells) if c is not None}
     finite = {i: e.mean for i, e in estimates.items() if e is not None and math.isfinite(e.mean)}
     if not finite:
@@ -302,8 +305,10 @@ def best_columns(cells: list[Optional[Cell]], higher: bool = False) -> set[int]:
     best = (max if higher else min)(finite, key=finite.get)
     marked = {best}
     for i in finite:
-        pairs = paired(cells[best], cells[i]) if i != best else None
-        if pairs is not None and not separable(*pairs):
+        if i == best:
+            continue
+        pairs = paired(cells[best], cells[i])
+        if (unpaired if pairs is None else not separable(*pairs)):
             marked.add(i)
     return marked
 
@@ -505,7 +510,9 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     if any(r.scoring == "per_token" for r in task_rows):
         tables["algorithmic"] = (algorithmic_table(task_rows) + "\n\n_per-token accuracy (%) averaged over the "
                                  "evaluated lengths above the training length: mean over seeds [95% Student-t "
-                                 "interval], max over seeds (n seeds); the papers report the max over seeds and "
+                                 "interval], max over seeds (n seeds); bold: the highest mean and every encoding "
+                                 "a paired t-test over shared seeds (p >= 0.05) does not separate from it, or that "
+                                 "shares fewer than two seeds with it. The papers report the max over seeds and "
                                  "learning rates and call >= 90 solved._")
         with open(f"{out}_algorithmic.md", "w") as f:
             f.write(tables["algorithmic"] + "\n")
