@@ -42,6 +42,7 @@ class Record:
     # A context extension: the length this run trained at after train_length (None: trained at train_length only)
     extended_to: Optional[int] = None
     lr: Optional[float] = None  # the run's peak learning rate (None in rows an earlier version wrote)
+    model: Optional[str] = None  # the backbone's BackboneConfig.shape() (None in rows an earlier version wrote)
 
     def run_name(self) -> str:
         """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``)
@@ -51,9 +52,9 @@ class Record:
         return f"{self.pe}{layout}{extended}"
 
     def run_key(self) -> tuple:
-        """What makes a run: its encoding (with its training layout and extension), training length, seed and learning
-        rate."""
-        return self.run_name(), self.train_length, self.run_seed, self.lr
+        """What makes a run: its encoding (with its training layout and extension), training length, seed, learning
+        rate and backbone."""
+        return self.run_name(), self.train_length, self.run_seed, self.lr, self.model
 
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""
@@ -255,6 +256,23 @@ class HiddenPairRecord(Record):
     difference_mean: float
     difference_min: float
     difference_max: float
+
+
+def differing(rows: Iterable[Record]) -> tuple[bool, bool, bool]:
+    """Whether the rows' runs differ in training length, in learning rate and in backbone (then report columns name
+    what differs, :func:`run_column`). A row written before runs carried their rate or backbone (None) differs from
+    none: it joins the runs that name one."""
+    rows = list(rows)
+    return (len({r.train_length for r in rows}) > 1, len({r.lr for r in rows if r.lr is not None}) > 1,
+            len({r.model for r in rows if r.model is not None}) > 1)
+
+
+def run_column(row: Record, differ: tuple[bool, bool, bool], with_lr: bool = True) -> str:
+    """A run's report column: its encoding's :meth:`Record.run_name`, with what the report's runs differ in
+    (:func:`differing`): ``cable@512``, ``cable (decoder L12-D768-H12)``, ``cable lr=0.0003``."""
+    name = f"{row.run_name()}@{row.train_length}" if differ[0] else row.run_name()
+    name += f" ({row.model})" if differ[2] and row.model else ""
+    return f"{name} lr={row.lr:g}" if with_lr and differ[1] and row.lr is not None else name
 
 
 def format_value(value: float, digits: int = 2) -> str:

@@ -225,7 +225,7 @@ def test_the_report_scores_the_lengths_above_training_with_mean_interval_and_max
             for pe, base in (("rope", 0.6), ("nope", 0.5)) for lr in (1e-4, 5e-4) for seed in (0, 1, 2)
             for length, accuracy in ((40, 1.0), (41, base + 0.1 * seed), (80, base + 0.1 * seed - 0.1 * (lr > 2e-4)))]
     scores = algorithmic_scores(rows)
-    assert scores["parity_check", ("rope", 40, 2, 1e-4, "parity_check")] == pytest.approx(0.8)  # 40: not a test length
+    assert scores["rope", 40, 2, 1e-4, None, "parity_check"] == pytest.approx(0.8)  # 40: not a test length
     table = algorithmic_table(rows).splitlines()
     assert table[0] == ("| task | nope lr=0.0001 | nope lr=0.0005 | rope lr=0.0001 | rope lr=0.0005 | "
                         "nope max over seeds and lrs | rope max over seeds and lrs |")
@@ -335,8 +335,8 @@ def test_a_fit_reports_accuracy_by_length_and_the_score(tmp_path, monkeypatch, c
     assert "stack_manipulation score (rope, per-token accuracy over the 2 evaluated lengths 41-60): " in out
     [path] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == TaskRecord.FILE]
     rows = [json.loads(line) for line in open(path)]
-    assert [(r["length"], r["scoring"], r["lr"], r["train_length"]) for r in rows] == [
-        (n, "per_token", 5e-4, 40) for n in (20, 40, 41, 60)]
+    assert [(r["length"], r["scoring"], r["lr"], r["train_length"], r["model"]) for r in rows] == [
+        (n, "per_token", 5e-4, 40, "encoder L1-D64-H8") for n in (20, 40, 41, 60)]
 
 
 def test_an_evaluation_longer_than_the_randomized_range_is_refused_before_training():

@@ -125,6 +125,27 @@ def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):
     assert report.markdown(*report.build_table(latest, "nonoverlap")).splitlines()[2] == "| 256 | **39.00** | 90.00 |"
 
 
+def test_runs_that_differ_only_in_their_backbone_are_two_columns(tmp_path):
+    """Two experiments with the same encoding, training length, seed and rate but another model size were one run to
+    the report (the later file's numbers replaced the other's); a row written before records named the backbone
+    (no ``model``) joins the run it matches."""
+    rows = {"small": {"model": "decoder L12-D768-H12", "ppl": 30.0}, "tiny": {"model": "decoder L4-D256-H4",
+                                                                             "ppl": 60.0}, "old": {"ppl": 45.0,
+                                                                                                   "run_seed": 1}}
+    paths = []
+    for name, row in rows.items():
+        path = tmp_path / name / "length_eval.jsonl"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"pe": "cable", "train_length": 128, "step": 20, "run_seed": 0, "lr": 6e-4,
+                                    "length": 256, "mode": "nonoverlap", **row}) + "\n")
+        paths.append(str(path))
+    lines = report.markdown(*report.build_table(report.latest_rows(paths[:2]), "nonoverlap")).splitlines()
+    assert lines[0] == "| length | cable (decoder L12-D768-H12) | cable (decoder L4-D256-H4) |"
+    assert lines[2] == "| 256 | **30.00** | 60.00 |"
+    lines = report.markdown(*report.build_table(report.latest_rows(paths[1:]), "nonoverlap")).splitlines()
+    assert lines[0] == "| length | cable |" and lines[2].startswith("| 256 | **52.50 [")  # seeds 0 and 1, one column
+
+
 def test_report_without_records_names_the_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="no length_eval.jsonl under"):
         report.report([str(tmp_path)], str(tmp_path / "out"))

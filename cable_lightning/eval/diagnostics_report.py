@@ -29,8 +29,10 @@ from ..records import (
     LengthRecord,
     LongContextRecord,
     Record,
+    differing,
     format_value,
     read_records,
+    run_column,
 )
 from .diagnostics import MAXIMA, QUANTITIES
 from .intervals import Estimate, seed_interval
@@ -58,10 +60,6 @@ def latest(files: list[str], kind: type[Record], cell: Callable) -> list[Record]
     return [row for steps in runs.values() for row in steps[max(steps)].values()]
 
 
-def column(row: Record, several: bool) -> str:
-    return f"{row.run_name()}@{row.train_length}" if several else row.run_name()
-
-
 def reduce(values: list[float], name: str) -> Optional[float]:
     values = [v for v in values if v is not None]
     if not values:
@@ -71,10 +69,10 @@ def reduce(values: list[float], name: str) -> Optional[float]:
 
 def attention_cells(rows: list[AttentionRecord], name: str) -> Cells:
     """(("all" or "layer N", length), encoding) -> {seed: the run's value} for one quantity."""
-    several = len({r.train_length for r in rows}) > 1
+    differ = differing(rows)
     grouped: dict[tuple, list] = {}
     for r in rows:
-        key = (column(r, several), r.run_seed, r.length)
+        key = (run_column(r, differ), r.run_seed, r.length)
         grouped.setdefault(key + ("all",), []).append(getattr(r, name))
         grouped.setdefault(key + (f"layer {r.layer}",), []).append(getattr(r, name))
     cells: Cells = {}
@@ -192,10 +190,10 @@ LONG_CONTEXT = {  # table name -> a run's value from its LongContextRecord
 
 
 def simple_cells(rows: list[Record], value: Callable) -> Cells:
-    several = len({r.train_length for r in rows}) > 1
+    differ = differing(rows)
     cells: Cells = {}
     for r in rows:
-        cells.setdefault((("all", r.length), column(r, several)), {})[r.run_seed] = value(r)
+        cells.setdefault((("all", r.length), run_column(r, differ)), {})[r.run_seed] = value(r)
     return cells
 
 
@@ -210,11 +208,11 @@ PAIR_TABLE = "answer 1 vs answer 2: relative difference of the final hidden stat
 
 def increment_cells(rows: list[IncrementRecord], quantity: str, figure: str) -> Cells:
     """(("<tokens>: layer N", length), encoding) -> {seed: the mean over the run's heads}."""
-    several = len({r.train_length for r in rows}) > 1
+    differ = differing(rows)
     grouped: dict[tuple, list] = {}
     for r in rows:
         if r.quantity == quantity:
-            key = (column(r, several), r.run_seed, r.length, f"{r.tokens}: layer {r.layer}")
+            key = (run_column(r, differ), r.run_seed, r.length, f"{r.tokens}: layer {r.layer}")
             grouped.setdefault(key, []).append(getattr(r, figure))
     cells: Cells = {}
     for (encoding, seed, length, where), values in grouped.items():

@@ -57,8 +57,10 @@ from cable_lightning.records import (
     Record,
     RetrievalRecord,
     TaskRecord,
+    differing,
     format_value,
     read_records,
+    run_column,
 )
 from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
 
@@ -91,22 +93,6 @@ def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
                 cell=lambda row: (row.length, row.mode)) -> list[Record]:
     """Each run's rows from its latest evaluation step (see :func:`rows_by_step`)."""
     return [row for steps in rows_by_step(files, kind, cell).values() for row in steps[max(steps)]]
-
-
-def column_name(pe: str, train_length: int, several_lengths: bool, lr: Optional[float] = None,
-                several_lrs: bool = False) -> str:
-    name = f"{pe}@{train_length}" if several_lengths else pe
-    return f"{name} lr={lr:g}" if several_lrs and lr is not None else name
-
-
-def differing(rows: list[Record]) -> tuple[bool, bool]:
-    """Whether the rows' runs differ in training length, and in learning rate (then columns name them). A record
-    written before runs carried their rate (lr None) differs from none: it joins the runs that name one."""
-    return len({r.train_length for r in rows}) > 1, len({r.lr for r in rows if r.lr is not None}) > 1
-
-
-def run_column(r: Record, differ: tuple[bool, bool]) -> str:
-    return column_name(r.run_name(), r.train_length, differ[0], r.lr, differ[1])
 
 
 @dataclass
@@ -202,6 +188,7 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
     tasks = sorted({r.task for r in rows})
     differ = differing(rows)
     columns = sorted({run_column(r, differ) for r in rows})
+    records = {r.run_key(): r for r in rows}
     lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for task in tasks:
         cells = []
@@ -209,9 +196,9 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
             runs: dict = {}  # seed -> {length: accuracy}
             train_length = None
             for (run, length), value in depth_means([r for r in rows if r.task == task]).items():
-                if column_name(run[0], run[1], differ[0], run[3], differ[1]) == column:
-                    runs.setdefault(run[2], {})[length] = value
-                    train_length = run[1]
+                if run_column(records[run], differ) == column:
+                    runs.setdefault(records[run].run_seed, {})[length] = value
+                    train_length = records[run].train_length
             if not runs:
                 cells.append("")
                 continue
@@ -228,13 +215,13 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
 
 
 def algorithmic_scores(rows: list[TaskRecord]) -> dict[tuple, Optional[float]]:
-    """{(task, run): score}: an algorithmic task's per-token accuracy averaged over the evaluated lengths above the
-    training length (the papers' score, over 41-500 for training lengths up to 40); None where a length could not be
-    run or none was evaluated."""
+    """{run: score} (the run's key names its task): an algorithmic task's per-token accuracy averaged over the
+    evaluated lengths above the training length (the papers' score, over 41-500 for training lengths up to 40); None
+    where a length could not be run or none was evaluated."""
     lengths: dict[tuple, list] = {}
     for r in rows:
         if r.scoring == "per_token" and r.length > r.train_length:
-            lengths.setdefault((r.task, r.run_key()), []).append(r.accuracy)
+            lengths.setdefault(r.run_key(), []).append(r.accuracy)
     return {key: None if None in values else sum(values) / len(values) for key, values in lengths.items()}
 
 
@@ -245,23 +232,22 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
     maximum over both. Bold: the highest mean and every column a paired t-test over shared seeds does not separate
     from it, or that shares fewer than two seeds with it (nothing can separate those)."""
     scores = algorithmic_scores(rows)
-    runs = {r.run_key(): r for r in rows if r.scoring == "per_token"}
-    differ = differing(list(runs.values()))
+    runs = {key: r for r in rows if (key := r.run_key()) in scores}
+    differ = differing(runs.values())
     columns = sorted({run_column(r, differ) for r in runs.values()})
-    encodings = sorted({column_name(r.run_name(), r.train_length, differ[0]) for r in runs.values()})
-    tasks = sorted({task for task, _ in scores})
+    encodings = sorted({run_column(r, differ, with_lr=False) for r in runs.values()})
     header = columns + ([f"{e} max over seeds and lrs" for e in encodings] if differ[1] else [])
     lines = ["| task | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
-    for task in tasks:
-        seeds = [Cell({r.run_seed: scores[task, key] for key, r in runs.items() if run_column(r, differ) == column
-                       and (task, key) in scores}) for column in columns]
+    for task in sorted({r.task for r in runs.values()}):
+        seeds = [Cell({r.run_seed: scores[key] for key, r in runs.items() if r.task == task
+                       and run_column(r, differ) == column}) for column in columns]
         marked = best_columns([c if c.values else None for c in seeds], higher=True, unpaired=True)
         cells = [f"**{text}**" if i in marked and text else text
                  for i, text in enumerate(score_cell(list(c.values.values())) for c in seeds)]
         if differ[1]:
             for encoding in encodings:
-                values = [scores[task, key] for key, r in runs.items() if (task, key) in scores
-                          and column_name(r.run_name(), r.train_length, differ[0]) == encoding]
+                values = [scores[key] for key, r in runs.items() if r.task == task
+                          and run_column(r, differ, with_lr=False) == encoding]
                 cells.append("-" if not values or None in values else f"{100 * max(values):.1f}")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -420,27 +406,31 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
     per_run: dict[str, dict[tuple, dict[int, float]]] = {"pre-training loss": {}, "contrastive loss": {}}
+    named: dict[tuple, Record] = {}  # a row of each run: its column's name
     for file in find_records(paths, required=False):
         rows = read_records(file, LengthRecord)
         events = EventAccumulator(os.path.dirname(file), size_guidance={SCALARS: 0})
         events.Reload()
         if rows and TRAIN_LOSS_TAG in events.Tags()[SCALARS]:
-            curve = per_run["pre-training loss"].setdefault((rows[0].pe, rows[0].run_seed), {})
+            named[rows[0].run_key()] = rows[0]
+            curve = per_run["pre-training loss"].setdefault(rows[0].run_key(), {})
             curve.update({event.step: event.value for event in events.Scalars(TRAIN_LOSS_TAG)})
-    runs = {row.checkpoint: (row.pe, row.run_seed)
-            for file in find_records(paths, RetrievalRecord.FILE, required=False)
+    runs = {row.checkpoint: row for file in find_records(paths, RetrievalRecord.FILE, required=False)
             for row in read_records(file, RetrievalRecord)}
     for file in find_records(paths, CONTRASTIVE_LOSS_LOG, required=False):
         with open(os.path.join(os.path.dirname(file), "config.json"), encoding="utf-8") as f:
             run = runs.get(json.load(f).get("provenance", {}).get("checkpoint"))
         if run is not None:
+            named[run.run_key()] = run
             with open(file, encoding="utf-8") as f:
-                per_run["contrastive loss"][run] = {row["step"]: row["loss"] for row in map(json.loads, f)}
+                per_run["contrastive loss"][run.run_key()] = {row["step"]: row["loss"] for row in map(json.loads, f)}
+    differ = differing(named.values())
     curves: dict[str, dict[str, dict[int, list[float]]]] = {}
     for kind, by_run in per_run.items():
-        for (pe, _), curve in sorted(by_run.items()):
+        for key, curve in sorted(by_run.items(), key=lambda item: repr(item[0])):  # a line's values in seed order
             for step, value in curve.items():
-                curves.setdefault(kind, {}).setdefault(pe, {}).setdefault(step, []).append(value)
+                curves.setdefault(kind, {}).setdefault(run_column(named[key], differ), {}).setdefault(step, []).append(
+                    value)
     return curves
 
 

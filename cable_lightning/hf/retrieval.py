@@ -234,8 +234,9 @@ def retrieval_records(folder: str, scores: dict[int, float], dataset: str, ends:
 
     config = read_export_config(folder)
     provenance = config.get("provenance") or {}
-    pe = BackboneConfig.from_dict(config["backbone"]).pos_encoding.label()
-    return [RetrievalRecord(pe=pe, train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
+    backbone = BackboneConfig.from_dict(config["backbone"])
+    return [RetrievalRecord(pe=backbone.pos_encoding.label(), model=backbone.shape(),
+                            train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
                             run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),
                             dataset=dataset, length=length, ndcg=ndcg, queries=len(ends),
                             visible=(sum(end <= length for end in ends) / len(ends)

@@ -331,7 +331,8 @@ class LanguageModel(L.LightningModule):
         self.run_context = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
                                 extended_to=self.config.block_size if self.config.trained_length else None,
                                 layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
-                                checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr)
+                                checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr,
+                                model=self.config.shape())
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]

@@ -90,6 +90,11 @@ class BackboneConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def shape(self) -> str:
+        """The backbone's kind and size as records name it (``decoder L12-D768-H12``): two runs that differ in it are
+        two runs in a report, whatever else they share."""
+        return f"{'decoder' if self.causal else 'encoder'} L{self.n_layer}-D{self.n_embd}-H{self.n_head}"
+
     def weight_settings(self) -> dict:
         """Every setting that defines the weights (shape and the encoding's own), flattened; the vocabulary and the
         training length come from the data and are checked there."""
