@@ -13,6 +13,7 @@ the report (``python -m cable_lightning report``) aggregates into a mean and an 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -344,3 +345,35 @@ def read_records(path: str, kind: type[Record]) -> list[Record]:
         return record
 
     return read_jsonl(path, required, make)
+
+
+def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
+    """Every ``name`` under the folders in ``paths`` (and the files so named; length records: any file a path's
+    pattern matches), each once, oldest first; none is an error naming the paths when ``required``."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += glob.glob(os.path.join(path, "**", name), recursive=True)
+        elif os.path.basename(path) == name or name == LengthRecord.FILE:
+            files += glob.glob(path)
+    if not files and required:
+        raise MissingFileError(f"no {name} under {', '.join(paths)}; train or validate a run first")
+    return sorted(set(files), key=os.path.getmtime)  # the order they were written: later evaluations win
+
+
+def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
+                 cell=lambda row: (row.length, row.mode)) -> dict[tuple, dict[int, list[Record]]]:
+    """{run: {step: rows}}: every evaluation of every run; within one (run, step) the later line of a ``cell`` wins,
+    so a re-validation replaces the end-of-fit numbers. Rows are read by :func:`read_records` (a bad row names its
+    file and line)."""
+    runs: dict[tuple, dict[int, dict]] = {}
+    for file in files:
+        for row in read_records(file, kind):
+            runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
+    return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
+
+
+def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
+                cell=lambda row: (row.length, row.mode)) -> list[Record]:
+    """Each run's rows from its latest evaluation step (see :func:`rows_by_step`)."""
+    return [row for steps in rows_by_step(files, kind, cell).values() for row in steps[max(steps)]]

@@ -2,7 +2,7 @@
 quantity against length, encodings side by side, from the ``attention.jsonl`` and ``long_context.jsonl`` records runs
 wrote beside their ``length_eval.jsonl``.
 
-A run is one encoding, training length and seed, as in the perplexity tables; each run's latest evaluation counts. A
+A run is what it is in the perplexity tables (``Record.run_key``); each run's latest evaluation counts. A
 run's value for a layer is the mean over its heads (``max_logit``: the maximum), for "all" the mean over layers and
 heads (the maximum); a cell is the mean over the runs' seeds with a 95% Student-t interval
 (:func:`eval.intervals.seed_interval`; one seed: its value alone).
@@ -17,7 +17,6 @@ pair, ``<out>_increments.md/.csv/.png`` (docs/diagnostics.md#increments).
 from __future__ import annotations
 
 import csv
-import glob
 import math
 import os
 from typing import Callable, Optional
@@ -30,8 +29,9 @@ from ..records import (
     LongContextRecord,
     Record,
     differing,
+    find_records,
     format_value,
-    read_records,
+    latest_rows,
     run_column,
 )
 from .diagnostics import MAXIMA, QUANTITIES
@@ -40,24 +40,9 @@ from .intervals import Estimate, seed_interval
 Cells = dict[tuple, dict]  # (row label, column) -> {seed: value}
 
 
-def record_files(paths: list[str], name: str) -> list[str]:
-    """Every ``name`` under the directories in ``paths`` (and files so named), oldest first: later evaluations win."""
-    files = []
-    for path in paths:
-        if os.path.isdir(path):
-            files += glob.glob(os.path.join(path, "**", name), recursive=True)
-        elif os.path.basename(path) == name:
-            files.append(path)
-    return sorted(set(files), key=os.path.getmtime)
-
-
-def latest(files: list[str], kind: type[Record], cell: Callable) -> list[Record]:
-    """Each run's rows of its latest step; within a (run, step) the later row of a ``cell`` wins (a re-validation)."""
-    runs: dict[tuple, dict[int, dict]] = {}
-    for file in files:
-        for row in read_records(file, kind):
-            runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
-    return [row for steps in runs.values() for row in steps[max(steps)].values()]
+def latest(paths: list[str], kind: type[Record], cell: Callable) -> list[Record]:
+    """Each run's ``kind`` rows of its latest step under ``paths`` (:func:`records.latest_rows`); none is no error."""
+    return latest_rows(find_records(paths, kind.FILE, required=False), kind, cell)
 
 
 def reduce(values: list[float], name: str) -> Optional[float]:
@@ -224,9 +209,8 @@ def increments_report(paths: list[str], out: str) -> Optional[str]:
     """``<out>_increments.md/.csv`` and one figure ``<out>_increments.png`` (the share of zero increments at all
     tokens and at a task's answers per layer, at the mask where there are none, and the answer pair's difference,
     against length); None when no run recorded them."""
-    rows = latest(record_files(paths, IncrementRecord.FILE), IncrementRecord,
-                  lambda r: (r.length, r.layer, r.head, r.quantity, r.tokens))
-    pairs = latest(record_files(paths, HiddenPairRecord.FILE), HiddenPairRecord, lambda r: r.length)
+    rows = latest(paths, IncrementRecord, lambda r: (r.length, r.layer, r.head, r.quantity, r.tokens))
+    pairs = latest(paths, HiddenPairRecord, lambda r: r.length)
     if not rows and not pairs:
         return None
     tables = {name: cells for name, (quantity, figure) in INCREMENT_TABLES.items()
@@ -256,7 +240,7 @@ def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
     returns {"attention": markdown, "long context": markdown} for those written."""
     tables = {}
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    rows = latest(record_files(paths, AttentionRecord.FILE), AttentionRecord, lambda r: (r.length, r.layer, r.head))
+    rows = latest(paths, AttentionRecord, lambda r: (r.length, r.layer, r.head))
     if rows:
         by_name = {name: attention_cells(rows, name) for name in QUANTITIES}
         sink, local = sorted({r.sink for r in rows}), sorted({r.local for r in rows})
@@ -271,10 +255,10 @@ def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
         with open(f"{out}_attention.md", "w") as f:
             f.write(tables["attention"] + "\n")
         write_csv(f"{out}_attention.csv", by_name)
-    gains = latest(record_files(paths, LongContextRecord.FILE), LongContextRecord, lambda r: r.length)
+    gains = latest(paths, LongContextRecord, lambda r: r.length)
     if gains:
         by_name = {name: simple_cells(gains, value) for name, value in LONG_CONTEXT.items()}
-        ppl = latest(record_files(paths, LengthRecord.FILE), LengthRecord, lambda r: (r.length, r.mode))
+        ppl = latest(paths, LengthRecord, lambda r: (r.length, r.mode))
         ppl = [r for r in ppl if r.mode == "nonoverlap"]
         if ppl:
             by_name = {"perplexity (every target, non-overlapping windows)": simple_cells(ppl, lambda r: r.ppl)} \

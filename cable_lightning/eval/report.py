@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
+from cable_lightning.errors import ArgumentParser, ConfigError
 from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
 from cable_lightning.figures import line_figure, save_figure, step_panels
@@ -58,41 +57,14 @@ from cable_lightning.records import (
     RetrievalRecord,
     TaskRecord,
     differing,
+    find_records,
     format_value,
+    latest_rows,
     read_records,
+    rows_by_step,
     run_column,
 )
 from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
-
-
-def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
-    files = []
-    for path in paths:
-        if os.path.isdir(path):
-            files += glob.glob(os.path.join(path, "**", name), recursive=True)
-        elif os.path.basename(path) == name or name == LengthRecord.FILE:
-            files += glob.glob(path)
-    if not files and required:
-        raise MissingFileError(f"no {name} under {', '.join(paths)}; train or validate a run first")
-    return sorted(files, key=os.path.getmtime)  # the order they were written: later evaluations win
-
-
-def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
-                 cell=lambda row: (row.length, row.mode)) -> dict[tuple, dict[int, list[Record]]]:
-    """{run: {step: rows}}: every evaluation of every run; within one (run, step) the later line of a ``cell`` wins,
-    so a re-validation replaces the end-of-fit numbers. Rows are read by :func:`read_records` (a bad row names its
-    file and line)."""
-    runs: dict[tuple, dict[int, dict]] = {}
-    for file in files:
-        for row in read_records(file, kind):
-            runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
-    return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
-
-
-def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
-                cell=lambda row: (row.length, row.mode)) -> list[Record]:
-    """Each run's rows from its latest evaluation step (see :func:`rows_by_step`)."""
-    return [row for steps in rows_by_step(files, kind, cell).values() for row in steps[max(steps)]]
 
 
 @dataclass
