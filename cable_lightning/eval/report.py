@@ -400,9 +400,9 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
     curves: dict[str, dict[str, dict[int, list[float]]]] = {}
     for kind, by_run in per_run.items():
         for key, curve in sorted(by_run.items(), key=lambda item: repr(item[0])):  # a line's values in seed order
+            line = curves.setdefault(kind, {}).setdefault(run_column(named[key], differ), {})
             for step, value in curve.items():
-                curves.setdefault(kind, {}).setdefault(run_column(named[key], differ), {}).setdefault(step, []).append(
-                    value)
+                line.setdefault(step, []).append(value)
     return curves
 
 
