@@ -15,11 +15,18 @@ import torch
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
-from cable_lightning.eval.report import algorithmic_scores, algorithmic_table, find_records, latest_rows
+from cable_lightning.eval.report import (
+    algorithmic_scores,
+    algorithmic_table,
+    algorithmic_training_table,
+    find_records,
+    latest_rows,
+    report,
+)
 from cable_lightning.lit import MaskedLM
 from cable_lightning.models import BackboneConfig
 from cable_lightning.positional import available, encoding_class
-from cable_lightning.records import TaskRecord, append_records
+from cable_lightning.records import LengthRecord, TaskRecord, append_records, rows_by_step
 from cable_lightning.sweep import main as sweep_main
 from cable_lightning.tasks.chomsky import OUTPUT_OFFSET, AlgorithmicTask
 from cable_lightning.tasks.generation import EVAL, TRAIN, Task, TaskMix, TaskVocabulary
@@ -265,6 +272,28 @@ def test_a_report_over_several_tasks_keeps_every_tasks_runs(tmp_path):
     table = algorithmic_table(rows).splitlines()
     assert table[2].startswith("| bucket_sort | **60.0 [") and "max 70.0 (n=3)**" in table[2]
     assert table[3] == "| cycle_navigation | **50.0, max 50.0 (n=1)** |"
+
+
+def test_the_report_shows_the_accuracies_at_every_evaluated_step(tmp_path):
+    """Whether a step count is enough: the accuracy at the training length and the score at each step, the mean over
+    the seeds evaluated there; a re-evaluation of a step replaces it, and a step only some seeds reached says so."""
+    for seed, steps in ((0, (500, 1000)), (1, (500, 1000, 1500))):
+        for step in steps:
+            rows = [replace(record("rope", seed, 5e-4, length, accuracy), step=step)
+                    for length, accuracy in ((40, step / 2000 + 0.1 * seed), (41, 0.2), (80, 0.1 * seed + step / 5000))]
+            append_records(str(tmp_path / f"seed{seed}"), rows)
+    append_records(str(tmp_path / "seed0"), [replace(record("rope", 0, 5e-4, 80, 0.0), step=1000),  # re-evaluated
+                                             LengthRecord(pe="rope", train_length=40, step=1000, length=40,
+                                                          mode="nonoverlap", ppl=2.0)])  # a fit writes both
+    runs = rows_by_step(find_records([str(tmp_path)], TaskRecord.FILE), TaskRecord, lambda r: (r.task, r.length))
+    lines = algorithmic_training_table(runs).splitlines()
+    assert lines[:4] == ["### parity_check", "", "| step | rope |", "|---|---|"]
+    # step 500: at 40 (0.25, 0.35), score ((0.2 + 0.1) / 2, (0.2 + 0.2) / 2); step 1000: seed 0's 80 is now 0
+    assert lines[4:] == ["| 500 | 30 / 17.5 |", "| 1000 | 55 / 17.5 |", "| 1500 | 85 / 30.0 (n=1) |"]
+    report([str(tmp_path)], str(tmp_path / "r"))
+    assert (tmp_path / "r_algorithmic_training.md").read_text().startswith("\n".join(lines))
+    once = {key: {max(steps): steps[max(steps)]} for key, steps in runs.items()}
+    assert algorithmic_training_table(once) == ""
 
 
 def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):

@@ -24,7 +24,9 @@ accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, 
 brackets; "-" where the training length falls short. The algorithmic tasks (docs/chomsky.md) get
 ``<out>_algorithmic.md``: per task and encoding the score (per-token accuracy over the lengths above training), its
 mean and interval and its maximum over seeds, per learning rate, and the maximum over seeds and learning rates; bold
-marks the highest mean and every encoding a paired t-test over shared seeds does not separate from it.
+marks the highest mean and every encoding a paired t-test over shared seeds does not separate from it. Runs
+evaluated at several checkpoints also get ``<out>_algorithmic_training.md``: the accuracy at the training length and
+the score at every evaluated step, to see whether a step count is enough.
 Encoders' retrieval rows (``retrieval.jsonl``, from
 ``python -m cable_lightning retrieval evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval
 set, aggregated and tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws
@@ -223,6 +225,41 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
                 cells.append("-" if not values or None in values else f"{100 * max(values):.1f}")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def algorithmic_training_table(runs: dict[tuple, dict[int, list[TaskRecord]]]) -> str:
+    """Whether a step count is enough (have the accuracies stopped moving?): per algorithmic task, every evaluated step
+    (rows) and encoding (columns), the accuracy at the training length and the score, in %, each the mean over the
+    seeds evaluated at that step, with their count where it is fewer than the column's; '' when no run was
+    evaluated at two steps."""
+    rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.scoring == "per_token"]
+    if all(len({r.step for r in rows if r.run_key() == key}) < 2 for key in {r.run_key() for r in rows}):
+        return ""
+    differ = differing(rows)
+    columns = sorted({run_column(r, differ) for r in rows})
+    sections = []
+    for task in sorted({r.task for r in rows}):
+        task_rows = [r for r in rows if r.task == task]
+        seeds = {column: len({r.run_seed for r in task_rows if run_column(r, differ) == column}) for column in columns}
+        lines = ["| step | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for step in sorted({r.step for r in task_rows}):
+            cells = []
+            for column in columns:
+                at_step = [r for r in task_rows if r.step == step and run_column(r, differ) == column]
+                scores = list(algorithmic_scores(at_step).values())
+                at_train = [r.accuracy for r in at_step if r.length == r.train_length]
+                if not scores:
+                    cells.append("")
+                    continue
+                if None in scores + at_train:
+                    cells.append("-")
+                    continue
+                train = f"{100 * sum(at_train) / len(at_train):.0f}" if at_train else "?"
+                count = f" (n={len(scores)})" if len(scores) < seeds[column] else ""
+                cells.append(f"{train} / {100 * sum(scores) / len(scores):.1f}{count}")
+            lines.append(f"| {step} | " + " | ".join(cells) + " |")
+        sections.append(f"### {task}\n\n" + "\n".join(lines))
+    return "\n\n".join(sections)
 
 
 def score_cell(values: list[Optional[float]]) -> str:
@@ -462,7 +499,8 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
             f.write(tables["position"] + "\n")
         write_csv(f"{out}_position.csv", table, "loss", header)
     found = find_records(paths, TaskRecord.FILE, required=False)
-    task_rows = latest_rows(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else []
+    task_runs = rows_by_step(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else {}
+    task_rows = [row for steps in task_runs.values() for row in steps[max(steps)]]
     for task in sorted({r.task for r in task_rows}):
         table = task_table([r for r in task_rows if r.task == task])
         tables[f"task {task}"] = markdown(*table, best=max) + "\n\n" + describe(table, "highest")
@@ -478,6 +516,13 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
                                  "learning rates and call >= 90 solved._")
         with open(f"{out}_algorithmic.md", "w") as f:
             f.write(tables["algorithmic"] + "\n")
+        training = algorithmic_training_table(task_runs)
+        if training:
+            tables["algorithmic over training"] = (training + "\n\n_accuracy at the training length / score (per-token "
+                                                   "accuracy over the lengths above it), %, the mean over the seeds "
+                                                   "evaluated at the step (n: fewer than the column's seeds)._")
+            with open(f"{out}_algorithmic_training.md", "w") as f:
+                f.write(tables["algorithmic over training"] + "\n")
     if task_rows:
         tables["effective length"] = (effective_table(task_rows, threshold) + "\n\n"
                                       + f"_the longest length, from the training length on, whose exact-match accuracy "
