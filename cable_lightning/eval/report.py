@@ -233,7 +233,7 @@ def algorithmic_training_table(runs: dict[tuple, dict[int, list[TaskRecord]]]) -
     seeds evaluated at that step, with their count where it is fewer than the column's; '' when no run was
     evaluated at two steps."""
     rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.scoring == "per_token"]
-    if all(len({r.step for r in rows if r.run_key() == key}) < 2 for key in {r.run_key() for r in rows}):
+    if len({(r.run_key(), r.step) for r in rows}) == len({r.run_key() for r in rows}):  # each run evaluated once
         return ""
     differ = differing(rows)
     columns = sorted({run_column(r, differ) for r in rows})
