@@ -373,7 +373,12 @@ def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
     return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
 
 
+def latest_step(runs: dict[tuple, dict[int, list[Record]]]) -> list[Record]:
+    """Each run's rows from its latest evaluation step, out of :func:`rows_by_step`'s {run: {step: rows}}."""
+    return [row for steps in runs.values() for row in steps[max(steps)]]
+
+
 def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
                 cell=lambda row: (row.length, row.mode)) -> list[Record]:
     """Each run's rows from its latest evaluation step (see :func:`rows_by_step`)."""
-    return [row for steps in rows_by_step(files, kind, cell).values() for row in steps[max(steps)]]
+    return latest_step(rows_by_step(files, kind, cell))

@@ -62,6 +62,7 @@ from cable_lightning.records import (
     find_records,
     format_value,
     latest_rows,
+    latest_step,
     read_records,
     rows_by_step,
     run_column,
@@ -472,7 +473,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     {mode, "position", "task <name>" or "effective length": markdown}."""
     files = find_records(paths)
     runs = rows_by_step(files)
-    rows = [row for steps in runs.values() for row in steps[max(steps)]]
+    rows = latest_step(runs)
     if not rows:
         raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -500,7 +501,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         write_csv(f"{out}_position.csv", table, "loss", header)
     found = find_records(paths, TaskRecord.FILE, required=False)
     task_runs = rows_by_step(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else {}
-    task_rows = [row for steps in task_runs.values() for row in steps[max(steps)]]
+    task_rows = latest_step(task_runs)
     for task in sorted({r.task for r in task_rows}):
         table = task_table([r for r in task_rows if r.task == task])
         tables[f"task {task}"] = markdown(*table, best=max) + "\n\n" + describe(table, "highest")
