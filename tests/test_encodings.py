@@ -190,12 +190,12 @@ TOY = '''
 """A toy bias (-0.1 h |i - j|, fixed): an encoding added in one file."""
 from dataclasses import dataclass
 
-from cable_lightning.positional.base import Encoding, PositionalEncoding, ScoreBias
+from cable_lightning.positional.base import Encoding, PositionalBias, PositionalEncoding
 
 
-class ToyBias(ScoreBias):
-    def __call__(self, b, h, q_idx, kv_idx):
-        return -0.1 * (h + 1) * self.distance(q_idx, kv_idx)
+class ToyBias(PositionalBias):
+    def at(self, h, i, j):
+        return -0.1 * (h + 1) * (i - j).abs()
 
 
 class Toy(PositionalEncoding):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Encoding, PositionalEncoding, ScoreBias
+from .base import Encoding, PositionalBias, PositionalEncoding
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -25,8 +25,7 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class AlibiBias(ScoreBias):
-    positional = True
+class AlibiBias(PositionalBias):
 
     def __init__(self, slopes, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
@@ -36,8 +35,8 @@ class AlibiBias(ScoreBias):
     def foldable(self) -> bool:
         return self.causal  # -m (i - j) = m . (j - i); the bidirectional -m |i - j| does not split
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        return -self.slopes[h] * self.distance(q_idx, kv_idx, b)
+    def at(self, h, i, j):
+        return -self.slopes[h] * (i - j).abs()
 
     def factors(self, n_keys):
         if self.layout is not None:  # each row's own positions (B, 1, n_keys, 1)

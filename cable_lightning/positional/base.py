@@ -86,9 +86,7 @@ class ScoreBias:
 
     foldable = False
     softmax = True  # the weights are a softmax over logits + bias (the score contract; see LogitScores.softmax)
-    # A function of the head and the query's and key's position indices alone, not of the tokens (KERPLE, T5, FIRE,
-    # ALiBi): then it can be tabulated over (head, query position, key position) (:meth:`position_table`).
-    positional = False
+    positional = False  # True on a PositionalBias
 
     def __init__(self, q_offset: int, causal: bool, layout: Layout | None = None):
         self.q_offset = q_offset
@@ -116,17 +114,6 @@ class ScoreBias:
     def key_position(self, b: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx if self.layout is None else self.layout.positions[b, kv_idx]
 
-    def relative(self, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """Signed i - j of the query's and the key's position indices (>= 0 wherever causal attention looks)."""
-        return self.query_position(b, q_idx) - self.key_position(b, kv_idx)
-
-    def distance(self, q_idx: Tensor, kv_idx: Tensor, b: Tensor | None = None) -> Tensor:
-        """Distance |i - j| of the query's and the key's position indices (for causal attention only j <= i is
-        ever unmasked); a layout's positions differ by batch row ``b``."""
-        if b is None and self.layout is not None:
-            raise ValueError(f"{type(self).__name__}.distance needs the batch row b under a layout of positions")
-        return self.relative(b, q_idx, kv_idx).abs()
-
     def rows(self, start: int, end: int, n_keys: int, batch: int, heads: int, device, first_key: int = 0) -> Tensor:
         """The bias for query rows [start, end) against keys [first_key, n_keys): shape (batch|1, heads, rows, keys)
         (a sliding window needs only the keys it sees)."""
@@ -148,13 +135,29 @@ class ScoreBias:
 
         return add_bias
 
+
+class PositionalBias(ScoreBias):
+    """A bias that is a function of the head and the query's and key's position indices alone, not of the tokens
+    (KERPLE, T5, FIRE, ALiBi): :meth:`at` is its formula, read at the positions :meth:`query_position` and
+    :meth:`key_position` give (a layout's, where there is one). Such a bias can be tabulated over (head, query
+    position, key position) (:meth:`position_table`), which is how FlexAttention trains it."""
+
+    positional = True
+
+    def at(self, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        """The bias of head ``h`` for query position ``i`` against key position ``j`` (broadcast tensors)."""
+        raise NotImplementedError
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.at(h, self.query_position(b, q_idx), self.key_position(b, kv_idx))
+
     def position_table(self, heads: int, extent: int, device) -> Tensor:
-        """(heads, extent, extent): the bias of query position i against key position j, for a :attr:`positional`
-        bias (its formula at offset 0 with no layout, whose positions then index the table)."""
-        plain = copy.copy(self)
-        plain.q_offset, plain.layout = 0, None
-        # a copy, not the view [0]: a captured view lost its gradient under AOT autograd (tests/test_flex_training.py)
-        return plain.rows(0, extent, extent, 1, heads, device)[0].clone()
+        """(heads, extent, extent): :meth:`at` over every head and every pair of positions below ``extent``. Built from
+        the formula alone (no copy of this object, which Dynamo 2.11 does not trace: a graph break in every compiled
+        block on the GPU)."""
+        positions = torch.arange(extent, device=device)
+        return self.at(torch.arange(heads, device=device).view(-1, 1, 1), positions.view(1, -1, 1),
+                       positions.view(1, 1, -1))
 
     def table_score_mod(self, table: Tensor) -> Callable:
         """A score_mod that reads the bias from :meth:`position_table`'s ``table`` at the query's and key's position

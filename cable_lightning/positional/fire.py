@@ -13,30 +13,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Encoding, PositionalEncoding, ScoreBias
+from .base import Encoding, PositionalBias, PositionalEncoding
 
 HIDDEN = 32
 
 
-class FireBias(ScoreBias):
-    positional = True
+class FireBias(PositionalBias):
 
     def __init__(self, w1, b1, w2, b2, c, threshold, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.w1, self.b1, self.w2, self.b2, self.c, self.threshold = w1, b1, w2, b2, c, threshold
 
-    def normalised_distance(self, b, q_idx, kv_idx):
-        pos = self.query_position(b, q_idx)
-        if not self.causal:
-            pos = torch.maximum(pos, self.key_position(b, kv_idx))
-        d = self.distance(q_idx, kv_idx, b).to(self.c.dtype)
+    def normalised_distance(self, i, j):
+        pos = i if self.causal else torch.maximum(i, j)
+        d = (i - j).abs().to(self.c.dtype)
         norm = torch.maximum(pos.to(self.c.dtype), self.threshold)
         return torch.log1p(self.c * d) / torch.log1p(self.c * norm)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def at(self, h, i, j):
         # Hidden units unrolled: the same code serves FlexAttention's scalar score_mod and the chunked
         # path's index grids, and never holds a (rows x keys x hidden) tensor.
-        x = self.normalised_distance(b, q_idx, kv_idx)
+        x = self.normalised_distance(i, j)
         out = self.b2[h]
         for unit in range(HIDDEN):
             out = out + self.w2[h, unit] * F.relu(self.w1[unit] * x + self.b1[unit])

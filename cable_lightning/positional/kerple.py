@@ -8,18 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Encoding, PositionalEncoding, ScoreBias
+from .base import Encoding, PositionalBias, PositionalEncoding
 
 
-class KerpleBias(ScoreBias):
-    positional = True
+class KerpleBias(PositionalBias):
 
     def __init__(self, r1, r2, form, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.r1, self.r2, self.form = r1, r2, form
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        d = self.distance(q_idx, kv_idx, b).to(self.r1.dtype)
+    def at(self, h, i, j):
+        d = (i - j).abs().to(self.r1.dtype)
         if self.form == "log":
             return -self.r1[h] * torch.log1p(self.r2[h] * d)
         # d^r2 for d >= 1; 0 at d = 0 (clamped so the gradient wrt r2 never sees log(0)).

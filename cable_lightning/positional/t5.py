@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Encoding, PositionalEncoding, ScoreBias
+from .base import Encoding, PositionalBias, PositionalEncoding
 
 NUM_BUCKETS = 32
 MAX_DISTANCE = 128
@@ -30,15 +30,14 @@ def relative_bucket(rel, causal: bool, num_buckets: int = NUM_BUCKETS, max_dista
     return offset + torch.where(n < exact, n, far)
 
 
-class T5Bias(ScoreBias):
-    positional = True
+class T5Bias(PositionalBias):
 
     def __init__(self, table, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.table = table  # (buckets, heads)
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        bucket = relative_bucket(self.relative(b, q_idx, kv_idx), self.causal)
+    def at(self, h, i, j):
+        bucket = relative_bucket(i - j, self.causal)
         return self.table[bucket, h]
 
 
