@@ -44,6 +44,11 @@ Backend = Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"]
 BACKENDS = typing.get_args(Backend)
 # The chunked path sizes its row blocks so one block's bias holds at most this many elements.
 CHUNK_ELEMENTS = 2**24
+# ... and inside a compiled block (`compile: true`), this many: Dynamo unrolls the loop over row blocks into the graph,
+# whose compile time grows with the blocks (CoPE at 16 x 1024 tokens took 103, and compiling outlasted 6 minutes on an
+# H100; on the 2-core VM, inductor compiled a 2-layer CoPE step in 48 s with 1 block, 160 s with 8, 668 s with 32).
+# 2 blocks for CoPE, DAPEv2 or stick-breaking at 16 x 1024; a block's maps hold 4 GiB in fp32 at most.
+COMPILED_CHUNK_ELEMENTS = 2**30
 # Folded heads are zero-padded to a multiple of this width (CUDA's flash kernels need it).
 FOLD_HEAD_MULTIPLE = 8
 # bf16/fp16 hold 8/11 significant bits; the folded key column is split into this many pieces of that
@@ -327,7 +332,8 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, wind
     logit_scores = isinstance(bias, LogitScores)
     maps = h * (bias.maps_per_head if logit_scores else 1)
     windowed = window is not None and not logit_scores  # logit scores need every key up to the row (then masked)
-    rows_per_block = max(1, CHUNK_ELEMENTS // (b * maps * (min(tk, 2 * window) if windowed else tk)))
+    budget = COMPILED_CHUNK_ELEMENTS if torch.compiler.is_compiling() else CHUNK_ELEMENTS
+    rows_per_block = max(1, budget // (b * maps * (min(tk, 2 * window) if windowed else tk)))
     if windowed:
         rows_per_block = min(rows_per_block, window)  # a block then sees at most 2 x window keys
     outputs = []
