@@ -215,7 +215,7 @@ def table_bytes(config, length: int) -> int:
     module (the registry's) is asked: which bias it adds (at 2 tokens on the CPU), then its tables on the meta
     device, where nothing is allocated."""
     from .models.attention import FLEX_TABLE_ELEMENTS, resolve_backend
-    from .positional.base import ScoreBias
+    from .positional.base import PositionalBias
     from .positional.registry import build_positional
 
     heads, probe = config.n_head, build_positional(config)
@@ -226,7 +226,7 @@ def table_bytes(config, length: int) -> int:
         kinds = [probe.score_bias(torch.zeros(1, 2, config.n_embd), layer, 0, None) for layer in range(config.n_layer)]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(id(t), t), lambda t: t):
         for layer, kind in enumerate(kinds):
-            if (isinstance(kind, ScoreBias) and kind.positional and heads * length**2 <= FLEX_TABLE_ELEMENTS
+            if (isinstance(kind, PositionalBias) and heads * length**2 <= FLEX_TABLE_ELEMENTS
                     and resolve_backend(config.attention_backend, kind, torch.device("cuda"),
                                         head_dim=config.head_dim) == "flex"):
                 table = pe.score_bias(h, layer, 0, None).position_table(heads, length, "meta")

@@ -15,6 +15,7 @@ from cable_lightning.models import BackboneConfig
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.backbone import Backbone
 from cable_lightning.positional import build_positional, score_bias_encodings
+from cable_lightning.positional.base import PositionalBias
 from cable_lightning.positional.layout import Layout
 
 BIAS_PES = score_bias_encodings()
@@ -101,7 +102,7 @@ def positional_flex_encodings():
     """The encodings a training step runs through FlexAttention on CUDA (their causal bias does not fold) whose bias
     is a function of positions (the tabulated ones)."""
     return [name for name in BIAS_PES
-            if (bias := tiny_pe(name, True).score_bias(torch.zeros(1, 2, WIDTH), 0, 0, None)).positional
+            if isinstance(bias := tiny_pe(name, True).score_bias(torch.zeros(1, 2, WIDTH), 0, 0, None), PositionalBias)
             and not bias.foldable]
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..positional.base import LogitScores, ScoreBias, visible_keys
+from ..positional.base import LogitScores, PositionalBias, ScoreBias, visible_keys
 from ..positional.layout import Layout
 
 Backend = Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"]
@@ -472,15 +472,15 @@ def _run_compiled_flex(compiled, *args, **kwargs):
 
 
 def flex_score_mod(bias: ScoreBias | None, heads: int, extent: int, device):
-    """The score_mod FlexAttention runs for ``bias``. Where a gradient flows, a :attr:`ScoreBias.positional` bias is
-    tabulated first (:meth:`ScoreBias.position_table`, heads x ``extent``^2 entries, at most
+    """The score_mod FlexAttention runs for ``bias``. Where a gradient flows, a :class:`PositionalBias` is
+    tabulated first (:meth:`PositionalBias.position_table`, heads x ``extent``^2 entries, at most
     :data:`FLEX_TABLE_ELEMENTS`) and read from the table: FlexAttention's backward scatters the gradient of whatever
     the score_mod reads with one atomic add per score, and a per-head parameter (KERPLE's r1 and r2, FIRE's MLP, T5's
     table) read at every score made those adds collide on a few addresses (the flex path trained at 0.03x NoPE on an
     H200). Without a gradient, or past the table's size, the bias is computed at each score."""
     if bias is None:
         return None
-    if torch.is_grad_enabled() and bias.positional and heads * extent**2 <= FLEX_TABLE_ELEMENTS:
+    if torch.is_grad_enabled() and isinstance(bias, PositionalBias) and heads * extent**2 <= FLEX_TABLE_ELEMENTS:
         return bias.table_score_mod(bias.position_table(heads, extent, device))
     return bias.score_mod()
 

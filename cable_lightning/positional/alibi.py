@@ -26,7 +26,6 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 class AlibiBias(PositionalBias):
-
     def __init__(self, slopes, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.slopes = slopes

@@ -86,7 +86,6 @@ class ScoreBias:
 
     foldable = False
     softmax = True  # the weights are a softmax over logits + bias (the score contract; see LogitScores.softmax)
-    positional = False  # True on a PositionalBias
 
     def __init__(self, q_offset: int, causal: bool, layout: Layout | None = None):
         self.q_offset = q_offset
@@ -141,8 +140,6 @@ class PositionalBias(ScoreBias):
     (KERPLE, T5, FIRE, ALiBi): :meth:`at` is its formula, read at the positions :meth:`query_position` and
     :meth:`key_position` give (a layout's, where there is one). Such a bias can be tabulated over (head, query
     position, key position) (:meth:`position_table`), which is how FlexAttention trains it."""
-
-    positional = True
 
     def at(self, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         """The bias of head ``h`` for query position ``i`` against key position ``j`` (broadcast tensors)."""

@@ -19,7 +19,6 @@ HIDDEN = 32
 
 
 class FireBias(PositionalBias):
-
     def __init__(self, w1, b1, w2, b2, c, threshold, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.w1, self.b1, self.w2, self.b2, self.c, self.threshold = w1, b1, w2, b2, c, threshold

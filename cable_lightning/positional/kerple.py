@@ -12,7 +12,6 @@ from .base import Encoding, PositionalBias, PositionalEncoding
 
 
 class KerpleBias(PositionalBias):
-
     def __init__(self, r1, r2, form, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.r1, self.r2, self.form = r1, r2, form

@@ -31,7 +31,6 @@ def relative_bucket(rel, causal: bool, num_buckets: int = NUM_BUCKETS, max_dista
 
 
 class T5Bias(PositionalBias):
-
     def __init__(self, table, q_offset, causal, layout=None):
         super().__init__(q_offset, causal, layout)
         self.table = table  # (buckets, heads)
