@@ -81,11 +81,12 @@ def backbone(name: str, n_layer: int, backend: str = "auto", seed: int = 0) -> B
     return model
 
 
-def steps(models, n: int = 2) -> list[torch.Tensor]:
-    """``n`` training steps' forward and backward of each model on the same batches; their losses."""
+def steps(models, n: int = 2, length: int = LENGTH) -> list[torch.Tensor]:
+    """``n`` training steps' forward and backward of each model on the same batches of ``length`` tokens; their
+    losses."""
     losses = []
     for step in range(n):
-        ids = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(step))
         for model in models:
             model.zero_grad()
             loss = model.loss(ids, ids)
@@ -176,12 +177,7 @@ def test_a_compiled_block_unrolls_few_row_blocks_whatever_the_eager_path_takes(n
         model = backbone(name, 1)
         reference = copy.deepcopy(model)
         model.compile_blocks()
-        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
-        losses = []
-        for m in (model, reference):
-            loss = m.loss(ids, ids)
-            loss.backward()
-            losses.append(loss.detach())
+        losses = steps([model, reference], n=1, length=length)
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
         assert_same_gradients(model, reference)
         assert len(compiled.graphs) == before + 1
