@@ -378,6 +378,19 @@ def latest_step(runs: dict[tuple, dict[int, list[Record]]]) -> list[Record]:
     return [row for steps in runs.values() for row in steps[max(steps)]]
 
 
+def behind_their_seeds(runs: dict[tuple, dict[int, list[Record]]]) -> dict[tuple, tuple[int, int]]:
+    """{run: (its latest step, the furthest of its seeds)} for the runs, out of :func:`rows_by_step`'s
+    {run: {step: rows}}, whose latest evaluation is at an earlier step than another seed's of the same run (encoding,
+    training length, learning rate, backbone, task): in flight or stopped early, so a mean over seeds mixes steps."""
+    latest = {run: max(steps) for run, steps in runs.items()}
+    furthest: dict[tuple, int] = {}
+    for run, step in latest.items():
+        others = run[:2] + run[3:]  # the run key without its seed
+        furthest[others] = max(furthest.get(others, step), step)
+    return {run: (step, furthest[run[:2] + run[3:]]) for run, step in latest.items()
+            if step < furthest[run[:2] + run[3:]]}
+
+
 def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
                 cell=lambda row: (row.length, row.mode)) -> list[Record]:
     """Each run's rows from its latest evaluation step (see :func:`rows_by_step`)."""

@@ -290,10 +290,17 @@ def test_the_report_shows_the_accuracies_at_every_evaluated_step(tmp_path):
     assert lines[:4] == ["### parity_check", "", "| step | rope |", "|---|---|"]
     # step 500: at 40 (0.25, 0.35), score ((0.2 + 0.1) / 2, (0.2 + 0.2) / 2); step 1000: seed 0's 80 is now 0
     assert lines[4:] == ["| 500 | 30 / 17.5 |", "| 1000 | 55 / 17.5 |", "| 1500 | 85 / 30.0 (n=1) |"]
-    report([str(tmp_path)], str(tmp_path / "r"))
+    tables = report([str(tmp_path)], str(tmp_path / "r"))
     assert (tmp_path / "r_algorithmic_training.md").read_text().startswith("\n".join(lines))
+    # seed 0 stopped at 1000 (or is still running): the table's mean mixes it with seed 1 at 1500, and says so
+    assert tables["runs behind their other seeds"].splitlines()[-1] == (
+        "- rope (training length 40, parity_check, seed 0) at step 1000, another seed at 1500")
     once = {key: {max(steps): steps[max(steps)]} for key, steps in runs.items()}
     assert algorithmic_training_table(once) == ""
+    append_records(str(tmp_path / "seed0"), [replace(record("rope", 0, 5e-4, length, 0.5), step=1500)
+                                             for length in (40, 41)])  # seed 0 reaches 1500 too
+    assert "runs behind their other seeds" not in report([str(tmp_path)], str(tmp_path / "r"))
+    assert not (tmp_path / "r_behind.md").exists()  # the earlier report's warning went with it
 
 
 def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):

@@ -58,6 +58,7 @@ from cable_lightning.records import (
     Record,
     RetrievalRecord,
     TaskRecord,
+    behind_their_seeds,
     differing,
     find_records,
     format_value,
@@ -469,8 +470,9 @@ def loss_curves_figure(curves: dict[str, dict[str, dict[int, list[float]]]], pat
 
 def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png and <out>_<mode>_training.png for each window mode present, and
-    <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows; returns
-    {mode, "position", "task <name>" or "effective length": markdown}."""
+    <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows, and
+    <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's; returns
+    {mode, "position", "task <name>", "effective length" or "runs behind their other seeds": markdown}."""
     files = find_records(paths)
     runs = rows_by_step(files)
     rows = latest_step(runs)
@@ -547,6 +549,18 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     if curves:
         loss_curves_figure(curves, f"{out}_loss_curves.png")
     tables.update(diagnostics_report(paths, out))  # attention.jsonl, long_context.jsonl: docs/diagnostics.md
+    behind = behind_their_seeds(task_runs)  # an algorithmic run's key names its task; its length rows' key does not
+    behind |= {run: steps for run, steps in behind_their_seeds(runs).items() if not any(k[:5] == run for k in behind)}
+    if behind:
+        lines = [f"- {run[0]} (training length {run[1]}{''.join(f', {part}' for part in run[5:])}, seed {run[2]}) "
+                 f"at step {step}, another seed at {furthest}"
+                 for run, (step, furthest) in sorted(behind.items(), key=str)]
+        tables["runs behind their other seeds"] = ("Counted at their latest evaluation; in flight or stopped early, "
+                                                   "so the means above mix steps:\n\n" + "\n".join(lines))
+        with open(f"{out}_behind.md", "w") as f:
+            f.write(tables["runs behind their other seeds"] + "\n")
+    elif os.path.exists(f"{out}_behind.md"):  # an earlier report's, about runs that have since caught up
+        os.remove(f"{out}_behind.md")
     return tables
 
 
