@@ -1,6 +1,9 @@
 """bf16 and compile on CPU, before any GPU run: a training step of every registered encoding under Lightning's
 bf16-mixed autocast, and ``compile: true`` for one encoding per attention backend, against fp32 and eager."""
 
+import json
+import math
+
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -149,3 +152,36 @@ def test_a_training_step_never_reads_back_to_the_host(name):
     with work:
         model.loss(ids[:, :-1], ids[:, 1:]).backward()
     assert work.forwards == 1 and work.transfers == 0, work.counts()
+
+
+def test_the_evaluations_after_validation_run_at_the_trainers_precision(tiny_corpus_dir, tmp_path, monkeypatch):
+    """The attention diagnostics and the task grid run in Lightning's validation-end hooks, outside the autocast its
+    validation_step runs in: a bf16-mixed run measured them in fp32, other numbers than its evaluation's (and on a GPU
+    compiled FlexAttention's evaluation kernel a second time). Both now run in the trainer's precision context, and
+    their records stay finite under bf16."""
+    from test_cli import args
+
+    import cable_lightning.callbacks.diagnostics as diagnostics
+    import cable_lightning.callbacks.task_eval as task_eval
+    from cable_lightning.cli import main
+
+    seen = {}
+
+    def recording(name, function):
+        def run(*a, **kw):
+            seen.setdefault(name, set()).add(torch.is_autocast_enabled("cpu") and
+                                             torch.get_autocast_dtype("cpu") == torch.bfloat16)
+            return function(*a, **kw)
+        return run
+
+    monkeypatch.setattr(diagnostics, "diagnose", recording("diagnostics", diagnostics.diagnose))
+    monkeypatch.setattr(task_eval, "task_grid", recording("tasks", task_eval.task_grid))
+    main(["fit", *args(tiny_corpus_dir, str(tmp_path), pe="kerple_log", steps=2, every=2,
+                       extra=["--trainer.precision", "bf16-mixed", "--data.tasks", '{"passkey": {}}',
+                              "--data.task_fraction", "0", "--task_eval.lengths", "[96]", "--task_eval.trials", "2"])])
+    assert seen == {"diagnostics": {True}, "tasks": {True}}
+    run = tmp_path / "test" / "kerple_log" / "version_0"
+    attention = [json.loads(line) for line in open(run / "attention.jsonl")]
+    assert attention and all(math.isfinite(r["entropy"]) for r in attention)
+    tasks = [json.loads(line) for line in open(run / "task_accuracy.jsonl")]
+    assert tasks and all(r["accuracy"] is not None for r in tasks)

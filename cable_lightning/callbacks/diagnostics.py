@@ -105,38 +105,41 @@ class AttentionDiagnostics(L.Callback):
         was_training = backbone.training
         backbone.eval()
         seconds = 0.0
+        # At the trainer's precision, as validation_step runs (Lightning's hooks run outside it): a bf16-mixed
+        # run's diagnostics once ran in fp32, numbers other than its evaluation's, and compiled FlexAttention again
         try:
-            for length in sorted({length for length, _ in pl_module.eval_specs()}):
-                tokens = self.window_batch(stream, length).to(pl_module.device)
-                starts = torch.arange(len(tokens), device=tokens.device) * length
-                inputs, targets = pl_module.split_batch(tokens, train=False, start=starts)
-                try:
-                    found = diagnose(backbone, inputs, targets, config.block_size, self.sink, self.local,
-                                     self.threshold, self.short_stride, self.batch_size)
-                except UnsupportedLengthError:
-                    continue  # the length record says so
-                seconds += found.seconds
-                local = self.local or max(1, config.block_size // 8)
-                self.attention += [AttentionRecord(**context, length=length, windows=found.windows, sink=self.sink,
-                                                   local=local, seconds=round(found.seconds, 3), **row)
-                                   for row in found.attention]
-                if found.gain is not None:
-                    self.long_context.append(LongContextRecord(
-                        **context, length=length, context=config.block_size, threshold=self.threshold,
-                        stride=self.short_stride or max(1, config.block_size // 4), windows=found.windows,
-                        **vars(found.gain)))
-                read = self.increment_inputs(trainer, pl_module, length, inputs)
-                if read is None:
-                    continue
-                name, read_ids, tokens, pair, layout = read
-                measured = increment_diagnostics(backbone, read_ids, tokens, pair, layout)
-                seconds += measured.seconds
-                where = dict(context, length=length, inputs=name, examples=len(read_ids))
-                self.increments += [IncrementRecord(**where, **row) for row in measured.increments]
-                if measured.pair is not None:
-                    self.pairs.append(HiddenPairRecord(**where, pair="answer 1, answer 2", **{
-                        f"difference_{k}": measured.pair[k] for k in ("mean", "min", "max")}))
-                print(increment_summary(context["pe"], length, name, self.increments, self.pairs), flush=True)
+            with trainer.precision_plugin.forward_context():
+                for length in sorted({length for length, _ in pl_module.eval_specs()}):
+                    tokens = self.window_batch(stream, length).to(pl_module.device)
+                    starts = torch.arange(len(tokens), device=tokens.device) * length
+                    inputs, targets = pl_module.split_batch(tokens, train=False, start=starts)
+                    try:
+                        found = diagnose(backbone, inputs, targets, config.block_size, self.sink, self.local,
+                                         self.threshold, self.short_stride, self.batch_size)
+                    except UnsupportedLengthError:
+                        continue  # the length record says so
+                    seconds += found.seconds
+                    local = self.local or max(1, config.block_size // 8)
+                    self.attention += [AttentionRecord(**context, length=length, windows=found.windows, sink=self.sink,
+                                                       local=local, seconds=round(found.seconds, 3), **row)
+                                       for row in found.attention]
+                    if found.gain is not None:
+                        self.long_context.append(LongContextRecord(
+                            **context, length=length, context=config.block_size, threshold=self.threshold,
+                            stride=self.short_stride or max(1, config.block_size // 4), windows=found.windows,
+                            **vars(found.gain)))
+                    read = self.increment_inputs(trainer, pl_module, length, inputs)
+                    if read is None:
+                        continue
+                    name, read_ids, tokens, pair, layout = read
+                    measured = increment_diagnostics(backbone, read_ids, tokens, pair, layout)
+                    seconds += measured.seconds
+                    where = dict(context, length=length, inputs=name, examples=len(read_ids))
+                    self.increments += [IncrementRecord(**where, **row) for row in measured.increments]
+                    if measured.pair is not None:
+                        self.pairs.append(HiddenPairRecord(**where, pair="answer 1, answer 2", **{
+                            f"difference_{k}": measured.pair[k] for k in ("mean", "min", "max")}))
+                    print(increment_summary(context["pe"], length, name, self.increments, self.pairs), flush=True)
         finally:
             backbone.train(was_training)
         append_records(log_dir, self.attention + self.long_context + self.increments + self.pairs)

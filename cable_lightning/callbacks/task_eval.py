@@ -83,7 +83,7 @@ class TaskAccuracy(L.Callback):
         backbone, was_training = pl_module.backbone, pl_module.backbone.training
         backbone.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), trainer.precision_plugin.forward_context():  # as validation_step runs
                 grid = task_grid(pl_module.task_predictions(), self.mix(trainer), lengths, self.depths, self.trials,
                                  self.seed, self.batch_size, pl_module.device)
         finally:
