@@ -18,7 +18,8 @@ keeps what finished. An existing ``--out`` is replaced only when gpu-check wrote
 2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): the first
    forward's seconds (FlexAttention compiles there on CUDA), then seconds and peak memory against NoPE from forwards
    that reuse that compile (the row counts Dynamo's compiles in both), for every chosen encoding except those on the
-   chunked path (no target, and the slow part that ran the first GPU measurement out of time).
+   chunked path (no target, and the slow part that ran the first GPU measurement out of time); with any on the flex
+   path, ``nope:flex`` too (no bias on FlexAttention: what the kernel costs without a score_mod).
 3. ``pytest`` (run last): ``FLEX_TESTS``, FlexAttention's values and gradients on CUDA, from the source tree.
 
 Dynamo's warning that a function hit its recompile limit (it then runs that function eagerly for the rest of the
@@ -27,14 +28,15 @@ the function. A part that fails is a row too; the run then exits 1.
 
 The plan for one H100 or H200 (the ``*_BUDGET_S`` constants, sized by two runs on H100s): compiling has budgets of its
 own, apart from the timed work, so that a slow compile costs time but never the steady steps. ``bench`` first: 24 s
-for the timed forwards plus 30 s for each encoding on the flex path's first forward (114 s for the default
-encodings). Then each fit: 20 s for its warm-up and 8 s for its steady steps, counted from the first steady step's
-start whatever the warm-up took (a fit stops training once that passes and a steady step was timed; the warm-up is
-never cut; the validations that follow still run), and 20 s for its start, validations and checkpoints, 40 s more on
-the flex path (its first validation compiles): a part's budget is its fits' (48 s a fit, 88 s a flex fit). Then the
-FlexAttention tests, 60 s. For the default encodings that is 822 s, more than a lent GPU's 15 minutes: nothing starts
-after 425 s (plus about 20 s to import and start), what would start after its part's budget or after that is a
-"skipped" row, so the run ends within one fit (or the tests' 60 s) of 425 s; ``--encodings`` picks what matters.
+for the timed forwards plus 30 s for each encoding on the flex path's first forward, ``nope:flex`` included (144 s
+for the default encodings). Then each fit: 20 s for its warm-up and 8 s for its steady steps, counted from the
+first steady step's start whatever the warm-up took (a fit stops training once that passes and a steady step was
+timed; the warm-up is never cut; the validations that follow still run), and 20 s for its start, validations and
+checkpoints, 40 s more on the flex path (its first validation compiles): a part's budget is its fits' (48 s a fit,
+88 s a flex fit). Then the FlexAttention tests, 60 s. For the default encodings that is 852 s, more than a lent
+GPU's 15 minutes: nothing starts after 425 s (plus about 20 s to import and start), what would start after its part's
+budget or after that is a "skipped" row, so the run ends within one fit (or the tests' 60 s) of 425 s;
+``--encodings`` picks what matters.
 
 Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
 validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`, the
@@ -127,12 +129,14 @@ REHEARSAL = Sizes("gpt2-tiny", {"n_layer": 2, "n_head": 2, "n_embd": 32}, block=
 
 
 def backend_of(label: str) -> str:
-    """The attention backend ``auto`` takes for an encoding on CUDA in a causal model: the first that
-    ``backends_for`` lists after ``auto`` (sdpa, fold, flex or chunked)."""
+    """The attention backend of a label: the one it names (``nope:flex``), else the one ``auto`` takes for the
+    encoding on CUDA in a causal model, the first that ``backends_for`` lists after ``auto`` (sdpa, fold, flex or
+    chunked)."""
     from .models.attention import backends_for
     from .positional import from_label
 
-    return backends_for(from_label(label).scores, causal=True)[1]
+    name, _, backend = label.partition(":")
+    return backend or backends_for(from_label(name).scores, causal=True)[1]
 
 
 def parts_of(encodings: list[str]) -> dict[str, list[str]]:
@@ -632,8 +636,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"eval peak MiB @{sizes.eval_length}", "x NoPE", "Dynamo compiles: first forward / timed", "note"]
         report.table(head)
         benched = [label for labels in parts.values() for label in labels if backend_of(label) != "chunked"]
+        # NoPE on FlexAttention beside the flex encodings: how much of their time is the kernel's, how much the bias's
+        benched = ["nope"] + ["nope:flex"] * any(backend_of(label) == "flex" for label in benched) + \
+            [label for label in benched if label != "nope"]
         compiling = sum(backend_of(label) == "flex" for label in benched)
-        run.bench("bench", ["nope"] + [label for label in benched if label != "nope"], head,
+        run.bench("bench", benched, head,
                   min(time.monotonic() + (BENCH_BUDGET_S + BENCH_COMPILE_BUDGET_S * compiling) * scale, run_deadline))
         report.table(FIT_HEAD)
         for part, labels in parts.items():

@@ -80,7 +80,9 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch)
         assert re.fullmatch(r"compiling took 3\d s, past its 20 s budget" if number == 0 else "", cell["note"]), row
     bench = [dict(zip(["part", "encoding", "backend", "compile", "eval s", "x", "mib", "x mib", "compiles"], row))
              for row in cells(text, "bench |")]
-    assert len(bench) == 3 and all("failed" not in row["compile"] and "skipped" not in row["compile"] for row in bench)
+    assert [(row["encoding"], row["backend"]) for row in bench] == [  # NoPE on flex: the kernel without a bias
+        ("nope", "sdpa"), ("nope:flex", "flex"), ("cable", "fold"), ("kerple_log", "flex")]
+    assert all("failed" not in row["compile"] and "skipped" not in row["compile"] for row in bench)
     assert all(row["compiles"].endswith(" / 0") for row in bench)  # the timed forwards reuse the first's compile
     (flex_tests,) = cells(text, "pytest |")
     assert flex_tests[1:4] == ["tests/test_attention.py -k flex", "0", flex_tests[3]] and "collected" in flex_tests[3]
