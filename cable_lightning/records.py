@@ -382,13 +382,14 @@ def behind_their_seeds(runs: dict[tuple, dict[int, list[Record]]]) -> dict[tuple
     """{run: (its latest step, the furthest of its seeds)} for the runs, out of :func:`rows_by_step`'s
     {run: {step: rows}}, whose latest evaluation is at an earlier step than another seed's of the same run (encoding,
     training length, learning rate, backbone, task): in flight or stopped early, so a mean over seeds mixes steps."""
+    def seeds_of(run: tuple) -> tuple:  # the run key without its seed
+        return run[:2] + run[3:]
+
     latest = {run: max(steps) for run, steps in runs.items()}
     furthest: dict[tuple, int] = {}
     for run, step in latest.items():
-        others = run[:2] + run[3:]  # the run key without its seed
-        furthest[others] = max(furthest.get(others, step), step)
-    return {run: (step, furthest[run[:2] + run[3:]]) for run, step in latest.items()
-            if step < furthest[run[:2] + run[3:]]}
+        furthest[seeds_of(run)] = max(furthest.get(seeds_of(run), step), step)
+    return {run: (step, furthest[seeds_of(run)]) for run, step in latest.items() if step < furthest[seeds_of(run)]}
 
 
 def latest_rows(files: list[str], kind: type[Record] = LengthRecord,
