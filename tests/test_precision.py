@@ -185,3 +185,43 @@ def test_the_evaluations_after_validation_run_at_the_trainers_precision(tiny_cor
     assert attention and all(math.isfinite(r["entropy"]) for r in attention)
     tasks = [json.loads(line) for line in open(run / "task_accuracy.jsonl")]
     assert tasks and all(r["accuracy"] is not None for r in tasks)
+
+
+def test_the_diagnostics_and_the_picture_reuse_the_length_evaluations_flex_kernels(tiny_corpus_dir, tmp_path,
+                                                                                     monkeypatch):
+    """A bf16 validation on the flex path, as on CUDA (compiled FlexAttention; a recording ``aot_eager`` backend
+    stands in for inductor). The length evaluation compiles its kernels (a batch of one apart: Dynamo specialises size
+    1); the attention diagnostics and the bias picture, run after it, compile nothing more. On the first GPU they
+    compiled FlexAttention twice more (40-54 s of a first validation): they ran outside the autocast, and the
+    picture read a batch of one."""
+    from test_cli import args
+
+    from cable_lightning.cli import main
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    # width 48: at 32 the keys' offset in the packed projections equals the first length, which Dynamo's duck
+    # sizing ties together (a compile per length); gpt2-small's 768 is no length it evaluates
+    run = args(tiny_corpus_dir, str(tmp_path), pe="kerple_log", steps=2, every=2,
+               extra=["--model.init_args.backbone.n_embd", "48"])
+    main(["fit", *run])
+    monkeypatch.setattr(attention, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "FLEX_BACKEND", counting)
+    monkeypatch.chdir(tmp_path)  # without a logger a validation writes its records to the working folder
+    compiled = {}
+    for name, extra in (("evaluation", ["--diagnostics.enabled", "false", "--trainer.logger", "false"]),
+                        ("with diagnostics and picture", [])):
+        monkeypatch.setattr(attention, "_compiled_flex", {})
+        torch._dynamo.reset()
+        graphs.clear()
+        main(["validate", *run, "--ckpt_path", str(tmp_path / "test" / "kerple_log" / "checkpoints" / "last.ckpt"),
+              "--model.init_args.backbone.attention_backend", "flex", "--trainer.precision", "bf16-mixed", *extra])
+        compiled[name] = len(graphs)
+    torch._dynamo.reset()
+    validated = tmp_path / "test" / "kerple_log" / "version_1"
+    assert (validated / "attention.jsonl").exists() and any(p.name.startswith("events") for p in validated.iterdir())
+    assert compiled["evaluation"] >= 1 and compiled["with diagnostics and picture"] == compiled["evaluation"], compiled

@@ -24,10 +24,12 @@ def last_layer_maps(backbone, tokens: torch.Tensor) -> tuple[torch.Tensor, str]:
     block = backbone.blocks[-1]
     handle = block.ln_attn.register_forward_hook(lambda m, i, out: captured.__setitem__("h", out))
     try:
-        backbone.hidden_states(tokens)  # without a gradient the blocks run eagerly (compile: true too): the hook runs
+        # Without a gradient the blocks run eagerly (compile: true too): the hook runs. Two copies of the sequence:
+        # on CUDA a batch of one would compile FlexAttention's evaluation kernel once more (Dynamo specialises size 1)
+        backbone.hidden_states(tokens.expand(2, -1))
     finally:
         handle.remove()
-    h = captured["h"]
+    h = captured["h"][:1]
     t, heads = tokens.shape[1], backbone.config.n_head
     terms = backbone.pe.score_bias(h, block.attn.layer, 0, None)
     if isinstance(terms, ScoreBias):
@@ -89,6 +91,7 @@ class BiasPictures(L.Callback):
         if (trainer.sanity_checking or self.text is None or not trainer.is_global_zero
                 or not hasattr(experiment, "add_figure") or isinstance(pl_module.backbone, FSDPModule)):
             return
-        maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
+        with trainer.precision_plugin.forward_context():  # as validation_step runs: one FlexAttention kernel on CUDA
+            maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
         title = f"{pl_module.config.pos_encoding.label()}: last layer {what}, step {trainer.global_step}"
         experiment.add_figure("bias/last_layer", draw_grid(maps, title), trainer.global_step)
