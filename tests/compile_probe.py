@@ -1,5 +1,5 @@
-"""A test-only callback the CLI loads by class path: compiling with one of Dynamo's own backends (no C++ compile on
-CPU), counting the graphs."""
+"""Test-only compile probes: a callback the CLI loads by class path, compiling with one of Dynamo's own backends (no
+C++ compile on CPU) and counting the graphs, and a backend that records each graph it compiles."""
 
 import json
 import os
@@ -29,3 +29,14 @@ class CompileWith(L.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"graphs_rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"graphs": self.graphs}, f)
+
+
+class RecordingBackend:
+    """A Dynamo backend (``aot_eager`` underneath) that keeps, per compiled graph, the grad-requiring inputs' sizes."""
+
+    def __init__(self):
+        self.graphs: list[list[int]] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append([t.numel() for t in example_inputs if isinstance(t, torch.Tensor) and t.requires_grad])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)

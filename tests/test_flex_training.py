@@ -10,6 +10,7 @@ what Dynamo lifts into the kernel and how often it compiles."""
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
+from compile_probe import RecordingBackend
 
 from cable_lightning.models import BackboneConfig
 from cable_lightning.models import attention as attn_mod
@@ -72,17 +73,6 @@ def test_training_score_mod_equals_the_bias_in_values_and_gradients(pe_name, cau
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-
-
-class RecordingBackend:
-    """A Dynamo backend (``aot_eager`` underneath) that keeps, per compiled graph, the grad-requiring inputs' sizes."""
-
-    def __init__(self):
-        self.graphs: list[list[int]] = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append([t.numel() for t in example_inputs if isinstance(t, torch.Tensor) and t.requires_grad])
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
 @pytest.fixture

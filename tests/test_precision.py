@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from compile_probe import RecordingBackend
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from cable_lightning.lit import CausalLM
@@ -122,21 +123,16 @@ def test_a_compiled_fit_holds_through_validations_at_several_lengths(tiny_corpus
 
     from cable_lightning.cli import main
 
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
+    backend = RecordingBackend()
     original = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: original(model, backend=counting, **kwargs))
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: original(model, backend=backend, **kwargs))
     torch._dynamo.reset()
     layers = 3
     main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=4, every=2,
                        extra=["--model.init_args.compile", "true", "--model.init_args.backbone.n_layer", str(layers),
                               "--data.eval_lengths", "[32, 64, 128]", "--trainer.val_check_interval", "2"])])
     torch._dynamo.reset()
-    assert len(graphs) == 1, len(graphs)
+    assert len(backend.graphs) == 1, len(backend.graphs)
 
 
 @pytest.mark.parametrize("name", available())
@@ -198,29 +194,24 @@ def test_the_diagnostics_and_the_picture_reuse_the_length_evaluations_flex_kerne
 
     from cable_lightning.cli import main
 
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
+    backend = RecordingBackend()
     # width 48: at 32 the keys' offset in the packed projections equals the first length, which Dynamo's duck
     # sizing ties together (a compile per length); gpt2-small's 768 is no length it evaluates
     run = args(tiny_corpus_dir, str(tmp_path), pe="kerple_log", steps=2, every=2,
                extra=["--model.init_args.backbone.n_embd", "48"])
     main(["fit", *run])
     monkeypatch.setattr(attention, "FLEX_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(attention, "FLEX_BACKEND", counting)
+    monkeypatch.setattr(attention, "FLEX_BACKEND", backend)
     monkeypatch.chdir(tmp_path)  # without a logger a validation writes its records to the working folder
     compiled = {}
     for name, extra in (("evaluation", ["--diagnostics.enabled", "false", "--trainer.logger", "false"]),
                         ("with diagnostics and picture", [])):
         monkeypatch.setattr(attention, "_compiled_flex", {})
         torch._dynamo.reset()
-        graphs.clear()
+        backend.graphs.clear()
         main(["validate", *run, "--ckpt_path", str(tmp_path / "test" / "kerple_log" / "checkpoints" / "last.ckpt"),
               "--model.init_args.backbone.attention_backend", "flex", "--trainer.precision", "bf16-mixed", *extra])
-        compiled[name] = len(graphs)
+        compiled[name] = len(backend.graphs)
     torch._dynamo.reset()
     validated = tmp_path / "test" / "kerple_log" / "version_1"
     assert (validated / "attention.jsonl").exists() and any(p.name.startswith("events") for p in validated.iterdir())
