@@ -133,6 +133,20 @@ def test_flex_training_compiles_once_and_reads_no_per_head_parameter(pe_name, re
         torch.testing.assert_close(p.grad, reference.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_block_mask_first_built_in_inference_mode_trains(recorded_flex):
+    """Lightning validates under ``torch.inference_mode``, and a block mask is cached per shape: one first built there
+    (a sanity check or a ``validate`` before training, at the training length) was an inference tensor, and the next
+    training step at that shape failed ("Inference tensors cannot be saved for backward")."""
+    t = 16
+    model = flex_and_chunked("kerple_log", t, n_layer=1)["flex"]
+    attn_mod._causal_block_mask.cache_clear()
+    ids = torch.randint(0, 96, (2, t))
+    with torch.inference_mode():
+        model.loss(ids, ids)
+    model.loss(ids, ids).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_flex_evaluation_shares_its_kernels_across_lengths_and_batches(recorded_flex):
     """Without a gradient the bias is computed at each score (no table), and the evaluation shapes (more lengths and
     batch sizes than Dynamo's recompile limit of 8, as a long-context validation and its partial last batch run) share

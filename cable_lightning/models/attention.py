@@ -363,35 +363,41 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, wind
     return torch.cat(outputs, dim=2)
 
 
+def _create_block_mask(mask_mod, batch: int | None, tq: int, tk: int, device):
+    """``create_block_mask`` outside inference mode: the masks are cached and reused by training, and one first built
+    in a validation (Lightning's run under ``torch.inference_mode``) held inference tensors that a training step at
+    the same shape could not save for its backward."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    with torch.inference_mode(False):
+        return create_block_mask(mask_mod, batch, None, tq, tk, device=device)
+
+
 @functools.lru_cache(maxsize=32)
 def _causal_block_mask(tq: int, tk: int, q_offset: int, device: str):
     """Built once per shape and reused by every layer and step (building it is a kernel launch)."""
-    from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_mask(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + q_offset
 
-    return create_block_mask(causal_mask, None, None, tq, tk, device=device)
+    return _create_block_mask(causal_mask, None, tq, tk, device)
 
 
 @functools.lru_cache(maxsize=32)
 def _window_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int, device: str):
     """A sliding window's block mask: FlexAttention skips every key block outside it."""
-    from torch.nn.attention.flex_attention import create_block_mask
 
     def window_mask(b, h, q_idx, kv_idx):
         distance = q_idx + q_offset - kv_idx
         inside = (distance < window) & (distance > -window)
         return inside & (distance >= 0) if causal else inside
 
-    return create_block_mask(window_mask, None, None, tq, tk, device=device)
+    return _create_block_mask(window_mask, None, tq, tk, device)
 
 
 def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, causal: bool, window: int | None):
     """The block mask of a layout's documents (with the causal mask and a window), built once per layout and shape:
     FlexAttention skips every key block outside a query block's documents."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     key = ("flex", tq, tk, q_offset, causal, window)
     if key not in documents.masks:
         ids = documents.documents
@@ -405,7 +411,7 @@ def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, cau
                 inside = inside & (distance < window) & (distance > -window)
             return inside
 
-        documents.masks[key] = create_block_mask(document_mask, ids.shape[0], None, tq, tk, device=ids.device)
+        documents.masks[key] = _create_block_mask(document_mask, ids.shape[0], tq, tk, ids.device)
     return documents.masks[key]
 
 
