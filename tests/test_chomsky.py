@@ -316,8 +316,26 @@ def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):
     assert "a learning rate is a positive number, got 'fast'" in capsys.readouterr().err
 
 
-def chomsky_batch(dm):
-    return dm.task_batch(torch.zeros(2, 41, dtype=torch.long), batch_number=3, rank=0, world_size=1)
+def chomsky_batch(dm, batch_number=3):
+    return dm.task_batch(torch.zeros(2, 41, dtype=torch.long), batch_number=batch_number, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("layout", [{"positions": "randomized", "position_range": 2048},
+                                    {"positions": "pose", "position_range": 2048}, {"documents": "train"}])
+def test_a_layout_trains_a_long_output_row_whole_not_cut_at_the_block_size(layout):
+    """A reverse-string row (filler, n input symbols, n answer masks) is up to 2 x 40 + 1 tokens at block_size 40: a
+    layout cut at block_size trained most of its answers in a segment without their input (issue 66)."""
+    dm = TokenDataModule(path=None, tasks={"reverse_string": {}}, block_size=40, micro_batch_size=2, layout=layout)
+    model = MaskedLM(BackboneConfig(preset="bert-base", pos_encoding="rope", n_layer=1, n_head=2, n_embd=32),
+                     data=dm.describe())
+    batch = next(b for b in map(lambda n: chomsky_batch(dm, n), range(200)) if b["tokens"].shape[1] > 70)
+    seen, build = [], model.batch_layout
+    model.batch_layout = lambda *a, **k: seen.append(build(*a, **k)) or seen[-1]
+    model.batch_loss(batch)
+    [built] = seen
+    assert built.positions.shape[1] > 60
+    assert built.documents is None or (built.documents == built.documents[:, :1]).all()  # one segment a row
+    assert (built.positions.diff(dim=-1) > 0).all()  # positions run on through the answers, never restart
 
 
 READERS = [name for name in available() if encoding_class(name).module.reads_positions is True]

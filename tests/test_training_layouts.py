@@ -64,7 +64,7 @@ def test_a_scheduled_window_runs_each_window_of_a_row_as_if_alone():
     layout = TrainingLayout(schedule="linear", schedule_start=8, schedule_steps=10, documents="train")
     ids = torch.randint(1, 97, (2, 24))
     ids[0, 5] = EOT  # a document ends inside the first window
-    built = layout.build(ids, EOT, step=0, block_size=24, train=True)
+    built = layout.build(ids, EOT, step=0, train=True)
     assert built.documents[0].tolist() == [0] * 6 + [1] * 2 + [2] * 8 + [3] * 8
     assert built.positions[0].tolist() == list(range(6)) + [0, 1] + list(range(8)) * 2
     torch.manual_seed(0)
@@ -73,10 +73,10 @@ def test_a_scheduled_window_runs_each_window_of_a_row_as_if_alone():
     with torch.no_grad():
         out = model(ids, layout=built)
         torch.testing.assert_close(out[:, 16:], model(ids[:, 16:]), atol=1e-5, rtol=1e-5)
-    assert layout.build(ids, EOT, step=10, block_size=24, train=True).documents[1].unique().numel() == 1
-    evaluation = TrainingLayout(documents="train").build(ids, EOT, step=0, block_size=24, train=False)
+    assert layout.build(ids, EOT, step=10, train=True).documents[1].unique().numel() == 1
+    evaluation = TrainingLayout(documents="train").build(ids, EOT, step=0, train=False)
     assert evaluation is None  # evaluation keeps its windows unless documents: all
-    assert TrainingLayout(documents="all").build(ids, EOT, 0, 24, train=False).documents[0, 6] == 1
+    assert TrainingLayout(documents="all").build(ids, EOT, 0, train=False).documents[0, 6] == 1
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -122,14 +122,17 @@ class TrainingLayout:
         positions cannot see)."""
         return self.positions != "contiguous"
 
-    def build(self, ids: Tensor, eot_id: int, step: int, block_size: int, train: bool,
+    def build(self, ids: Tensor, eot_id: int, step: int, train: bool,
               generator: torch.Generator | None = None) -> Layout | None:
-        """The layout of a batch of input ids (B, T); None where it is today's (contiguous, one document)."""
+        """The layout of a batch of input ids (B, T); None where it is today's (contiguous, one document). Training
+        attends over the row, never cut at ``block_size``: a task's row (a Chomsky input and one mask per answer token)
+        is longer than the block size it is configured with, and a window of ``block_size`` would train its answers
+        apart from their input."""
         documents = None
         if self.documents == "all" or self.documents == "train" and train:
             documents = document_ids(ids, eot_id)
-        if train:
-            window = self.window(step, block_size)
+        if train:  # the schedule grows to the whole row: a task's row (input and answers) can outgrow block_size
+            window = self.window(step, ids.shape[1])
             if window < ids.shape[1]:
                 windows = torch.arange(ids.shape[1], device=ids.device) // window
                 documents = windows.expand_as(ids) if documents is None else segments(documents, windows)

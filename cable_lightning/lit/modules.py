@@ -153,8 +153,7 @@ class LanguageModel(L.LightningModule):
             return None
         generator = (layout_generator(self.run_seed or 0, self.global_step, batch_idx, self.global_rank)
                      if train and self.layout.reads_positions() else None)
-        return self.layout.build(inputs, self.data_info.eot_id, self.global_step, self.config.block_size, train,
-                                 generator)
+        return self.layout.build(inputs, self.data_info.eot_id, self.global_step, train, generator)
 
     def layout_label(self) -> Optional[str]:
         """Records' ``layout``: what the weights were trained on (a loaded checkpoint's data.layout, so a validate
