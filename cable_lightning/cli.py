@@ -50,6 +50,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
+from .callbacks.hparams import RunHParams
 from .callbacks.preemption import PreemptionCheckpoint
 from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
@@ -367,7 +368,10 @@ class CableCLI(LightningCLI):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                 "init_args": {"save_dir": config.runs_dir,
-                              "name": os.path.relpath(run_folder(config), config.runs_dir)},
+                              "name": os.path.relpath(run_folder(config), config.runs_dir),
+                              # the HParams tab's metrics are the run's perplexities (callbacks/hparams.py), not
+                              # Lightning's placeholder hp_metric = -1
+                              "default_hp_metric": False},
             }
         config.checkpoint.dirpath = checkpoint_folder(config)
         self._validate_every_checkpoint = (config.trainer.val_check_interval is None
@@ -396,6 +400,7 @@ class CableCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO plugin is kept
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         trainer.callbacks.append(PreemptionCheckpoint(self.config[self.subcommand].checkpoint.dirpath))
+        trainer.callbacks.append(RunHParams(self.config[self.subcommand].experiment))  # after the evaluations' own
         trainer.callbacks = [ParameterSummary(max_depth=cb._max_depth) if type(cb) in (ModelSummary, RichModelSummary)
                              else cb for cb in trainer.callbacks]  # Lightning's default summary, without FLOPs 0
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []

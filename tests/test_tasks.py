@@ -382,6 +382,36 @@ def test_fit_and_validate_write_task_accuracy_at_every_checkpoint(tmp_path, monk
     assert {(r["stage"], r["length"], r["step"]) for r in rows} == {("validate", 192, 2)}
 
 
+def test_tensorboard_hparams_hold_the_run_settings_with_its_perplexities_and_task_scores(tmp_path, monkeypatch):
+    """TensorBoard's HParams tab compares a sweep's runs: each run's settings, with its perplexity at each evaluated
+    length and its task scores as the metrics (the tab shows each metric tag's last scalar: the last evaluation's),
+    and no placeholder hp_metric."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    monkeypatch.chdir(ROOT)
+    main(["fit", *task_args(str(tmp_path), "--model.init_args.backbone.pos_encoding", "rope",
+                            "--trainer.max_steps", "4")])
+    run_dir = tmp_path / "tasks-recall_needle" / "rope" / "version_0"
+    events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 0}).Reload()
+    assert "hp_metric" not in events.Tags()["scalars"]
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+    session = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG]).hparams
+    assert (session["encoding"].string_value, session["lr"].number_value, session["tasks"].string_value,
+            session["experiment"].string_value) == ("rope", 1e-3, "associative_recall+needle", "tasks-recall_needle")
+    metrics = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG]).metric_infos
+    lengths = read_records(str(run_dir / LengthRecord.FILE), LengthRecord)
+    tasks = read_records(str(run_dir / TaskRecord.FILE), TaskRecord)
+    assert {r.step for r in lengths} == {r.step for r in tasks} == {2, 4}  # the metrics were named at step 2
+    expected = {f"val_ppl/len_{r.length}": r.ppl for r in lengths if r.step == 4}
+    for n in (48, 96):
+        for task in ("associative_recall", "needle"):
+            cells = [r.accuracy for r in tasks if r.step == 4 and r.task == task and r.length == n]
+            expected[f"tasks/{task}/len_{n}"] = sum(cells) / len(cells)
+    assert sorted(m.name.tag for m in metrics) == sorted(expected) and len(expected) == 6
+    assert {tag: events.Scalars(tag)[-1].value for tag in expected} == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(tasks={"associative_recall": {"pairs": 20, "queries": 4}}),
      "data.block_size 48 is too short for a task: task associative_recall (pairs=20, queries=4) needs a length of "

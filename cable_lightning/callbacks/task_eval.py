@@ -24,6 +24,11 @@ def row_label(record: TaskRecord) -> str:
     return record.task if record.depth is None else f"{record.task} @ {record.depth:.0%}"
 
 
+def task_tag(task: str, length: int) -> str:
+    """The TensorBoard tag of a task's mean accuracy at a length (an HParams tab metric: callbacks/hparams.py)."""
+    return f"tasks/{task}/len_{length}"
+
+
 def mean_accuracy(rows: list[TaskRecord], task: str, length: int) -> Optional[float]:
     """A task's accuracy at a length, averaged over depths; None where any cell could not be run."""
     cells = [r.accuracy for r in rows if r.task == task and r.length == length]
@@ -104,7 +109,7 @@ class TaskAccuracy(L.Callback):
             for task in tasks:
                 for length in lengths:
                     if (value := mean_accuracy(self.results, task, length)) is not None:
-                        experiment.add_scalar(f"tasks/{task}/len_{length}", value, step)
+                        experiment.add_scalar(task_tag(task, length), value, step)
         for task in tasks:
             summary = "  ".join(f"{length}: {format_accuracy(mean_accuracy(self.results, task, length))}"
                                 for length in lengths)

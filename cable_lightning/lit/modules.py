@@ -345,9 +345,8 @@ class LanguageModel(L.LightningModule):
             tokens = (int(self.all_gather(metric.weight.detach()).sum().item()) if self.trainer.world_size > 1
                       else int(metric.weight.item()))
             loss = metric.compute()
-            suffix = "" if mode == "nonoverlap" else "_sliding"
-            self.log(f"val_loss{suffix}/len_{length}", loss, add_dataloader_idx=False)
-            self.log(f"val_ppl{suffix}/len_{length}", torch.exp(loss), add_dataloader_idx=False)
+            self.log(val_tag("loss", length, mode), loss, add_dataloader_idx=False)
+            self.log(val_tag("ppl", length, mode), torch.exp(loss), add_dataloader_idx=False)
             if mode == "nonoverlap" and length == self.config.block_size:
                 self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False)
                 self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
@@ -407,6 +406,12 @@ class LanguageModel(L.LightningModule):
             self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
+
+
+def val_tag(quantity: str, length: int, mode: str) -> str:
+    """The TensorBoard tag of a validation ``loss`` or ``ppl`` at a length and window mode: ``val_ppl/len_512``,
+    ``val_ppl_sliding/len_512`` (the perplexities are the HParams tab's metrics: callbacks/hparams.py)."""
+    return f"val_{quantity}{'' if mode == 'nonoverlap' else '_sliding'}/len_{length}"
 
 
 def on_host(number: float) -> torch.Tensor:
