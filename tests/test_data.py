@@ -389,6 +389,172 @@ def test_wikitext_articles_split_on_titles():
     assert docs == ["\n = Alpha = \n\n text a \n = = Section = = \n more a \n", " = Beta = \n text b \n"]
 
 
+# ------------------------------------------------------------------------------------------------ python-code
+
+
+def code(name: str, lines: int = 12) -> str:
+    """A distinct Python file's text."""
+    return "".join(f"def {name}_{i}(value):\n    return value * {i} + len({name!r})\n\n" for i in range(lines))
+
+
+def fake_distribution(site, name: str, version: str, files: dict[str, bytes | None], record: bool = True) -> None:
+    """``files`` written under ``site`` and listed in ``<name>-<version>.dist-info``'s RECORD, as pip leaves them."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    for path, data in files.items():
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        if data is not None:
+            (site / path).write_bytes(data)
+        else:  # listed, but a folder: a file that cannot be read
+            (site / path).mkdir()
+    if record:
+        (info / "RECORD").write_text("".join(f"{p},,\n" for p in [*files, f"{info.name}/METADATA"]))
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    """A standard library and a site-packages folder with three distributions, two trained and one held out (names
+    chosen by the source's own rule), with a vendored copy, files that are not text, an empty one and a file no
+    distribution lists. Returns ({split: its documents in order}, the distributions' names in order (the stdlib,
+    two trained, one held out), a file of the held-out one)."""
+    import sys
+
+    from cable_lightning.data import python_code
+
+    def first(prefix, held):
+        return next(f"{prefix}-{i}" for i in range(10_000) if python_code.held_out(f"{prefix}-{i}") == held)
+
+    alpha, beta, gamma = first("alpha", False), first("beta", False), first("gamma", True)
+    stdlib, site = tmp_path / "stdlib", tmp_path / "site"
+    std = {"json/__init__.py": code("json_init"), "abc.py": code("abc")}
+    for path, text in std.items():
+        (stdlib / path).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / path).write_text(text)
+    (stdlib / "latin1.py").write_bytes("x = 'café'\n".encode("latin-1"))  # not UTF-8
+    (stdlib / "site-packages").mkdir()
+    (stdlib / "site-packages" / "other.py").write_text(code("another_interpreters_package"))
+    fake_distribution(site, alpha, "1.0", {"alpha/core.py": code("core").encode(), "alpha/__init__.py": b"\n",
+                                           "alpha/blob.py": b"x = 1\0\n", "alpha/data.txt": b"not python"})
+    fake_distribution(site, beta, "2.5", {"beta/mod.py": code("mod").encode(),
+                                          "beta/_vendor/core.py": code("core").encode()})  # a vendored copy
+    fake_distribution(site, gamma, "0.3", {"gamma/util.py": code("util").encode(),
+                                           "gamma/a.py": code("gamma_a").encode(),
+                                           "gamma/_vendor/abc.py": code("abc").encode()})  # the stdlib's copy
+    (site / "stray.py").write_text(code("stray"))
+    monkeypatch.setattr(python_code, "python_environment", lambda: (str(stdlib), [str(site)]))
+    stdlib_name = f"python-{sys.version_info.major}.{sys.version_info.minor}"
+    by_dist = {stdlib_name: [code("abc"), code("json_init")], alpha: [code("core")], beta: [code("mod")],
+               gamma: [code("gamma_a"), code("util")]}
+    splits = {name: "val" if python_code.held_out(name) else "train" for name in by_dist}
+    expected = {split: [doc for name, docs in by_dist.items() if splits[name] == split for doc in docs]
+                for split in ("train", "val")}
+    return expected, [*by_dist], site / "gamma" / "util.py"
+
+
+def stream_documents(out: str, split: str) -> list[str]:
+    tok = get_tokenizer(os.path.join(out, "tokenizer.json"), name="bpe:300")
+    text = tok.decode(read_split_tokens(out, split).tolist())
+    assert text.endswith(EOT_TOKEN)
+    return text.split(EOT_TOKEN)[:-1]
+
+
+def test_python_code_reads_each_text_file_once_in_order(fake_python, capsys):
+    """One document per .py file: the stdlib first, then distributions by name, files by path; a vendored copy, files
+    that are not text, an empty one and one that no distribution lists are left out, each said in one line."""
+    expected, names, _ = fake_python
+    source = get_source("python-code")
+    assert list(source.documents("train")) == expected["train"]
+    assert list(source.documents("val")) == expected["val"]
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 4 and all(line.startswith("source python-code: skipping ") for line in said), said
+    assert "2 files (exact copies" in said[0] and "_vendor/core.py" in said[0] and "_vendor/abc.py" in said[0]
+    assert "2 files (not UTF-8 text, or NUL bytes)" in said[1] and "1 files (empty)" in said[2]
+    assert "stray.py" in said[3]
+    described = source.describe()
+    assert described["documents"] == {"train": len(expected["train"]), "val": len(expected["val"])}
+    assert described["dropped"] == {"duplicates": 2, "not_text": 2, "empty": 1, "unowned": 1}
+    stdlib, alpha, _, gamma = names  # a selection, in any spelling, keeps those distributions in the same order
+    chosen = get_source(f"python-code:{gamma.upper()}, {stdlib.replace('-', '_')},{alpha}")
+    assert chosen.name == f"python-code:{stdlib},{alpha},{gamma}"
+    assert [d["name"] for d in chosen.describe()["distributions"]] == [stdlib, alpha, gamma]
+
+
+def test_python_code_holds_out_whole_distributions(fake_python, tmp_path):
+    """Validation is every file of the held-out distributions and nothing else; the manifest says which went where."""
+    from cable_lightning.data.python_code import held_out
+
+    expected, names, _ = fake_python
+    gamma = names[-1]
+    out = str(tmp_path / "code")
+    manifest = fast_prepare(source="python-code", tokenizer="bpe:300", out=out)
+    train, val = stream_documents(out, "train"), stream_documents(out, "val")
+    assert train == expected["train"] and val == expected["val"]
+    dists = manifest["source"]["distributions"]
+    assert [d["split"] for d in dists] == ["val" if held_out(d["name"]) else "train" for d in dists]
+    assert {d["name"]: d["version"] for d in dists if d["split"] == "val"}.get(gamma) == "0.3"
+    gamma_files = [code("gamma_a"), code("util")]
+    assert not set(gamma_files) & set(train) and set(gamma_files) <= set(val)
+    assert manifest["splits"]["val"]["tokens"] == len(read_split_tokens(out, "val"))
+
+
+def test_python_code_two_workers_give_one_workers_tokens_and_the_hash_tells_corpora_apart(fake_python, tmp_path,
+                                                                                         monkeypatch):
+    """Work items of one file each, read by two workers, give the one-worker stream token for token; the corpus hash
+    is the same for the same files and changes with a file's content."""
+    from cable_lightning.data import python_code
+
+    _, _, gamma_file = fake_python
+    monkeypatch.setattr(python_code, "ITEM_BYTES", 1)
+    assert len(get_source("python-code").work_items("train")) >= 4
+    one = fast_prepare(source="python-code", tokenizer="bpe:300", out=str(tmp_path / "one"))
+    tokenizer = str(tmp_path / "one" / "tokenizer.json")
+    two = fast_prepare(source="python-code", tokenizer=tokenizer, out=str(tmp_path / "two"), num_workers=2)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(read_split_tokens(str(tmp_path / "two"), split),
+                                      read_split_tokens(str(tmp_path / "one"), split))
+    assert two["source"]["corpus_hash"] == one["source"]["corpus_hash"]
+    assert two["source"]["distributions"] == one["source"]["distributions"]
+    gamma_file.write_text(gamma_file.read_text().replace("value", "values"))
+    assert get_source("python-code").describe()["corpus_hash"] != one["source"]["corpus_hash"]
+
+
+def test_python_code_bad_environments_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    """An empty environment, an unknown or one-sided selection, a distribution whose file cannot be read or whose
+    RECORD is missing: one line, exit 2, before any output is written."""
+    from cable_lightning.data import python_code
+
+    stdlib, site = tmp_path / "stdlib", tmp_path / "site"
+    stdlib.mkdir()
+    site.mkdir()
+    monkeypatch.setattr(python_code, "python_environment", lambda: (str(stdlib), [str(site)]))
+    trained = next(f"lib-{i}" for i in range(10_000) if not python_code.held_out(f"lib-{i}"))
+
+    def error(spec, *extra):
+        with pytest.raises(SystemExit) as exit_info:
+            prepare_main(["--source", spec, "--tokenizer", "bpe:300", "--out", str(tmp_path / "out"), "--quiet",
+                          *extra])
+        lines = capsys.readouterr().err.splitlines()
+        assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert not (tmp_path / "out").exists()
+        return lines[0]
+
+    assert "python-code found no .py files in the standard library" in error("python-code")
+    (stdlib / "os.py").write_text(code("os"))
+    fake_distribution(site, trained, "1.0", {"lib/a.py": code("a").encode()})
+    assert "has no val files" in error(f"python-code:{trained}")  # not held out
+    assert "no distribution named nosuch-pkg here" in error("python-code:nosuch_pkg")
+    assert "python-code: has an empty name" in error("python-code:")
+    held = next(f"lib-{i}" for i in range(10_000) if python_code.held_out(f"lib-{i}"))
+    fake_distribution(site, held, "2.0", {"held/a.py": code("held_a").encode(), "held/b.py": None})
+    message = error(f"python-code:{held}")
+    assert "has no train files" in message and trained in message.partition("e.g. one of ")[2]
+    assert f"held/b.py of {held} 2.0 cannot be read (IsADirectoryError" in error("python-code")
+    assert "own validation split" in error(f"python-code:{held},{trained}", "--val-tokens", "100")
+    fake_distribution(site, "no-record", "1.0", {"nr/a.py": code("nr").encode()}, record=False)
+    assert "distribution no-record 1.0 lists no files (its RECORD" in error("python-code")
+
+
 # ------------------------------------------------------------------------------------------------ tokenizers
 
 

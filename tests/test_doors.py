@@ -96,7 +96,7 @@ def test_a_missing_retrieval_set_source_is_one_line(tiny_corpus_dir, tmp_path, c
     assert only_line(capsys, ["retrieval-set", "--source", missing, "--tokenizer",
                               os.path.join(tiny_corpus_dir, "tokenizer.json"), "--out", str(tmp_path / "set")]) == (
         f"error: --source {missing}: no .txt/.jsonl/.parquet files match {missing!r}; valid sources: python-docs, "
-        "fineweb-edu[:config], wikitext-103, or a path/dir/glob of .txt/.jsonl/.parquet files")
+        "python-code[:dist,...], fineweb-edu[:config], wikitext-103, or a path/dir/glob of .txt/.jsonl/.parquet files")
 
 
 def test_retrieval_refuses_a_missing_model_or_an_export_without_its_code(tmp_path, capsys):

@@ -1,11 +1,13 @@
 """Text sources: a spec -> documents (``str``) in work items that prepare's workers read independently, in order.
 
 ``python-docs`` (offline: the standard library's docstrings, one document per module, and the pydoc topics; ~1.8 MB
-of English that depends on the Python version), ``fineweb-edu[:CONFIG]`` (HuggingFaceFW/fineweb-edu streamed, config
-sample-10BT by default), ``wikitext-103`` (its own train/validation/test splits, one document per article), or a
-path, folder or glob of ``.txt`` (one document per file), ``.jsonl`` (a ``text`` field) and ``.parquet`` (a ``text``
-column) files in sorted path order. Everything is read through ``datasets`` streaming builders; the python-docs
-corpus is first written once as jsonl parts under ``$CABLE_LIGHTNING_CACHE`` (default ``~/.cache/cable_lightning``).
+of English that depends on the Python version), ``python-code[:dist,...]`` (offline: the installed Python source, one
+document per file, whole distributions held out: :mod:`.python_code`), ``fineweb-edu[:CONFIG]``
+(HuggingFaceFW/fineweb-edu streamed, config sample-10BT by default), ``wikitext-103`` (its own train/validation/test
+splits, one document per article), or a path, folder or glob of ``.txt`` (one document per file), ``.jsonl`` (a
+``text`` field) and ``.parquet`` (a ``text`` column) files in sorted path order. All but python-code are read through
+``datasets`` streaming builders; the python-docs corpus is first written once as jsonl parts under
+``$CABLE_LIGHTNING_CACHE`` (default ``~/.cache/cable_lightning``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-VALID_SOURCES = "python-docs, fineweb-edu[:config], wikitext-103, or a path/dir/glob of .txt/.jsonl/.parquet files"
+VALID_SOURCES = ("python-docs, python-code[:dist,...], fineweb-edu[:config], wikitext-103, or a path/dir/glob of "
+                 ".txt/.jsonl/.parquet files")
 LOCAL_BUILDERS = {".txt": ("text", {"sample_by": "document"}), ".jsonl": ("json", {}), ".parquet": ("parquet", {})}
 
 # Importing these has side effects (a browser, printed text, a GUI, terminal control) or pulls in huge,
@@ -294,6 +297,10 @@ def get_source(spec: str) -> DatasetSource:
     spec = str(spec)
     if spec == "python-docs":
         return local_files(os.path.dirname(python_docs_files()[0]), name=spec)
+    if spec == "python-code" or spec.startswith("python-code:"):
+        from .python_code import python_code
+
+        return python_code(spec)
     if spec == "fineweb-edu" or spec.startswith("fineweb-edu:"):
         config, repo = spec.partition(":")[2] or "sample-10BT", "HuggingFaceFW/fineweb-edu"
         name = "fineweb-edu" if config == "sample-10BT" else f"fineweb-edu:{config}"
