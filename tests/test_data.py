@@ -446,7 +446,7 @@ def fake_python(tmp_path, monkeypatch):
     stdlib_name = f"python-{sys.version_info.major}.{sys.version_info.minor}"
     by_dist = {stdlib_name: [code("abc"), code("json_init")], alpha: [code("core")], beta: [code("mod")],
                gamma: [code("gamma_a"), code("util")]}
-    splits = {name: "val" if python_code.held_out(name) else "train" for name in by_dist}
+    splits = {name: "val" if name != stdlib_name and python_code.held_out(name) else "train" for name in by_dist}
     expected = {split: [doc for name, docs in by_dist.items() if splits[name] == split for doc in docs]
                 for split in ("train", "val")}
     return expected, [*by_dist], site / "gamma" / "util.py"
@@ -480,9 +480,20 @@ def test_python_code_reads_each_text_file_once_in_order(fake_python, capsys):
     assert [d["name"] for d in chosen.describe()["distributions"]] == [stdlib, alpha, gamma]
 
 
-def test_python_code_holds_out_whole_distributions(fake_python, tmp_path):
-    """Validation is every file of the held-out distributions and nothing else; the manifest says which went where."""
+def test_python_code_holds_out_whole_distributions(fake_python, tmp_path, monkeypatch):
+    """Validation is every file of the held-out distributions and nothing else; the manifest says which went where.
+    The standard library always trains, whatever its version's name hashes to (python-3.12's is in the held-out
+    share: a lent GPU's image would otherwise validate on its whole library)."""
+    from types import SimpleNamespace
+
+    from cable_lightning.data import python_code
     from cable_lightning.data.python_code import held_out
+
+    assert held_out("python-3.12")
+    with monkeypatch.context() as patch:
+        patch.setattr(python_code, "sys", SimpleNamespace(version_info=SimpleNamespace(major=3, minor=12)))
+        library = python_code._stdlib(str(tmp_path))
+    assert (library.name, library.split) == ("python-3.12", "train")
 
     expected, names, _ = fake_python
     gamma = names[-1]
@@ -491,7 +502,7 @@ def test_python_code_holds_out_whole_distributions(fake_python, tmp_path):
     train, val = stream_documents(out, "train"), stream_documents(out, "val")
     assert train == expected["train"] and val == expected["val"]
     dists = manifest["source"]["distributions"]
-    assert [d["split"] for d in dists] == ["val" if held_out(d["name"]) else "train" for d in dists]
+    assert [d["split"] for d in dists] == ["train"] + ["val" if held_out(d["name"]) else "train" for d in dists[1:]]
     assert {d["name"]: d["version"] for d in dists if d["split"] == "val"}.get(gamma) == "0.3"
     gamma_files = [code("gamma_a"), code("util")]
     assert not set(gamma_files) & set(train) and set(gamma_files) <= set(val)
