@@ -21,7 +21,8 @@ What it adds to the stock CLI:
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
   set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
   fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise).
-- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM,
+- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run or a lost peer process
+  (another node killed), 143 after SIGTERM,
   130 after Ctrl-C, 138 after SLURM's SIGUSR1, the job requeued);
   ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
 """
@@ -51,7 +52,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
+from .checkpoints import AtomicCheckpointIO, checkpoint_step, claim_checkpoint_folder, resolve_ckpt_path
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout
@@ -288,6 +289,24 @@ class SavedConfig(SaveConfigCallback):
                                  "nothing was trained") from exc
 
 
+# gloo's transport, which names itself in every error (a peer's connection closed or reset, a receive timed out); NCCL's
+# errors are DistBackendError. A "Connection reset by peer" of anything else (an object store's) is not a lost peer.
+PEER_LOST = re.compile(r"/gloo/transport/")
+
+
+def lost_peer(exc: BaseException) -> Optional[BaseException]:
+    """The collective's error behind ``exc`` when another process of the run went away (torch.distributed's own
+    errors, or gloo's RuntimeError naming its transport), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.distributed.DistError) or (isinstance(exc, RuntimeError)
+                                                             and PEER_LOST.search(str(exc))):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class RunFinished(Exception):
     """A fit resumed from a checkpoint at its ``max_steps``: nothing to do (:func:`finished_run`)."""
 
@@ -420,6 +439,9 @@ class CableCLI(LightningCLI):
         except Exception as exc:  # a full disk where a logger writes (TensorBoard's events), one line as every write
             if isinstance(user_error(exc), ConfigError):
                 self._drop_unused_logs()
+            lost = lost_peer(exc) if user_error(exc) is None else None
+            if lost is not None:
+                raise RunFailedError(self._lost_peer_line(subcommand, lost)) from exc
             full = full_disk(exc)
             if full is None or user_error(exc) is not None:
                 raise
@@ -430,6 +452,23 @@ class CableCLI(LightningCLI):
         finally:  # the checkpoint folder's lock ends with the run, also when it fails
             if getattr(self, "_folder_lock", None) is not None:
                 self._folder_lock.close()
+
+    def _lost_peer_line(self, subcommand: str, lost: BaseException) -> str:
+        """What a process says when another of its run went away (a node killed or lost): its collective fails, and
+        the last checkpoint stands. Its own words first, as gloo's are a wall of text."""
+        trainer = self.trainer
+        said = re.sub(r"^\[[^\]]*\]\s*", "", str(lost).strip()).split(". ")[0]  # without gloo's source-file prefix
+        processes, nodes = trainer.world_size, trainer.num_nodes
+        where = (f"{subcommand} lost another process of this run ({processes} process{'es' * (processes > 1)} on "
+                 f"{nodes} node{'s' * (nodes > 1)}; this is rank {trainer.global_rank}) "
+                 f"at step {trainer.global_step}: {type(lost).__name__}: {said}; its own log says why it stopped")
+        if subcommand != "fit":
+            return f"{where}; nothing was recorded from this {subcommand}: run it again"
+        saved = getattr(trainer.checkpoint_callback, "last_model_path", "") or trainer.ckpt_path
+        if not (saved and os.path.isfile(saved)):
+            return f"{where}; no checkpoint was written before it: start every node again"
+        return (f"{where}; the last checkpoint, {os.path.abspath(saved)} (step {checkpoint_step(saved)}), is kept: "
+                "start every node again with --ckpt_path last (--ckpt_path auto in a job script) to continue from it")
 
     def _drop_unused_logs(self) -> None:
         """A run refused before its first step (a resume with another global batch) removes the TensorBoard folder it

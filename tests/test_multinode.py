@@ -204,6 +204,33 @@ def test_a_node_killed_and_both_requeued_resume_exactly(store, uninterrupted, tm
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
 
 
+def test_a_lost_peer_ends_the_surviving_process_in_one_line_naming_the_checkpoint_kept(
+        tiny_corpus_dir, tmp_path, monkeypatch, capsys):
+    """What the surviving node meets when the other is killed (the test above: gloo's all-reduce fails in the
+    backward), in-process: one `error:` line with exit status 1 that names the lost peer, the checkpoint kept and how
+    to continue, not gloo's traceback; torchrun's failure summary gets the same line from its error file."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    runs = str(tmp_path / "runs")
+    with pytest.raises(SystemExit) as stopped:
+        run(["fit", *args(tiny_corpus_dir, runs, steps=6, every=2), "--diagnostics.enabled", "false",
+             "--length_eval.figure", "false", "--trainer.callbacks+=recorders.PeerLostAt",
+             "--trainer.callbacks.step=3"])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "GLHF" not in err, err
+    lines = err.strip().splitlines()
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:], err
+    ckpt = tmp_path / "runs" / "test" / "cable" / "checkpoints" / "last.ckpt"
+    assert lines[-1] == (
+        "error: fit lost another process of this run (1 process on 1 node; this is rank 0) at step 3: RuntimeError: "
+        "Connection closed by peer [127.0.0.1]:17053; its own log says why it stopped; the last checkpoint, "
+        f"{ckpt} (step 2), is kept: start every node again with --ckpt_path last (--ckpt_path auto in a job script) "
+        "to continue from it")
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+    assert json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"] == lines[-1]
+
+
 def stand_in_scontrol(folder, status=0, said=""):
     """An ``scontrol`` that appends its arguments to ``folder/scontrol.calls`` and exits with ``status``."""
     folder.mkdir(exist_ok=True)
