@@ -52,7 +52,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, checkpoint_step, claim_checkpoint_folder, resolve_ckpt_path
+from .checkpoints import (
+    AtomicCheckpointIO,
+    checkpoint_step,
+    claim_checkpoint_folder,
+    read_checkpoint,
+    resolve_ckpt_path,
+    shown_name,
+)
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout
@@ -68,7 +75,7 @@ from .errors import (
 )
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_model
-from .lit.resume import RunCheckpoint, finished_run
+from .lit.resume import RunCheckpoint, finished_run, unkeepable_batch
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 
@@ -427,6 +434,12 @@ class CableCLI(LightningCLI):
 
     def before_fit(self):
         config = self.config["fit"]
+        if config.ckpt_path is not None and os.path.isfile(config.ckpt_path):  # a resume: can this world keep it?
+            saved = read_checkpoint(config.ckpt_path, mmap=True).get("global_batch")
+            refusal = unkeepable_batch(saved, self.trainer.world_size, self.datamodule.micro_batch_size,
+                                       shown_name(config.ckpt_path))
+            if refusal:
+                raise ConfigError(refusal)
         apply_global_batch(self.trainer, config.global_batch_tokens, self.datamodule.micro_batch_size,
                            self.datamodule.block_size,
                            config.checkpoint.every_n_train_steps if self._validate_every_checkpoint else None)
