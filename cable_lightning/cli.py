@@ -78,6 +78,7 @@ from .lit.checkpoint_format import checkpoint_model
 from .lit.resume import RunCheckpoint, finished_run, unkeepable_batch
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
+from .tasks.generation import TaskMix
 
 
 def prepare_first(data: TokenDataModule) -> None:
@@ -116,6 +117,32 @@ def configured_backbone(config) -> BackboneConfig:
     from the parsed config, before any class is instantiated or any data is prepared."""
     backbone = config.model.init_args.get("backbone") if config.model is not None else None
     return BackboneConfig.from_dict(backbone.as_dict() if backbone is not None else {})
+
+
+def check_task_rows(config, backbone: BackboneConfig) -> None:
+    """An algorithmic task's training rows (its longest input, data.block_size symbols, and one token per answer
+    symbol) must fit the encoding's table, before anything is built: a learnable table of the block size held the
+    inputs but not the rows, and training died in a traceback at the first long batch. Evaluation lengths it cannot
+    hold are recorded as unsupported, not refused."""
+    data = config.get("data")
+    if data is None or not data.get("tasks"):
+        return
+    mix = TaskMix(data.tasks.as_dict() if hasattr(data.tasks, "as_dict") else data.tasks)
+    table = backbone.pos_encoding.longest_length(data.block_size)
+    if table is None or not mix.algorithmic:
+        return
+    task = mix.tasks[0]
+    row = max(task.tokens_read(length) for length in range(1, data.block_size + 1))
+    if row <= table:
+        return
+    lengths = (config.get("task_eval") or {}).get("lengths") or data.get("eval_lengths") or [data.block_size]
+    evaluated = task.tokens_read(max(lengths))
+    raise ConfigError(
+        f"task {task.name} trains on rows of up to {row} tokens (inputs of up to data.block_size {data.block_size} "
+        f"symbols and their answers), more than the {backbone.pos_encoding.label()} encoding's table of {table} "
+        f"positions; set learnable's max_positions to at least {row} "
+        f"(--model.init_args.backbone.pos_encoding.max_positions {row}); evaluation lengths whose rows it does not "
+        f"hold (the longest, {max(lengths)} symbols, reads {evaluated} tokens) are recorded as unsupported")
 
 
 SWITCH = "--model.init_args.backbone.pos_encoding"
@@ -389,6 +416,8 @@ class CableCLI(LightningCLI):
             print(carried, flush=True)
         if config.get("data") is not None:  # what training sees of a block, against the encoding (data/layouts.py)
             check_configured_layout(config.data.get("layout"), backbone, config.data.block_size)
+        if self.subcommand == "fit":
+            check_task_rows(config, backbone)
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",

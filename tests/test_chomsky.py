@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cable_lightning.cli import main
+from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval.report import (
@@ -391,6 +391,42 @@ def test_a_fit_reports_accuracy_by_length_and_the_score(tmp_path, monkeypatch, c
     rows = [json.loads(line) for line in open(path)]
     assert [(r["length"], r["scoring"], r["lr"], r["train_length"], r["model"]) for r in rows] == [
         (n, "per_token", 5e-4, 40, "encoder L1-D64-H8") for n in (20, 40, 41, 60)]
+
+
+def test_a_learnable_table_shorter_than_the_rows_is_refused_and_lengths_beyond_it_are_recorded_unsupported(
+        tmp_path, monkeypatch, capsys):
+    """Reverse string at block_size 40 trains on rows of up to 80 tokens: the learnable table of the block size is
+    refused before anything is built, in one line naming the rows, the table and the setting; a table of 80 trains,
+    and the final validation keeps what it can score (lengths 20 and 40; 41 and 60 recorded as unsupported, and the
+    increment diagnostics of rows beyond the table skipped with a word). Before, a traceback ended the run (in a
+    training batch, or in the increment diagnostics) and no task score was written."""
+    monkeypatch.chdir(ROOT)
+    fit = ["fit", "--config", "configs/chomsky/base.yaml", "--config", "configs/chomsky/reverse_string.yaml",
+           "--runs_dir", str(tmp_path), "--trainer.max_steps", "2", "--checkpoint.every_n_train_steps", "2",
+           "--data.micro_batch_size", "4", "--data.eval_tokens", "64", "--task_eval.lengths", "[20, 40, 41, 60]",
+           "--task_eval.trials", "2", "--model.init_args.backbone.n_layer", "1",
+           "--model.init_args.backbone.pos_encoding", "learnable", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false"]
+    with pytest.raises(SystemExit) as refused:
+        run(fit)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        "error: task reverse_string trains on rows of up to 80 tokens (inputs of up to data.block_size 40 symbols and "
+        "their answers), more than the learnable encoding's table of 40 positions; set learnable's max_positions to "
+        "at least 80 (--model.init_args.backbone.pos_encoding.max_positions 80); evaluation lengths whose rows it "
+        "does not hold (the longest, 60 symbols, reads 120 tokens) are recorded as unsupported"]
+    assert not os.listdir(tmp_path)  # refused before anything was built
+
+    main([*fit, "--model.init_args.backbone.pos_encoding.max_positions", "80"])
+    out = capsys.readouterr().out
+    assert "increment diagnostics at length 40 (task:reverse_string) skipped: sequence length 82 exceeds" in out
+    assert ("reverse_string score (learnable, per-token accuracy over the 2 evaluated lengths 41-60): - (the "
+            "encoding cannot read lengths 41, 60; recorded as unsupported)") in out
+    [path] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == TaskRecord.FILE]
+    scored = {r["length"]: r["accuracy"] for r in map(json.loads, open(path))}
+    assert scored.keys() == {20, 40, 41, 60} and scored[41] is None and scored[60] is None
+    assert all(0 <= scored[n] <= 1 for n in (20, 40))
 
 
 def test_an_evaluation_longer_than_the_randomized_range_is_refused_before_training():
