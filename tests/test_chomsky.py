@@ -3,6 +3,7 @@ example's own input tokens; one input length per training batch; per-token scori
 report's score table (mean, interval and maximum over seeds, per learning rate); randomized positions in training
 and evaluation for every encoding that reads positions; one-line errors."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -272,6 +273,26 @@ def test_a_report_over_several_tasks_keeps_every_tasks_runs(tmp_path):
     table = algorithmic_table(rows).splitlines()
     assert table[2].startswith("| bucket_sort | **60.0 [") and "max 70.0 (n=3)**" in table[2]
     assert table[3] == "| cycle_navigation | **50.0, max 50.0 (n=1)** |"
+
+
+def test_a_torn_last_row_leaves_out_its_evaluation_and_the_report_says_so(tmp_path, capsys):
+    """A run killed as it wrote its step-2000 task rows (length 40 whole, length 41 torn): the algorithmic table is the
+    step-1000 evaluation's, and one line names the file and what was left out. Before, the torn row was skipped and
+    step 2000's one row was taken as the run's latest: a table with no score, without a word."""
+    folder = tmp_path / "seed0"
+    append_records(str(folder), [replace(record("rope", 0, 5e-4, length, accuracy), step=1000)
+                                 for length, accuracy in ((40, 0.9), (41, 0.6), (80, 0.4))])
+    append_records(str(folder), [replace(record("rope", 0, 5e-4, 40, 1.0), step=2000)])
+    append_records(str(folder), [LengthRecord(pe="rope", train_length=40, step=step, run_seed=0, lr=5e-4, length=40,
+                                              mode="nonoverlap", ppl=2.0) for step in (1000, 2000)])
+    path = folder / TaskRecord.FILE
+    with open(path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(replace(record("rope", 0, 5e-4, 41, 0.7), step=2000)))[:120])
+    tables = report([str(tmp_path)], str(tmp_path / "r"))
+    assert tables["algorithmic"].splitlines()[2] == "| parity_check | **50.0, max 50.0 (n=1)** |"  # (60 + 40) / 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{path}:5: a torn last line (a writer stopped mid-row): the evaluation it ends, rope at step 2000, is "
+        "incomplete (1 whole row) and left out; this file's latest complete evaluation of that run is step 1000"]
 
 
 def test_the_report_shows_the_accuracies_at_every_evaluated_step(tmp_path):
