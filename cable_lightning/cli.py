@@ -21,7 +21,8 @@ What it adds to the stock CLI:
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
   set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
   fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise).
-- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM,
+- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run or a lost peer process
+  (another node killed), 143 after SIGTERM,
   130 after Ctrl-C, 138 after SLURM's SIGUSR1, the job requeued);
   ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
 """
@@ -52,7 +53,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.hparams import RunHParams
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
+from .checkpoints import (
+    AtomicCheckpointIO,
+    checkpoint_step,
+    claim_checkpoint_folder,
+    read_checkpoint,
+    resolve_ckpt_path,
+    shown_name,
+)
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout
@@ -68,9 +76,10 @@ from .errors import (
 )
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_model
-from .lit.resume import RunCheckpoint, finished_run
+from .lit.resume import RunCheckpoint, finished_run, unkeepable_batch
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
+from .tasks.generation import TaskMix
 
 
 def prepare_first(data: TokenDataModule) -> None:
@@ -109,6 +118,32 @@ def configured_backbone(config) -> BackboneConfig:
     from the parsed config, before any class is instantiated or any data is prepared."""
     backbone = config.model.init_args.get("backbone") if config.model is not None else None
     return BackboneConfig.from_dict(backbone.as_dict() if backbone is not None else {})
+
+
+def check_task_rows(config, backbone: BackboneConfig) -> None:
+    """An algorithmic task's training rows (its longest input, data.block_size symbols, and one token per answer
+    symbol) must fit the encoding's table, before anything is built: a learnable table of the block size held the
+    inputs but not the rows, and training died in a traceback at the first long batch. Evaluation lengths it cannot
+    hold are recorded as unsupported, not refused."""
+    data = config.get("data")
+    if data is None or not data.get("tasks"):
+        return
+    mix = TaskMix(data.tasks.as_dict() if hasattr(data.tasks, "as_dict") else data.tasks)
+    table = backbone.pos_encoding.longest_length(data.block_size)
+    if table is None or not mix.algorithmic:
+        return
+    task = mix.tasks[0]
+    row = max(task.tokens_read(length) for length in range(1, data.block_size + 1))
+    if row <= table:
+        return
+    lengths = (config.get("task_eval") or {}).get("lengths") or data.get("eval_lengths") or [data.block_size]
+    evaluated = task.tokens_read(max(lengths))
+    raise ConfigError(
+        f"task {task.name} trains on rows of up to {row} tokens (inputs of up to data.block_size {data.block_size} "
+        f"symbols and their answers), more than the {backbone.pos_encoding.label()} encoding's table of {table} "
+        f"positions; set learnable's max_positions to at least {row} "
+        f"(--model.init_args.backbone.pos_encoding.max_positions {row}); evaluation lengths whose rows it does not "
+        f"hold (the longest, {max(lengths)} symbols, reads {evaluated} tokens) are recorded as unsupported")
 
 
 SWITCH = "--model.init_args.backbone.pos_encoding"
@@ -289,6 +324,24 @@ class SavedConfig(SaveConfigCallback):
                                  "nothing was trained") from exc
 
 
+# gloo's transport, which names itself in every error (a peer's connection closed or reset, a receive timed out); NCCL's
+# errors are DistBackendError. A "Connection reset by peer" of anything else (an object store's) is not a lost peer.
+PEER_LOST = re.compile(r"/gloo/transport/")
+
+
+def lost_peer(exc: BaseException) -> Optional[BaseException]:
+    """The collective's error behind ``exc`` when another process of the run went away (torch.distributed's own
+    errors, or gloo's RuntimeError naming its transport), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.distributed.DistError) or (isinstance(exc, RuntimeError)
+                                                             and PEER_LOST.search(str(exc))):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class RunFinished(Exception):
     """A fit resumed from a checkpoint at its ``max_steps``: nothing to do (:func:`finished_run`)."""
 
@@ -364,6 +417,8 @@ class CableCLI(LightningCLI):
             print(carried, flush=True)
         if config.get("data") is not None:  # what training sees of a block, against the encoding (data/layouts.py)
             check_configured_layout(config.data.get("layout"), backbone, config.data.block_size)
+        if self.subcommand == "fit":
+            check_task_rows(config, backbone)
         if config.trainer.logger in (None, True):
             config.trainer.logger = {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -413,6 +468,12 @@ class CableCLI(LightningCLI):
 
     def before_fit(self):
         config = self.config["fit"]
+        if config.ckpt_path is not None and os.path.isfile(config.ckpt_path):  # a resume: can this world keep it?
+            saved = read_checkpoint(config.ckpt_path, mmap=True).get("global_batch")
+            refusal = unkeepable_batch(saved, self.trainer.world_size, self.datamodule.micro_batch_size,
+                                       shown_name(config.ckpt_path))
+            if refusal:
+                raise ConfigError(refusal)
         apply_global_batch(self.trainer, config.global_batch_tokens, self.datamodule.micro_batch_size,
                            self.datamodule.block_size,
                            config.checkpoint.every_n_train_steps if self._validate_every_checkpoint else None)
@@ -425,6 +486,9 @@ class CableCLI(LightningCLI):
         except Exception as exc:  # a full disk where a logger writes (TensorBoard's events), one line as every write
             if isinstance(user_error(exc), ConfigError):
                 self._drop_unused_logs()
+            lost = lost_peer(exc) if user_error(exc) is None else None
+            if lost is not None:
+                raise RunFailedError(self._lost_peer_line(subcommand, lost)) from exc
             full = full_disk(exc)
             if full is None or user_error(exc) is not None:
                 raise
@@ -435,6 +499,23 @@ class CableCLI(LightningCLI):
         finally:  # the checkpoint folder's lock ends with the run, also when it fails
             if getattr(self, "_folder_lock", None) is not None:
                 self._folder_lock.close()
+
+    def _lost_peer_line(self, subcommand: str, lost: BaseException) -> str:
+        """What a process says when another of its run went away (a node killed or lost): its collective fails, and
+        the last checkpoint stands. Its own words first, as gloo's are a wall of text."""
+        trainer = self.trainer
+        said = re.sub(r"^\[[^\]]*\]\s*", "", str(lost).strip()).split(". ")[0]  # without gloo's source-file prefix
+        processes, nodes = trainer.world_size, trainer.num_nodes
+        where = (f"{subcommand} lost another process of this run ({processes} process{'es' * (processes > 1)} on "
+                 f"{nodes} node{'s' * (nodes > 1)}; this is rank {trainer.global_rank}) "
+                 f"at step {trainer.global_step}: {type(lost).__name__}: {said}; its own log says why it stopped")
+        if subcommand != "fit":
+            return f"{where}; nothing was recorded from this {subcommand}: run it again"
+        saved = getattr(trainer.checkpoint_callback, "last_model_path", "") or trainer.ckpt_path
+        if not (saved and os.path.isfile(saved)):
+            return f"{where}; no checkpoint was written before it: start every node again"
+        return (f"{where}; the last checkpoint, {os.path.abspath(saved)} (step {checkpoint_step(saved)}), is kept: "
+                "start every node again with --ckpt_path last (--ckpt_path auto in a job script) to continue from it")
 
     def _drop_unused_logs(self) -> None:
         """A run refused before its first step (a resume with another global batch) removes the TensorBoard folder it

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import resource
 import shutil
 import signal
 import sys
+import time
 from typing import Optional
 
 EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
@@ -97,7 +99,23 @@ def error_boundary():
         if known is None or os.environ.get(DEBUG_VARIABLE):
             raise
         print(f"error: {known}", file=sys.stderr, flush=True)
+        said_to_torchrun(f"error: {known}")
         sys.exit(EXIT_USER_ERROR if isinstance(known, ConfigError) else EXIT_RUN_FAILED)
+
+
+def said_to_torchrun(line: str) -> None:
+    """Under torchrun, the line also goes to the error file its launcher reads (``TORCHELASTIC_ERROR_FILE``), so that
+    the launcher's failure summary names it instead of pointing at its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            # the format of torch.distributed.elastic's own error files: the summary shows py_callstack
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the line is on stderr already
 
 
 class KeepsWriteErrors:

@@ -2,7 +2,7 @@
 its file name, written by :func:`append_records` and read back by :func:`read_records` (the report's input). Every
 JSON-lines file the package and its tools read (records, BEIR-style ``corpus.jsonl``/``queries.jsonl``) goes through
 :func:`read_jsonl`: a bad row is an error naming the file and line, and a truncated last line (a writer killed
-mid-row) is skipped with a word.
+mid-row) is skipped with a word; the report leaves out the evaluation such a line ends (:func:`complete_records`).
 
 Every record carries its run's context (the encoding's label, the training length, the stage that wrote it) and
 the step and checkpoint it measured, so a file can be read on its own. ``run_seed`` is the run's ``seed_everything``
@@ -16,6 +16,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Optional
@@ -298,9 +299,15 @@ def append_records(folder: str, records: list[Record]) -> None:
                                  f"{space_left(path)}); the checkpoints written before it are intact") from exc
 
 
-def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], Any] = dict) -> list:
+def skip_torn(path: str, number: int, text: str) -> None:
+    print(f"{path}:{number}: skipping a truncated last line", file=sys.stderr, flush=True)
+
+
+def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], Any] = dict,
+               torn: Callable[[str, int, str], None] = skip_torn) -> list:
     """The rows of ``path`` (blank lines skipped), each an object holding the ``required`` keys, made into
-    ``make(row)``; a ValueError from ``make`` is an error naming the line."""
+    ``make(row)``; a ValueError from ``make`` is an error naming the line. A truncated last line (no newline after
+    it: the writer stopped mid-row) is left out and handed to ``torn`` (path, line number, its text)."""
     required = tuple(required)
     try:
         with open(path, encoding="utf-8") as f:
@@ -317,7 +324,7 @@ def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], A
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines):  # no newline after it: the writer stopped in the middle of this row
-                print(f"{path}:{number}: skipping a truncated last line", file=sys.stderr, flush=True)
+                torn(path, number, line)
                 continue
             raise ConfigError(f"{path}:{number}: not a JSON record ({exc.msg}); fix or remove that line") from None
         missing = [key for key in required if not isinstance(row, dict) or key not in row]
@@ -331,7 +338,7 @@ def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], A
     return rows
 
 
-def read_records(path: str, kind: type[Record]) -> list[Record]:
+def read_records(path: str, kind: type[Record], torn: Callable[[str, int, str], None] = skip_torn) -> list[Record]:
     """The records of one file (through :func:`read_jsonl`); keys an earlier version wrote and this one does not
     know are ignored, and a row without a field that has no default is an error naming its line."""
     fields = dataclasses.fields(kind)
@@ -344,7 +351,7 @@ def read_records(path: str, kind: type[Record]) -> list[Record]:
             raise ValueError(problem)
         return record
 
-    return read_jsonl(path, required, make)
+    return read_jsonl(path, required, make, torn)
 
 
 def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool = True) -> list[str]:
@@ -361,6 +368,34 @@ def find_records(paths: list[str], name: str = LengthRecord.FILE, required: bool
     return sorted(set(files), key=os.path.getmtime)  # the order they were written: later evaluations win
 
 
+def complete_records(path: str, kind: type[Record]) -> list[Record]:
+    """The records of ``path`` without an evaluation a writer stopped in the middle of: a file whose last line is
+    torn (a run killed as it wrote an evaluation's rows) leaves out the rows of the evaluation that line ends (the
+    last rows of one run and step), said in one line with the run's evaluation now taken as its latest. Kept, that
+    evaluation was the run's latest with only the lengths written before the kill (an empty table, without a word).
+    A torn line whose step shows that it began another evaluation leaves the one before it whole."""
+    torn: list[tuple[int, str]] = []
+    rows = read_records(path, kind, lambda _, number, text: torn.append((number, text)))
+    if not torn:
+        return rows
+    (number, text), last = torn[0], rows[-1] if rows else None
+    began = re.search(r'"step": (\d+)[,}]', text)
+    if last is None or began is not None and int(began.group(1)) != last.step:
+        print(f"{path}:{number}: skipping a torn last line (a writer stopped mid-row; it began an evaluation of "
+              "which nothing else was written)", file=sys.stderr, flush=True)
+        return rows
+    cut = len(rows)
+    while cut and (rows[cut - 1].run_key(), rows[cut - 1].step) == (last.run_key(), last.step):
+        cut -= 1
+    kept = [row.step for row in rows[:cut] if row.run_key() == last.run_key()]
+    print(f"{path}:{number}: a torn last line (a writer stopped mid-row): the evaluation it ends, {last.run_name()} at "
+          f"step {last.step}, is incomplete ({len(rows) - cut} whole row{'s' * (len(rows) - cut != 1)}) and left out; "
+          + (f"this file's latest complete evaluation of that run is step {max(kept)}" if kept
+             else "this file holds no complete evaluation of that run; validate its checkpoint again"),
+          file=sys.stderr, flush=True)
+    return rows[:cut]
+
+
 def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
                  cell=lambda row: (row.length, row.mode)) -> dict[tuple, dict[int, list[Record]]]:
     """{run: {step: rows}}: every evaluation of every run; within one (run, step) the later line of a ``cell`` wins,
@@ -368,7 +403,7 @@ def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
     file and line)."""
     runs: dict[tuple, dict[int, dict]] = {}
     for file in files:
-        for row in read_records(file, kind):
+        for row in complete_records(file, kind):
             runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
     return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
 

@@ -94,3 +94,17 @@ class KillAt(L.Callback):
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PeerLostAt(L.Callback):
+    """Fails the backward of optimizer step ``step`` as DDP's gradient all-reduce over gloo fails when another
+    process of the run was killed (its node lost): the RuntimeError and message gloo raises."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                               "closed by peer [127.0.0.1]:17053. This is typically caused by a remote worker "
+                               "crashing. Check the logs of the remote worker before reporting an error. GLHF!")

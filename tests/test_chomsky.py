@@ -3,6 +3,7 @@ example's own input tokens; one input length per training batch; per-token scori
 report's score table (mean, interval and maximum over seeds, per learning rate); randomized positions in training
 and evaluation for every encoding that reads positions; one-line errors."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cable_lightning.cli import main
+from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval.report import (
@@ -274,6 +275,26 @@ def test_a_report_over_several_tasks_keeps_every_tasks_runs(tmp_path):
     assert table[3] == "| cycle_navigation | **50.0, max 50.0 (n=1)** |"
 
 
+def test_a_torn_last_row_leaves_out_its_evaluation_and_the_report_says_so(tmp_path, capsys):
+    """A run killed as it wrote its step-2000 task rows (length 40 whole, length 41 torn): the algorithmic table is the
+    step-1000 evaluation's, and one line names the file and what was left out. Before, the torn row was skipped and
+    step 2000's one row was taken as the run's latest: a table with no score, without a word."""
+    folder = tmp_path / "seed0"
+    append_records(str(folder), [replace(record("rope", 0, 5e-4, length, accuracy), step=1000)
+                                 for length, accuracy in ((40, 0.9), (41, 0.6), (80, 0.4))])
+    append_records(str(folder), [replace(record("rope", 0, 5e-4, 40, 1.0), step=2000)])
+    append_records(str(folder), [LengthRecord(pe="rope", train_length=40, step=step, run_seed=0, lr=5e-4, length=40,
+                                              mode="nonoverlap", ppl=2.0) for step in (1000, 2000)])
+    path = folder / TaskRecord.FILE
+    with open(path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(replace(record("rope", 0, 5e-4, 41, 0.7), step=2000)))[:120])
+    tables = report([str(tmp_path)], str(tmp_path / "r"))
+    assert tables["algorithmic"].splitlines()[2] == "| parity_check | **50.0, max 50.0 (n=1)** |"  # (60 + 40) / 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{path}:5: a torn last line (a writer stopped mid-row): the evaluation it ends, rope at step 2000, is "
+        "incomplete (1 whole row) and left out; this file's latest complete evaluation of that run is step 1000"]
+
+
 def test_the_report_shows_the_accuracies_at_every_evaluated_step(tmp_path):
     """Whether a step count is enough: the accuracy at the training length and the score at each step, the mean over
     the seeds evaluated there; a re-evaluation of a step replaces it, and a step only some seeds reached says so."""
@@ -391,6 +412,42 @@ def test_a_fit_reports_accuracy_by_length_and_the_score(tmp_path, monkeypatch, c
     rows = [json.loads(line) for line in open(path)]
     assert [(r["length"], r["scoring"], r["lr"], r["train_length"], r["model"]) for r in rows] == [
         (n, "per_token", 5e-4, 40, "encoder L1-D64-H8") for n in (20, 40, 41, 60)]
+
+
+def test_a_learnable_table_shorter_than_the_rows_is_refused_and_lengths_beyond_it_are_recorded_unsupported(
+        tmp_path, monkeypatch, capsys):
+    """Reverse string at block_size 40 trains on rows of up to 80 tokens: the learnable table of the block size is
+    refused before anything is built, in one line naming the rows, the table and the setting; a table of 80 trains,
+    and the final validation keeps what it can score (lengths 20 and 40; 41 and 60 recorded as unsupported, and the
+    increment diagnostics of rows beyond the table skipped with a word). Before, a traceback ended the run (in a
+    training batch, or in the increment diagnostics) and no task score was written."""
+    monkeypatch.chdir(ROOT)
+    fit = ["fit", "--config", "configs/chomsky/base.yaml", "--config", "configs/chomsky/reverse_string.yaml",
+           "--runs_dir", str(tmp_path), "--trainer.max_steps", "2", "--checkpoint.every_n_train_steps", "2",
+           "--data.micro_batch_size", "4", "--data.eval_tokens", "64", "--task_eval.lengths", "[20, 40, 41, 60]",
+           "--task_eval.trials", "2", "--model.init_args.backbone.n_layer", "1",
+           "--model.init_args.backbone.pos_encoding", "learnable", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false"]
+    with pytest.raises(SystemExit) as refused:
+        run(fit)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        "error: task reverse_string trains on rows of up to 80 tokens (inputs of up to data.block_size 40 symbols and "
+        "their answers), more than the learnable encoding's table of 40 positions; set learnable's max_positions to "
+        "at least 80 (--model.init_args.backbone.pos_encoding.max_positions 80); evaluation lengths whose rows it "
+        "does not hold (the longest, 60 symbols, reads 120 tokens) are recorded as unsupported"]
+    assert not os.listdir(tmp_path)  # refused before anything was built
+
+    main([*fit, "--model.init_args.backbone.pos_encoding.max_positions", "80"])
+    out = capsys.readouterr().out
+    assert "increment diagnostics at length 40 (task:reverse_string) skipped: sequence length 82 exceeds" in out
+    assert ("reverse_string score (learnable, per-token accuracy over the 2 evaluated lengths 41-60): - (the "
+            "encoding cannot read lengths 41, 60; recorded as unsupported)") in out
+    [path] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == TaskRecord.FILE]
+    scored = {r["length"]: r["accuracy"] for r in map(json.loads, open(path))}
+    assert scored.keys() == {20, 40, 41, 60} and scored[41] is None and scored[60] is None
+    assert all(0 <= scored[n] <= 1 for n in (20, 40))
 
 
 def test_an_evaluation_longer_than_the_randomized_range_is_refused_before_training():

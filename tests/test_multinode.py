@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import recorders
 import torch
 from conftest import TINY_VAL_FRACTION, S3Server, write_tiny_corpus
 from test_cli import args
@@ -204,6 +205,33 @@ def test_a_node_killed_and_both_requeued_resume_exactly(store, uninterrupted, tm
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
 
 
+def test_a_lost_peer_ends_the_surviving_process_in_one_line_naming_the_checkpoint_kept(
+        tiny_corpus_dir, tmp_path, monkeypatch, capsys):
+    """What the surviving node meets when the other is killed (the test above: gloo's all-reduce fails in the
+    backward), in-process: one `error:` line with exit status 1 that names the lost peer, the checkpoint kept and how
+    to continue, not gloo's traceback; torchrun's failure summary gets the same line from its error file."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    runs = str(tmp_path / "runs")
+    with pytest.raises(SystemExit) as stopped:
+        run(["fit", *args(tiny_corpus_dir, runs, steps=6, every=2), "--diagnostics.enabled", "false",
+             "--length_eval.figure", "false", "--trainer.callbacks+=recorders.PeerLostAt",
+             "--trainer.callbacks.step=3"])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "GLHF" not in err, err
+    lines = err.strip().splitlines()
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:], err
+    ckpt = tmp_path / "runs" / "test" / "cable" / "checkpoints" / "last.ckpt"
+    assert lines[-1] == (
+        "error: fit lost another process of this run (1 process on 1 node; this is rank 0) at step 3: RuntimeError: "
+        "Connection closed by peer [127.0.0.1]:17053; its own log says why it stopped; the last checkpoint, "
+        f"{ckpt} (step 2), is kept: start every node again with --ckpt_path last (--ckpt_path auto in a job script) "
+        "to continue from it")
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+    assert json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"] == lines[-1]
+
+
 def stand_in_scontrol(folder, status=0, said=""):
     """An ``scontrol`` that appends its arguments to ``folder/scontrol.calls`` and exits with ``status``."""
     folder.mkdir(exist_ok=True)
@@ -263,6 +291,36 @@ def test_requeue_names_an_array_task_and_says_a_failure_in_one_line(tmp_path, mo
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
     monkeypatch.delenv("SLURM_JOB_ID")
     assert requeue_slurm_job() == "not requeued: no SLURM job id in the environment (''); submit the job again"
+
+
+def test_a_run_stopped_by_sigusr1_logs_the_loss_of_the_step_it_saved(tiny_corpus_dir, tmp_path, monkeypatch):
+    """One task under SLURM, SIGUSR1 in step 3 (accumulation 2): last.ckpt holds step 4, and the TensorBoard curve
+    read back from the event file ends at step 4 with that step's loss (Lightning logs step k at index k - 1). Before,
+    it ended at step 3: the stop comes in a batch-end hook, before Lightning sends the step's metrics to the logger.
+    With log_every_n_steps 2 the saved step is logged too, off the interval."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name, value in dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="cable", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1",
+                            SLURM_NNODES="1", SLURM_PROCID="0", SLURM_NODEID="0", SLURM_LOCALID="0").items():
+        monkeypatch.setenv(name, value)
+    stand_in_scontrol(tmp_path / "bin")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path / "bin"), os.environ["PATH"]]))
+    recorders.LOSSES.clear()
+    with pytest.raises(SystemExit) as stopped:
+        run(["fit", *args(tiny_corpus_dir, str(tmp_path / "runs"), steps=6, every=4), "--global_batch_tokens", "256",
+             "--diagnostics.enabled", "false", "--length_eval.figure", "false", "--trainer.log_every_n_steps", "2",
+             "--trainer.callbacks+=ddp_probe.SignalAt", "--trainer.callbacks.batch=6",
+             "--trainer.callbacks+=recorders.RecordBatches"])
+    assert stopped.value.code == 138
+    assert torch.load(tmp_path / "runs" / "test" / "cable" / "checkpoints" / "last.ckpt",
+                      weights_only=True)["global_step"] == 4
+    events = EventAccumulator(str(tmp_path / "runs" / "test" / "cable" / "version_0"))
+    events.Reload()
+    curve = {event.step: event.value for event in events.Scalars("train/loss")}
+    assert sorted(curve) == [1, 3]  # steps 2 and 4
+    # each logged point is the step's last micro-batch's loss (Lightning's outputs["loss"] is divided by the
+    # accumulation, 2): step 2's as logged on the interval, step 4's as the stop logged it
+    assert [curve[1], curve[3]] == pytest.approx([2 * recorders.LOSSES[3], 2 * recorders.LOSSES[7]], rel=1e-6)
 
 
 def test_one_srun_task_on_sigusr1_mid_accumulation_saves_the_step_and_a_failing_requeue_is_one_line(

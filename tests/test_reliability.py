@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import lightning.pytorch
 import pytest
 import recorders
 import torch
@@ -107,6 +108,31 @@ def test_a_resume_refuses_another_layout_or_global_batch_and_keeps_one_given_in_
             "(1 process x 2 x 32 tokens x accumulation 1); resume with --global_batch_tokens 128") in line
     resumed = main([*resume, "--data.micro_batch_size", "2", "--global_batch_tokens", "128"])
     assert resumed.trainer.global_step == 4 and resumed.trainer.accumulate_grad_batches == 2
+
+
+def test_a_resume_on_a_world_that_cannot_keep_the_global_batch_says_so_and_what_can(tiny_corpus_dir, rope_run,
+                                                                                      tmp_path, capsys, monkeypatch):
+    """A checkpoint of 4 rows of 32 tokens a step (1 process x micro-batch 4) requeued on 3 processes (the world size
+    Lightning reports, as 3 nodes would) or with micro-batch 3: whatever --global_batch_tokens says, one line says
+    that the batch cannot be kept there and what keeps it; before, the two refusals advised each other (the
+    accumulation's "pick a multiple of 384", the resume's "resume with --global_batch_tokens 128")."""
+    step2 = os.path.join(checkpoints(rope_run), "step0000002.ckpt")
+    resume = ["fit", *args(tiny_corpus_dir, str(tmp_path), pe="rope"), "--ckpt_path", step2]
+    with monkeypatch.context() as patch:
+        patch.setattr(lightning.pytorch.Trainer, "world_size", property(lambda trainer: 3))
+        for flags in ([], ["--global_batch_tokens", "128"], ["--global_batch_tokens", "384"]):
+            line = user_error_line(capsys, [*resume, *flags])
+            assert line == (
+                "error: this run's global batch of 128 tokens (1 process x 4 x 32 tokens x accumulation 1), checkpoint "
+                f"{step2}, cannot be kept on 3 processes with micro-batch 4: its 4 rows a step are not a multiple of "
+                "processes x micro-batch = 3 x 4; 3 processes can never keep it, whatever the micro-batch (4 is not a "
+                "multiple of 3); resume it on 1 process (micro-batch 4); or start a new run from its weights "
+                f"(--model.init_args.init_weights {step2}, another --experiment) with --global_batch_tokens 384: a new "
+                "run, not a resume"), flags
+    for flags in ([], ["--global_batch_tokens", "128"], ["--global_batch_tokens", "96"]):
+        line = user_error_line(capsys, [*resume, "--data.micro_batch_size", "3", *flags])
+        assert "cannot be kept on 1 process with micro-batch 3" in line and "--global_batch_tokens 128" not in line
+        assert "resume it with --data.micro_batch_size 1 or 2; or start a new run" in line, flags
 
 
 def test_revalidation_rows_carry_the_checkpoint_step_and_reach_the_report(tiny_corpus_dir, rope_run):

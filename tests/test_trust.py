@@ -181,7 +181,7 @@ def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]
     return [line for line in done.stderr.splitlines() if line.startswith("error:")]
 
 
-def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_line(tmp_path, capsys):
+def test_report_names_the_file_and_line_of_a_bad_row_and_leaves_out_an_evaluation_a_torn_line_ends(tmp_path, capsys):
     """In this process, through the verb table and the error boundary the program uses (test_tools_... runs one
     verb as a program)."""
     records = tmp_path / "run" / "length_eval.jsonl"
@@ -189,9 +189,16 @@ def test_report_names_the_file_and_line_of_a_bad_row_and_skips_a_truncated_last_
     good = json.dumps(ROW) + "\n"
     out = str(tmp_path / "report")
     report = lambda folder, out=out: lambda: verb_main(["report", str(tmp_path / folder), "--out", out])  # noqa: E731
-    records.write_text(good + json.dumps({**ROW, "length": 64})[:30])  # a writer killed in the middle of a row
+    earlier = json.dumps({**ROW, "step": 2, "ppl": 9.0}) + "\n"  # a whole evaluation, then one killed mid-row
+    records.write_text(earlier + good + json.dumps({**ROW, "length": 64})[:30])
     assert report("run")() == 0
-    assert f"{records}:2: skipping a truncated last line" in capsys.readouterr().err
+    assert (f"{records}:3: a torn last line (a writer stopped mid-row): the evaluation it ends, cable at step 4, is "
+            "incomplete (1 whole row) and left out; this file's latest complete evaluation of that run is step 2"
+            ) == capsys.readouterr().err.strip()  # said once
+    assert "| 32 | **9.00** |" in (tmp_path / "report_nonoverlap.md").read_text()
+    records.write_text(good + json.dumps({**ROW, "step": 6})[:70])  # torn as it began the next evaluation
+    assert report("run")() == 0
+    assert f"{records}:2: skipping a torn last line" in capsys.readouterr().err
     assert "| 32 | **9.50** |" in (tmp_path / "report_nonoverlap.md").read_text()
 
     records.write_text(good + "{not json\n" + good)

@@ -69,7 +69,7 @@ class PreemptionCheckpoint(L.Callback):
         flags[1].fill_(float(self.requeue))
         self.agreed.put(trainer.strategy.reduce(flags.clone(), reduce_op="max"))  # any rank's signal, every rank
         if agreed is not None:
-            self.stop_if_signalled(trainer, agreed[0])
+            self.stop_if_signalled(trainer, agreed[0], step_end=True)
 
     def on_train_end(self, trainer, pl_module):
         agreed = self.agreed.take()  # the last optimizer step's word
@@ -82,10 +82,16 @@ class PreemptionCheckpoint(L.Callback):
             self._flags = torch.zeros(2, device=device)
         return self._flags
 
-    def stop_if_signalled(self, trainer, agreed: torch.Tensor) -> None:
+    def stop_if_signalled(self, trainer, agreed: torch.Tensor, step_end: bool = False) -> None:
+        """Saves and stops when any rank was signalled. At a step's end (``step_end``), the step's logged metrics go
+        to the loggers first: Lightning sends them after the batch-end hooks, which the stop never returns to, so the
+        curve lacked the step the checkpoint holds (the loggers are flushed as the stopped fit is torn down)."""
         requested, requeue = (bool(flag) for flag in agreed.tolist())
         if requested:
             requeue = requeue and self.requeue_signal is not None
+            if step_end:  # whatever log_every_n_steps says: the saved step ends this run's curve
+                connector = trainer._logger_connector
+                connector.log_metrics(connector.metrics["log"])
             trainer.save_checkpoint(self.path, weights_only=False)
             stop = SIGTERMException()
             stop.saved_checkpoint = os.path.abspath(self.path)  # for the command line's last word

@@ -114,13 +114,16 @@ class TaskAccuracy(L.Callback):
             summary = "  ".join(f"{length}: {format_accuracy(mean_accuracy(self.results, task, length))}"
                                 for length in lengths)
             print(f"{task} accuracy by length ({pe}, {self.trials} trials, step {step}): {summary}", flush=True)
-            scores = [mean_accuracy(self.results, task, n) for n in lengths if n > pl_module.config.original_length]
+            above = [n for n in lengths if n > pl_module.config.original_length]
+            scores = [mean_accuracy(self.results, task, n) for n in above]
             per_token = any(r.scoring == "per_token" for r in self.results if r.task == task)
             if per_token and scores:  # the papers' score: the mean over the lengths above training
                 score = None if None in scores else sum(scores) / len(scores)
+                unsupported = [str(n) for n, value in zip(above, scores) if value is None]
                 print(f"{task} score ({pe}, per-token accuracy over the {len(scores)} evaluated lengths "
-                      f"{min(n for n in lengths if n > pl_module.config.original_length)}-{max(lengths)}): "
-                      f"{format_accuracy(score)}", flush=True)
+                      f"{min(above)}-{max(lengths)}): {format_accuracy(score)}"
+                      + (f" (the encoding cannot read lengths {', '.join(unsupported)}; recorded as unsupported)"
+                         if unsupported else ""), flush=True)
 
 
 def format_accuracy(value: Optional[float]) -> str:

@@ -419,7 +419,7 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
     per_run: dict[str, dict[tuple, dict[int, float]]] = {"pre-training loss": {}, "contrastive loss": {}}
     named: dict[tuple, Record] = {}  # a row of each run: its column's name
     for file in find_records(paths, required=False):
-        rows = read_records(file, LengthRecord)
+        rows = read_records(file, LengthRecord, torn=lambda *_: None)  # a torn line: said once, by rows_by_step
         events = EventAccumulator(os.path.dirname(file), size_guidance={SCALARS: 0})
         events.Reload()
         if rows and TRAIN_LOSS_TAG in events.Tags()[SCALARS]:

@@ -6,7 +6,8 @@ what it refuses, what it carries over, and which checkpoints a run writes.
 - **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining
   settings, tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from
   another training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
-  (:func:`check_same_training`).
+  (:func:`check_same_training`), and a world size and micro-batch that cannot make the checkpoint's global batch
+  (:func:`unkeepable_batch`, before any step).
 - **May change**: evaluation settings, and the processes and micro-batch at the same global batch; the loop's
   micro-batch counters are then re-expressed in the new accumulation (:func:`carry_accumulation`), so the first
   resumed optimizer step trains on a whole global batch, and the run says so in one line.
@@ -107,11 +108,44 @@ def check_lineage(checkpoint: dict, config: BackboneConfig, path: str) -> None:
                       f"{config.trained_length}; set --model.init_args.backbone.trained_length {trained}")
 
 
+def new_run_from(path: str) -> str:
+    return f"start a new run from its weights (--model.init_args.init_weights {path}, another --experiment)"
+
+
+def unkeepable_batch(saved: Optional[dict], world_size: int, micro_batch: int, path: str) -> Optional[str]:
+    """Why a checkpoint's global batch cannot be kept on ``world_size`` processes of ``micro_batch`` rows (a step is
+    processes x micro-batch x accumulation rows, so that product must divide the checkpoint's rows a step) and what
+    would keep it, in one line; None when it can be kept (or the checkpoint does not record it). So the refusals of a
+    resume never advise each other: the world size that cannot keep the batch is said to, with what can."""
+    if not saved:
+        return None
+    rows, block = saved["tokens"] // saved["block_size"], saved["block_size"]
+    if rows % (world_size * micro_batch) == 0:
+        return None
+    here = f"{world_size} process" + ("es" if world_size != 1 else "")
+    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
+    if rows % world_size:
+        fix = f"{here} can never keep it, whatever the micro-batch ({rows} is not a multiple of {world_size})"
+        keeps = divisors(rows // micro_batch) if rows % micro_batch == 0 else []
+        if keeps:
+            fix += (f"; resume it on {', '.join(map(str, keeps[:-1]))}{' or ' if len(keeps) > 1 else ''}{keeps[-1]} "
+                    f"process{'es' if keeps != [1] else ''} (micro-batch {micro_batch})")
+    else:
+        fix = ("resume it with --data.micro_batch_size "
+               + " or ".join(map(str, [m for m in divisors(rows // world_size) if m < micro_batch][-2:])))
+    per_step = world_size * micro_batch * block
+    tokens = max(per_step, round(saved["tokens"] / per_step) * per_step)
+    return (f"this run's global batch of {describe_batch(saved)}, checkpoint {path}, cannot be kept on {here} with "
+            f"micro-batch {micro_batch}: its {rows} rows a step are not a multiple of processes x micro-batch = "
+            f"{world_size} x {micro_batch}; {fix}; or {new_run_from(path)} with --global_batch_tokens {tokens}: a new "
+            "run, not a resume")
+
+
 def check_same_training(checkpoint: dict, layout: TrainingLayout, batch: Optional[dict], path: str) -> None:
     """A resumed fit trains as the run it continues did: the same data.layout (what training sees of a block) and
     global batch, else one line naming the setting, both values and how to go on. (Records label a run by one
     layout; a layout or batch changed half-way would be reported as the run's.)"""
-    new_run = f"or start a new run from its weights (--model.init_args.init_weights {path}, another --experiment)"
+    new_run = f"or {new_run_from(path)}"
     saved = TrainingLayout.from_dict(((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("layout"))
     configured = layout.as_dict()
     differ = [(name, old, configured[name]) for name, old in saved.as_dict().items() if configured[name] != old]
@@ -123,6 +157,8 @@ def check_same_training(checkpoint: dict, layout: TrainingLayout, batch: Optiona
             + " ".join(f"--data.layout.{name} {old if old is not None else 'null'}" for name, old, _ in differ)
             + f" (or drop the flags that change it), {new_run}")
     saved_batch = checkpoint.get("global_batch")
+    if batch and (unkeepable := unkeepable_batch(saved_batch, batch["world_size"], batch["micro_batch_size"], path)):
+        raise ConfigError(unkeepable)
     if saved_batch and batch and saved_batch["tokens"] != batch["tokens"]:
         raise ConfigError(f"the checkpoint was trained with a global batch of {describe_batch(saved_batch)} and "
                           f"this run's is {describe_batch(batch)}; resume with --global_batch_tokens "
