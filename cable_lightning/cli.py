@@ -20,7 +20,8 @@ What it adds to the stock CLI:
   error) and ``auto`` (resume if there is one).
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
   set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
-  fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise).
+  fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise), and
+  validate/test evaluate at its data.layout and, for weights trained on tasks alone, on those tasks only.
 - user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run, 143 after SIGTERM,
   130 after Ctrl-C, 138 after SLURM's SIGUSR1, the job requeued);
   ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
@@ -42,6 +43,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -51,10 +53,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
+from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path, shown_name
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
-from .data.layouts import check_configured_layout
+from .data.layouts import check_configured_layout, configured_layout
 from .errors import (
     DEBUG_VARIABLE,
     ConfigError,
@@ -66,8 +68,8 @@ from .errors import (
     user_error,
 )
 from .lit import LanguageModel
-from .lit.checkpoint_format import checkpoint_model
-from .lit.resume import RunCheckpoint, finished_run
+from .lit.checkpoint_format import checkpoint_settings
+from .lit.resume import RunCheckpoint, evaluated_as_trained, finished_run
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 
@@ -323,10 +325,15 @@ class CableCLI(LightningCLI):
                               f"checkpoint in {checkpoint_folder(config)}")
         if subcommand == "fit" and path is not None and (done := finished_run(path, config.trainer.max_steps)):
             raise RunFinished(done)
-        if path is not None and os.path.isfile(path) and (model := checkpoint_model(path)) is not None:
+        model, trained = checkpoint_settings(path) if path is not None and os.path.isfile(path) else (None, {})
+        if model is not None:
             self._subcommand_parsers[subcommand].set_defaults({"model": model})
             super().parse_arguments(self.parser, self._args)
             config = self.config[subcommand]
+        if subcommand in ("validate", "test") and config.get("data") is not None:  # as the weights were trained
+            layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
+                                          config.data.get("tasks"), subcommand, shown_name(path))
+            config.data.layout = Namespace(**layout.as_dict())
         config.ckpt_path = path
 
     def add_arguments_to_parser(self, parser):

@@ -227,6 +227,46 @@ def test_a_full_disk_under_tensorboard_is_one_line(tiny_corpus_dir, tmp_path, ca
     assert line.endswith("the checkpoints written before it are intact"), line
 
 
+CHOMSKY = [*(arg for name in ("base", "reverse_string") for arg in ("--config", os.path.join(ROOT, "configs", "chomsky",
+                                                                                           f"{name}.yaml"))),
+           "--model.init_args.backbone.pos_encoding", "rope", "--model.init_args.backbone.n_layer", "1",
+           "--data.micro_batch_size", "2", "--data.eval_tokens", "64", "--task_eval.lengths", "[5]",
+           "--task_eval.trials", "1", "--diagnostics.enabled", "false", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false"]
+
+
+@pytest.fixture(scope="module")
+def reverse_string_run(tmp_path_factory) -> str:
+    """One step of a one-layer reverse-string encoder (tasks alone, contiguous positions)."""
+    runs = str(tmp_path_factory.mktemp("chomsky"))
+    fit(["fit", *CHOMSKY, "--runs_dir", runs, "--trainer.max_steps", "1", "--checkpoint.every_n_train_steps", "1"])
+    return runs
+
+
+@pytest.mark.parametrize("asked, expected", [
+    (["--data.layout.positions", "randomized", "--data.layout.position_range", "256"],
+     "was trained with data.layout the default (packed blocks, contiguous positions) and validate asks another: "
+     "data.layout.positions (checkpoint 'contiguous', configured 'randomized'), data.layout.position_range (checkpoint "
+     "None, configured 256); validate evaluates weights at the layout they were trained with (its records name that "
+     "one): drop the --data.layout flags or give the checkpoint's (--data.layout.positions contiguous "
+     "--data.layout.position_range null)"),
+    (["--data.tasks", '{"duplicate_string": {}}'],
+     'was trained on tasks alone, {"reverse_string": {}}, and validate asks data.tasks {"duplicate_string": {}}: '
+     "weights trained on tasks alone are scored only on those (a score on another would be recorded as that task's); "
+     """give --data.tasks '{"reverse_string": {}}' (the run's configs)"""),
+], ids=["randomized-positions", "another-task"])
+def test_validate_refuses_another_layout_or_task_than_the_checkpoint_was_trained_with(reverse_string_run, capsys,
+                                                                                      asked, expected):
+    """Both were accepted: randomized positions asked of contiguous weights changed nothing (evaluation reads the
+    trained layout), and the reverse-string weights were recorded as a duplicate-string score."""
+    run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
+    ckpt = os.path.join(run_folder, "checkpoints", "last.ckpt")
+    line = user_error_line(capsys, ["validate", *CHOMSKY, "--runs_dir", reverse_string_run, "--ckpt_path", ckpt,
+                                    *asked])
+    assert line == f"error: {ckpt} {expected}"
+    assert sorted(name for name in os.listdir(run_folder) if name.startswith("version_")) == ["version_0"]
+
+
 # --- old module entry points ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("module", sorted({module for module, _ in COMMANDS.values()}))
