@@ -43,6 +43,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
@@ -266,15 +267,39 @@ def union_error(message: str) -> Optional[str]:
     return f"invalid value {value!r} for {key}; expected {' or '.join(kinds)}"
 
 
+def yaml_error(path: Optional[str], exc: Optional[BaseException]) -> Optional[str]:
+    """A config file that is not valid YAML as one line naming the file and line (jsonargparse reads the file into a
+    string, so YAML's own report, over four lines, names ``"<unicode string>"``); None for any other error."""
+    while exc is not None and not isinstance(exc, yaml.MarkedYAMLError):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None or path is None:
+        return None
+    mark, context = exc.problem_mark or exc.context_mark, ""
+    if exc.context and exc.context_mark:
+        context = f" ({exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
+    return f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML: {exc.problem or exc.context}{context}"
+
+
 class TerseParser(KeepsWriteErrors, LightningArgumentParser):
     """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
-    name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried."""
+    name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried, and
+    so is a config file that is not valid YAML (:func:`yaml_error`)."""
+
+    reading: Optional[str] = None  # the --config file being parsed
 
     def print_usage(self, file=None):
         pass
 
+    def parse_path(self, path, *args, **kwargs):
+        earlier, self.reading = self.reading, str(path)
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self.reading = earlier
+
     def error(self, message: str, *args, **kwargs):
-        return super().error(setting_error(message) or message, *args, **kwargs)
+        cause = args[0] if args else kwargs.get("ex")
+        return super().error(yaml_error(self.reading, cause) or setting_error(message) or message, *args, **kwargs)
 
 
 class SavedConfig(SaveConfigCallback):

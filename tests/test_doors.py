@@ -160,6 +160,16 @@ def test_a_lock_with_a_bad_line_is_named_with_its_line(tmp_path):
 
 # --- fit, validate, test ----------------------------------------------------------------------------------------------
 
+def test_a_config_file_that_is_not_yaml_is_named_with_its_line(tmp_path, capsys):
+    """YAML's own report, over four lines, named ``"<unicode string>", line 5``: not which of the --config files."""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("experiment: fine\n")
+    bad.write_text("data:\n  block_size: 32\n  micro_batch_size: 4\ntrainer:\n  max_steps: [1, 2\n")
+    line = user_error_line(capsys, ["fit", "--config", str(good), "--config", str(bad), "--config", str(good)])
+    assert line == (f"error: {bad}:6: not valid YAML: did not find expected ',' or ']' (while parsing a flow sequence "
+                    "at line 5, column 14)")
+
+
 def test_a_misspelt_precision_is_one_line_and_lightning_is_not_given_argv_twice(monkeypatch, capsys):
     """From the command line, LightningCLI reads sys.argv itself: given it as ``args`` too, it warns on every run."""
     monkeypatch.setattr(sys, "argv", ["cable_lightning", "fit", "--trainer.precision", "bf16-mixd"])
