@@ -37,6 +37,18 @@ def test_a_bad_sweep_seed_is_one_line_before_anything_runs(capsys, seed):
         "sweep --help lists the settings)")
 
 
+@pytest.mark.parametrize("argv, given, meant", [
+    (["sweep", "--config", "c.yaml", "--runs_dir", "X", "--pes", "cable"], "--runs_dir", "--runs-dir"),
+    (["export", "--ckpt-path=x.ckpt", "--out", "x"], "--ckpt-path", "--ckpt_path"),
+], ids=["underscore-for-dash", "dash-for-underscore"])
+def test_an_option_spelt_with_the_other_separator_is_named_with_the_right_one(capsys, argv, given, meant):
+    """``sweep --runs_dir X --pes cable`` said that --pes was required: --runs_dir was unknown, and sweep's remainder
+    took the rest of the line."""
+    prog = f"python -m cable_lightning {argv[0]}"
+    assert only_line(capsys, argv) == (f"error: unrecognized argument {given}: did you mean {meant}? ({prog} --help "
+                                       "lists the settings)")
+
+
 @pytest.mark.parametrize("verb, default", [("prepare", "python-docs corpus"), ("bench", "full benchmark")])
 def test_help_says_what_a_verb_without_arguments_does(capsys, verb, default):
     with pytest.raises(SystemExit):
