@@ -54,7 +54,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.preemption import PreemptionCheckpoint
-from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path, shown_name
+from .checkpoints import AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path, run_configs, shown_name
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
 from .data.layouts import check_configured_layout, configured_layout
@@ -280,12 +280,36 @@ def yaml_error(path: Optional[str], exc: Optional[BaseException]) -> Optional[st
     return f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML: {exc.problem or exc.context}{context}"
 
 
+def missing_model(message: str, given: list[str]) -> Optional[str]:
+    """``validate.model is required`` (validate or test given ``--ckpt_path`` alone), as one line saying that the run's
+    configs are needed too, naming the ``config.yaml`` the run saved when the checkpoint is in its run folder; None
+    for any other error."""
+    missing = re.search(r"arguments are required: (validate|test)\.model\b", message)
+    if not missing:
+        return None
+    verb = missing.group(1)
+    ckpt = next((arg.partition("=")[2] or (given[i + 1] if i + 1 < len(given) else "") for i, arg in enumerate(given)
+                 if arg.partition("=")[0] == "--ckpt_path"), "")
+    saved = run_configs(ckpt)[-1:] if os.path.isfile(ckpt) else []
+    advice = (f"the run saved its config in {saved[0]}: python -m cable_lightning {verb} --config {saved[0]} "
+              f"--ckpt_path {ckpt}" if saved else
+              f"give them as it was trained: python -m cable_lightning {verb} --config <the run's configs> "
+              f"--ckpt_path {ckpt or '<its checkpoint>'}")
+    return (f"{verb} needs the run's configs as well as --ckpt_path (the checkpoint holds the model's settings, not "
+            f"the data section or the trainer's); {advice}")
+
+
 class TerseParser(KeepsWriteErrors, LightningArgumentParser):
     """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
     name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried, and
     so is a config file that is not valid YAML (:func:`yaml_error`)."""
 
     reading: Optional[str] = None  # the --config file being parsed
+    given: list[str] = []  # the command line being parsed
+
+    def parse_args(self, args=None, *rest, **kwargs):
+        self.given = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, *rest, **kwargs)
 
     def print_usage(self, file=None):
         pass
@@ -299,7 +323,8 @@ class TerseParser(KeepsWriteErrors, LightningArgumentParser):
 
     def error(self, message: str, *args, **kwargs):
         cause = args[0] if args else kwargs.get("ex")
-        return super().error(yaml_error(self.reading, cause) or setting_error(message) or message, *args, **kwargs)
+        return super().error(yaml_error(self.reading, cause) or missing_model(message, self.given)
+                             or setting_error(message) or message, *args, **kwargs)
 
 
 class SavedConfig(SaveConfigCallback):

@@ -282,11 +282,24 @@ def test_validate_refuses_another_layout_or_task_than_the_checkpoint_was_trained
     """Both were accepted: randomized positions asked of contiguous weights changed nothing (evaluation reads the
     trained layout), and the reverse-string weights were recorded as a duplicate-string score."""
     run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
-    ckpt = os.path.join(run_folder, "checkpoints", "last.ckpt")
+    ckpt, folders = os.path.join(run_folder, "checkpoints", "last.ckpt"), sorted(os.listdir(run_folder))
     line = user_error_line(capsys, ["validate", *CHOMSKY, "--runs_dir", reverse_string_run, "--ckpt_path", ckpt,
                                     *asked])
     assert line == f"error: {ckpt} {expected}"
-    assert sorted(name for name in os.listdir(run_folder) if name.startswith("version_")) == ["version_0"]
+    assert sorted(os.listdir(run_folder)) == folders  # refused before anything was built: no version folder
+
+
+def test_validate_with_a_checkpoint_alone_names_the_config_the_run_saved(reverse_string_run, capsys):
+    """It said ``validate.model`` was required, with no word of the run's configs; the advice given works."""
+    run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
+    ckpt, saved = (os.path.join(run_folder, *parts) for parts in (("checkpoints", "last.ckpt"),
+                                                                   ("version_0", "config.yaml")))
+    assert user_error_line(capsys, ["validate", "--ckpt_path", ckpt]) == (
+        "error: validate needs the run's configs as well as --ckpt_path (the checkpoint holds the model's settings, "
+        f"not the data section or the trainer's); the run saved its config in {saved}: python -m cable_lightning "
+        f"validate --config {saved} --ckpt_path {ckpt}")
+    fit(["validate", "--config", saved, "--ckpt_path", ckpt])
+    assert os.path.isfile(os.path.join(run_folder, "version_1", "task_accuracy.jsonl"))
 
 
 # --- old module entry points ------------------------------------------------------------------------------------------
