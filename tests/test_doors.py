@@ -138,6 +138,21 @@ def test_a_torn_row_in_a_local_lm_eval_task_is_named_before_the_model_loads(tmp_
     assert line.endswith("task tiny_mc cannot read its data: fix or remove that line"), line
 
 
+def test_a_local_lm_eval_row_without_its_label_is_named_before_the_model_loads(tmp_path, capsys):
+    """The harness scored it (the target rendered as None), its warning among its log lines."""
+    pytest.importorskip("lm_eval")
+    from test_lm_eval import DOCS, write_task
+
+    write_task(tmp_path)
+    rows = [{key: value for key, value in doc.items() if key != "label" or i != 1} for i, doc in enumerate(DOCS)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = only_line(capsys, ["lm-eval", "--model", str(tmp_path / "never-loaded"), "--tasks", "tiny_mc",
+                              "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out")])
+    assert line == (f"error: {tmp_path / 'docs.jsonl'}:2: the row has no 'label'; task tiny_mc reads its label from it "
+                    "(doc_to_target '{{label}}'), and the harness would score the row without one: give the row its "
+                    "label or remove that line")
+
+
 def test_a_missing_lm_eval_task_file_is_named_before_the_model_loads(tmp_path, capsys):
     """The harness's own report was a 57-line traceback from datasets, after the model had loaded."""
     pytest.importorskip("lm_eval")
