@@ -157,6 +157,13 @@ def checkpoint_step(path: str) -> int:
     return int(read_checkpoint(path, mmap=True).get("global_step", -1))
 
 
+def run_configs(ckpt_path: str) -> list[str]:
+    """The ``config.yaml`` files LightningCLI saved for the run that wrote ``ckpt_path`` (in the ``version_*`` folders
+    beside its checkpoints folder), oldest first."""
+    run = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))
+    return sorted(glob.glob(os.path.join(run, "version_*", "config.yaml")), key=os.path.getmtime)
+
+
 def resolve_ckpt_path(value: Optional[str], folder: str, subcommand: str = "fit") -> Optional[str]:
     """The checkpoint file ``--ckpt_path`` means. ``last``: the checkpoint in ``folder`` with the highest step that
     loads (``last.ckpt`` first among equals; a corrupt one is skipped, said in one line), an error when there is

@@ -20,7 +20,8 @@ What it adds to the stock CLI:
   error) and ``auto`` (resume if there is one).
 - ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
   set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
-  fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise).
+  fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise), and
+  validate/test evaluate at its data.layout and, for weights trained on tasks alone, on those tasks only.
 - user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run or a lost peer process
   (another node killed), 143 after SIGTERM,
   130 after Ctrl-C, 138 after SLURM's SIGUSR1, the job requeued);
@@ -43,6 +44,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+import yaml
+from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -59,11 +62,12 @@ from .checkpoints import (
     claim_checkpoint_folder,
     read_checkpoint,
     resolve_ckpt_path,
+    run_configs,
     shown_name,
 )
 from .console import LoggingStepBar, ParameterSummary, quiet_library_chatter
 from .data.datamodule import TokenDataModule
-from .data.layouts import check_configured_layout
+from .data.layouts import check_configured_layout, configured_layout
 from .errors import (
     DEBUG_VARIABLE,
     ConfigError,
@@ -75,8 +79,8 @@ from .errors import (
     user_error,
 )
 from .lit import LanguageModel
-from .lit.checkpoint_format import checkpoint_model
-from .lit.resume import RunCheckpoint, finished_run, unkeepable_batch
+from .lit.checkpoint_format import checkpoint_settings
+from .lit.resume import RunCheckpoint, evaluated_as_trained, finished_run, unkeepable_batch
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 from .tasks.generation import TaskMix
@@ -300,15 +304,64 @@ def union_error(message: str) -> Optional[str]:
     return f"invalid value {value!r} for {key}; expected {' or '.join(kinds)}"
 
 
+def yaml_error(path: Optional[str], exc: Optional[BaseException]) -> Optional[str]:
+    """A config file that is not valid YAML as one line naming the file and line (jsonargparse reads the file into a
+    string, so YAML's own report, over four lines, names ``"<unicode string>"``); None for any other error."""
+    while exc is not None and not isinstance(exc, yaml.MarkedYAMLError):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None or path is None:
+        return None
+    mark, context = exc.problem_mark or exc.context_mark, ""
+    if exc.context and exc.context_mark:
+        context = f" ({exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
+    return f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML: {exc.problem or exc.context}{context}"
+
+
+def missing_model(message: str, given: list[str]) -> Optional[str]:
+    """``validate.model is required`` (validate or test given ``--ckpt_path`` alone), as one line saying that the run's
+    configs are needed too, naming the ``config.yaml`` the run saved when the checkpoint is in its run folder; None
+    for any other error."""
+    missing = re.search(r"arguments are required: (validate|test)\.model\b", message)
+    if not missing:
+        return None
+    verb = missing.group(1)
+    ckpt = next((arg.partition("=")[2] or (given[i + 1] if i + 1 < len(given) else "") for i, arg in enumerate(given)
+                 if arg.partition("=")[0] == "--ckpt_path"), "")
+    saved = run_configs(ckpt)[-1:] if os.path.isfile(ckpt) else []
+    advice = (f"the run saved its config in {saved[0]}: python -m cable_lightning {verb} --config {saved[0]} "
+              f"--ckpt_path {ckpt}" if saved else
+              f"give them as it was trained: python -m cable_lightning {verb} --config <the run's configs> "
+              f"--ckpt_path {ckpt or '<its checkpoint>'}")
+    return (f"{verb} needs the run's configs as well as --ckpt_path (the checkpoint holds the model's settings, not "
+            f"the data section or the trainer's); {advice}")
+
+
 class TerseParser(KeepsWriteErrors, LightningArgumentParser):
     """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
-    name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried."""
+    name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried, and
+    so is a config file that is not valid YAML (:func:`yaml_error`)."""
+
+    reading: Optional[str] = None  # the --config file being parsed
+    given: list[str] = []  # the command line being parsed
+
+    def parse_args(self, args=None, *rest, **kwargs):
+        self.given = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, *rest, **kwargs)
 
     def print_usage(self, file=None):
         pass
 
+    def parse_path(self, path, *args, **kwargs):
+        earlier, self.reading = self.reading, str(path)
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self.reading = earlier
+
     def error(self, message: str, *args, **kwargs):
-        return super().error(setting_error(message) or message, *args, **kwargs)
+        cause = args[0] if args else kwargs.get("ex")
+        return super().error(yaml_error(self.reading, cause) or missing_model(message, self.given)
+                             or setting_error(message) or message, *args, **kwargs)
 
 
 class SavedConfig(SaveConfigCallback):
@@ -377,10 +430,15 @@ class CableCLI(LightningCLI):
                               f"checkpoint in {checkpoint_folder(config)}")
         if subcommand == "fit" and path is not None and (done := finished_run(path, config.trainer.max_steps)):
             raise RunFinished(done)
-        if path is not None and os.path.isfile(path) and (model := checkpoint_model(path)) is not None:
+        model, trained = checkpoint_settings(path) if path is not None and os.path.isfile(path) else (None, {})
+        if model is not None:
             self._subcommand_parsers[subcommand].set_defaults({"model": model})
             super().parse_arguments(self.parser, self._args)
             config = self.config[subcommand]
+        if subcommand in ("validate", "test") and config.get("data") is not None:  # as the weights were trained
+            layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
+                                          config.data.get("tasks"), subcommand, shown_name(path))
+            config.data.layout = Namespace(**layout.as_dict())
         config.ckpt_path = path
 
     def add_arguments_to_parser(self, parser):

@@ -1,7 +1,8 @@
 """``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent (docs/speed.md, "On a
 GPU"). Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short
 keeps what finished. An existing ``--out`` is replaced only when gpu-check wrote it (its first line) and
-``--overwrite`` is given: a GPU run's rows cannot be made again without a GPU.
+``--overwrite`` is given, and only once the new run has written its first row: a GPU run's rows cannot be made again
+without a GPU. SIGTERM or Ctrl-C ends it in one line saying what ``--out`` holds (exit 143 or 130).
 
 1. Real fits through the CLI, one per encoding, grouped into one part per attention backend (the group each encoding
    takes on CUDA, from the registry and ``attention.backends_for``): gpt2-small shape, 1024 tokens, 16 sequences a
@@ -61,6 +62,7 @@ import json
 import logging
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,6 +72,7 @@ from contextlib import closing, contextmanager, nullcontext
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import AttentionDiagnostics
 from .errors import ArgumentParser, ConfigError, RunFailedError, user_error
@@ -362,12 +365,16 @@ class FitClock(L.Callback):
 
 class Report:
     """The results file: each line written and flushed as it comes, and echoed. Its first line, the heading, marks it
-    as gpu-check's (``owned.FILE_MARKS``): a later run replaces it only with ``--overwrite``."""
+    as gpu-check's (``owned.FILE_MARKS``): a later run replaces it only with ``--overwrite``. Until its first row it is
+    written beside ``path`` (``.<name>.partial``) and then renamed over it, so that an earlier file (a lent GPU's rows)
+    stays whole when the new run stops before it has a row to show; closed before that, the partial file is removed."""
 
     def __init__(self, path: str, heading: str):
+        folder, name = os.path.split(os.path.abspath(path))
+        self.path, self.partial, self.placed = path, os.path.join(folder, f".{name}.partial"), False
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.path, self.file = path, open(path, "w", encoding="utf-8")
+            os.makedirs(folder, exist_ok=True)
+            self.file = open(self.partial, "w", encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"--out {path} cannot be written ({type(exc).__name__}: {exc.strerror}); choose "
                               "another --out") from None
@@ -375,6 +382,15 @@ class Report:
 
     def close(self) -> None:
         self.file.close()
+        if not self.placed:
+            os.remove(self.partial)
+
+    def kept(self) -> str:
+        """What ``--out`` holds, for the line that ends a stopped run."""
+        if self.placed:
+            return f"the rows so far are in {self.path}"
+        return (f"it had no row yet: the earlier {self.path} is kept as it was" if os.path.exists(self.path) else
+                f"it had no row yet: nothing was written to {self.path}")
 
     def line(self, text: str = "") -> None:
         self.file.write(text + "\n")
@@ -382,12 +398,47 @@ class Report:
         print(f"[gpu-check] {text}", flush=True)
 
     def row(self, cells: list) -> None:
-        self.line("| " + " | ".join(str(c) for c in cells) + " |")
+        """A result (a part's row, skipped or failed too): the first puts the file in ``path``'s place."""
+        self.line(table_row(cells))
+        if not self.placed:
+            os.replace(self.partial, self.path)
+            self.placed = True
 
     def table(self, head: list[str]) -> None:
         self.line()
-        self.row(head)
+        self.line(table_row(head))
         self.line("|" + "---|" * len(head))
+
+
+def table_row(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+@contextmanager
+def stopped_by_signals(report_of):
+    """SIGTERM (a scheduler's stop) and Ctrl-C end gpu-check in one line saying what ``--out`` holds (``report_of()``:
+    the Report, None before it exists), with 128 + the signal's number. A stop inside a fit comes as the fit's own
+    ``SIGTERMException`` (PreemptionCheckpoint), elsewhere from this handler (by default SIGTERM ended the process
+    with nothing said), or the data's preparation's ``PrepareStopped``. The earlier handler is restored."""
+
+    def stop(signum, frame):
+        stopped = SIGTERMException()
+        stopped.signum = signum
+        raise stopped
+
+    earlier = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except BaseException as exc:  # a stop carries its signal: SIGTERMException, a fit's prepare's PrepareStopped
+        signum = getattr(exc, "signum", signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None)
+        if signum is None:
+            raise
+        report = report_of()
+        said = report.kept() if report is not None else "nothing was written"
+        print(f"error: gpu-check stopped by {signal.Signals(signum).name}; {said}", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
 
 
 FIT_HEAD = ["part", "encoding", "backend", "steady steps", "step ms (median)", "tokens/s", "x NoPE", "MFU",
@@ -586,6 +637,43 @@ def seconds_or_dash(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}"
 
 
+def run_parts(args, parts: dict[str, list[str]], sizes: Sizes, cuda: bool, report: Report, started: float) -> Run:
+    """The bench, the fits part by part and the tests, each a row of ``report`` (or a skipped one past its budget)."""
+    run = Run(args, sizes, cuda, report)
+    shape = ", ".join(f"{name} {value}" for name, value in sizes.shape.items())
+    report.line()
+    report.line(f"{sizes.preset}{f' ({shape})' if shape else ''} at {sizes.block} tokens, {sizes.micro} sequences a "
+                f"step, {sizes.precision}, compile true, {sizes.warmup} warm-up and {sizes.steady} steady steps; MFU "
+                f"against {run.peak_source}" + (f" ({run.peak / 1e12:.3g} TFLOP/s)" if run.peak else ""))
+    scale, run_deadline = args.budget_scale, started + RUN_BUDGET_S * args.budget_scale
+    with run.watch.watching(), (eager_dynamo() if args.rehearse_on_cpu else nullcontext()):
+        # the bench first: bounded and cheap, so a fit that overruns cannot take the evaluation targets with it
+        head = ["part", "encoding", "backend", "compile s (first forward)", f"eval s @{sizes.eval_length}", "x NoPE",
+                f"eval peak MiB @{sizes.eval_length}", "x NoPE", "Dynamo compiles: first forward / timed", "note"]
+        report.table(head)
+        benched = [label for labels in parts.values() for label in labels if backend_of(label) != "chunked"]
+        # NoPE on FlexAttention beside the flex encodings: how much of their time is the kernel's, how much the bias's
+        benched = ["nope"] + ["nope:flex"] * any(backend_of(label) == "flex" for label in benched) + \
+            [label for label in benched if label != "nope"]
+        compiling = sum(backend_of(label) == "flex" for label in benched)
+        run.bench("bench", benched, head,
+                  min(time.monotonic() + (BENCH_BUDGET_S + BENCH_COMPILE_BUDGET_S * compiling) * scale, run_deadline))
+        report.table(FIT_HEAD)
+        for part, labels in parts.items():
+            deadline = min(time.monotonic() + sum(map(fit_budget, labels)) * scale, run_deadline)
+            for label in labels:
+                if time.monotonic() < deadline:
+                    run.fit(part, label)
+                else:
+                    report.row([part, label, backend_of(label), "skipped: its budget is spent"]
+                               + [""] * (len(FIT_HEAD) - 4))
+        report.table(PYTEST_HEAD)
+        run.pytest("pytest", run_deadline)
+        report.line()
+        report.line(f"finished in {time.monotonic() - started:.0f} s")
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m cable_lightning gpu-check", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -622,39 +710,11 @@ def main(argv: list[str] | None = None) -> None:
     quiet_library_chatter()
     sizes = REHEARSAL if args.rehearse_on_cpu else GPU
     device = torch.cuda.get_device_name() if cuda else "CPU rehearsal (not GPU figures)"
-    report = Report(args.out, f"## gpu-check: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
-    run = Run(args, sizes, cuda, report)
-    shape = ", ".join(f"{name} {value}" for name, value in sizes.shape.items())
-    report.line()
-    report.line(f"{sizes.preset}{f' ({shape})' if shape else ''} at {sizes.block} tokens, {sizes.micro} sequences a "
-                f"step, {sizes.precision}, compile true, {sizes.warmup} warm-up and {sizes.steady} steady steps; MFU "
-                f"against {run.peak_source}" + (f" ({run.peak / 1e12:.3g} TFLOP/s)" if run.peak else ""))
-    scale, run_deadline = args.budget_scale, started + RUN_BUDGET_S * args.budget_scale
-    with run.watch.watching(), (eager_dynamo() if args.rehearse_on_cpu else nullcontext()), closing(report):
-        # the bench first: bounded and cheap, so a fit that overruns cannot take the evaluation targets with it
-        head = ["part", "encoding", "backend", "compile s (first forward)", f"eval s @{sizes.eval_length}", "x NoPE",
-                f"eval peak MiB @{sizes.eval_length}", "x NoPE", "Dynamo compiles: first forward / timed", "note"]
-        report.table(head)
-        benched = [label for labels in parts.values() for label in labels if backend_of(label) != "chunked"]
-        # NoPE on FlexAttention beside the flex encodings: how much of their time is the kernel's, how much the bias's
-        benched = ["nope"] + ["nope:flex"] * any(backend_of(label) == "flex" for label in benched) + \
-            [label for label in benched if label != "nope"]
-        compiling = sum(backend_of(label) == "flex" for label in benched)
-        run.bench("bench", benched, head,
-                  min(time.monotonic() + (BENCH_BUDGET_S + BENCH_COMPILE_BUDGET_S * compiling) * scale, run_deadline))
-        report.table(FIT_HEAD)
-        for part, labels in parts.items():
-            deadline = min(time.monotonic() + sum(map(fit_budget, labels)) * scale, run_deadline)
-            for label in labels:
-                if time.monotonic() < deadline:
-                    run.fit(part, label)
-                else:
-                    report.row([part, label, backend_of(label), "skipped: its budget is spent"]
-                               + [""] * (len(FIT_HEAD) - 4))
-        report.table(PYTEST_HEAD)
-        run.pytest("pytest", run_deadline)
-        report.line()
-        report.line(f"finished in {time.monotonic() - started:.0f} s")
+    report = None
+    with stopped_by_signals(lambda: report):
+        report = Report(args.out, f"## gpu-check: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+        with closing(report):
+            run = run_parts(args, parts, sizes, cuda, report, started)
     problems = [f"Dynamo hit its recompile limit in {function}: {reason}" for function, reason in run.watch.hits]
     if problems or run.failures:
         raise RunFailedError(f"gpu-check: {'; '.join(problems + run.failures)} (results so far in {args.out})")

@@ -37,6 +37,18 @@ def test_a_bad_sweep_seed_is_one_line_before_anything_runs(capsys, seed):
         "sweep --help lists the settings)")
 
 
+@pytest.mark.parametrize("argv, given, meant", [
+    (["sweep", "--config", "c.yaml", "--runs_dir", "X", "--pes", "cable"], "--runs_dir", "--runs-dir"),
+    (["export", "--ckpt-path=x.ckpt", "--out", "x"], "--ckpt-path", "--ckpt_path"),
+], ids=["underscore-for-dash", "dash-for-underscore"])
+def test_an_option_spelt_with_the_other_separator_is_named_with_the_right_one(capsys, argv, given, meant):
+    """``sweep --runs_dir X --pes cable`` said that --pes was required: --runs_dir was unknown, and sweep's remainder
+    took the rest of the line."""
+    prog = f"python -m cable_lightning {argv[0]}"
+    assert only_line(capsys, argv) == (f"error: unrecognized argument {given}: did you mean {meant}? ({prog} --help "
+                                       "lists the settings)")
+
+
 @pytest.mark.parametrize("verb, default", [("prepare", "python-docs corpus"), ("bench", "full benchmark")])
 def test_help_says_what_a_verb_without_arguments_does(capsys, verb, default):
     with pytest.raises(SystemExit):
@@ -126,6 +138,21 @@ def test_a_torn_row_in_a_local_lm_eval_task_is_named_before_the_model_loads(tmp_
     assert line.endswith("task tiny_mc cannot read its data: fix or remove that line"), line
 
 
+def test_a_local_lm_eval_row_without_its_label_is_named_before_the_model_loads(tmp_path, capsys):
+    """The harness scored it (the target rendered as None), its warning among its log lines."""
+    pytest.importorskip("lm_eval")
+    from test_lm_eval import DOCS, write_task
+
+    write_task(tmp_path)
+    rows = [{key: value for key, value in doc.items() if key != "label" or i != 1} for i, doc in enumerate(DOCS)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = only_line(capsys, ["lm-eval", "--model", str(tmp_path / "never-loaded"), "--tasks", "tiny_mc",
+                              "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out")])
+    assert line == (f"error: {tmp_path / 'docs.jsonl'}:2: the row has no 'label'; task tiny_mc reads its label from it "
+                    "(doc_to_target '{{label}}'), and the harness would score the row without one: give the row its "
+                    "label or remove that line")
+
+
 def test_a_missing_lm_eval_task_file_is_named_before_the_model_loads(tmp_path, capsys):
     """The harness's own report was a 57-line traceback from datasets, after the model had loaded."""
     pytest.importorskip("lm_eval")
@@ -159,6 +186,16 @@ def test_a_lock_with_a_bad_line_is_named_with_its_line(tmp_path):
 
 
 # --- fit, validate, test ----------------------------------------------------------------------------------------------
+
+def test_a_config_file_that_is_not_yaml_is_named_with_its_line(tmp_path, capsys):
+    """YAML's own report, over four lines, named ``"<unicode string>", line 5``: not which of the --config files."""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("experiment: fine\n")
+    bad.write_text("data:\n  block_size: 32\n  micro_batch_size: 4\ntrainer:\n  max_steps: [1, 2\n")
+    line = user_error_line(capsys, ["fit", "--config", str(good), "--config", str(bad), "--config", str(good)])
+    assert line == (f"error: {bad}:6: not valid YAML: did not find expected ',' or ']' (while parsing a flow sequence "
+                    "at line 5, column 14)")
+
 
 def test_a_misspelt_precision_is_one_line_and_lightning_is_not_given_argv_twice(monkeypatch, capsys):
     """From the command line, LightningCLI reads sys.argv itself: given it as ``args`` too, it warns on every run."""
@@ -225,6 +262,59 @@ def test_a_full_disk_under_tensorboard_is_one_line(tiny_corpus_dir, tmp_path, ca
     assert line.startswith(f"error: could not write the logs in {tmp_path / 'test' / 'cable' / 'version_0'} (OSError: "
                            "[Errno 28] No space left on device; "), line
     assert line.endswith("the checkpoints written before it are intact"), line
+
+
+CHOMSKY = [*(arg for name in ("base", "reverse_string") for arg in ("--config", os.path.join(ROOT, "configs", "chomsky",
+                                                                                           f"{name}.yaml"))),
+           "--model.init_args.backbone.pos_encoding", "rope", "--model.init_args.backbone.n_layer", "1",
+           "--data.micro_batch_size", "2", "--data.eval_tokens", "64", "--task_eval.lengths", "[5]",
+           "--task_eval.trials", "1", "--diagnostics.enabled", "false", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false"]
+
+
+@pytest.fixture(scope="module")
+def reverse_string_run(tmp_path_factory) -> str:
+    """One step of a one-layer reverse-string encoder (tasks alone, contiguous positions)."""
+    runs = str(tmp_path_factory.mktemp("chomsky"))
+    fit(["fit", *CHOMSKY, "--runs_dir", runs, "--trainer.max_steps", "1", "--checkpoint.every_n_train_steps", "1"])
+    return runs
+
+
+@pytest.mark.parametrize("asked, expected", [
+    (["--data.layout.positions", "randomized", "--data.layout.position_range", "256"],
+     "was trained with data.layout the default (packed blocks, contiguous positions) and validate asks another: "
+     "data.layout.positions (checkpoint 'contiguous', configured 'randomized'), data.layout.position_range (checkpoint "
+     "None, configured 256); validate evaluates weights at the layout they were trained with (its records name that "
+     "one): drop the --data.layout flags or give the checkpoint's (--data.layout.positions contiguous "
+     "--data.layout.position_range null)"),
+    (["--data.tasks", '{"duplicate_string": {}}'],
+     'was trained on tasks alone, {"reverse_string": {}}, and validate asks data.tasks {"duplicate_string": {}}: '
+     "weights trained on tasks alone are scored only on those (a score on another would be recorded as that task's); "
+     """give --data.tasks '{"reverse_string": {}}' (the run's configs)"""),
+], ids=["randomized-positions", "another-task"])
+def test_validate_refuses_another_layout_or_task_than_the_checkpoint_was_trained_with(reverse_string_run, capsys,
+                                                                                      asked, expected):
+    """Both were accepted: randomized positions asked of contiguous weights changed nothing (evaluation reads the
+    trained layout), and the reverse-string weights were recorded as a duplicate-string score."""
+    run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
+    ckpt, folders = os.path.join(run_folder, "checkpoints", "last.ckpt"), sorted(os.listdir(run_folder))
+    line = user_error_line(capsys, ["validate", *CHOMSKY, "--runs_dir", reverse_string_run, "--ckpt_path", ckpt,
+                                    *asked])
+    assert line == f"error: {ckpt} {expected}"
+    assert sorted(os.listdir(run_folder)) == folders  # refused before anything was built: no version folder
+
+
+def test_validate_with_a_checkpoint_alone_names_the_config_the_run_saved(reverse_string_run, capsys):
+    """It said ``validate.model`` was required, with no word of the run's configs; the advice given works."""
+    run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
+    ckpt, saved = (os.path.join(run_folder, *parts) for parts in (("checkpoints", "last.ckpt"),
+                                                                   ("version_0", "config.yaml")))
+    assert user_error_line(capsys, ["validate", "--ckpt_path", ckpt]) == (
+        "error: validate needs the run's configs as well as --ckpt_path (the checkpoint holds the model's settings, "
+        f"not the data section or the trainer's); the run saved its config in {saved}: python -m cable_lightning "
+        f"validate --config {saved} --ckpt_path {ckpt}")
+    fit(["validate", "--config", saved, "--ckpt_path", ckpt])
+    assert os.path.isfile(os.path.join(run_folder, "version_1", "task_accuracy.jsonl"))
 
 
 # --- old module entry points ------------------------------------------------------------------------------------------

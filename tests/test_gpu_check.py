@@ -2,7 +2,9 @@
 steps' budget, the memory estimate counts the encodings' position tables, a recompile-limit hit fails it, and without
 CUDA it stops in one line."""
 
+import os
 import re
+import signal
 import time
 from types import SimpleNamespace
 
@@ -192,3 +194,36 @@ def test_out_replaces_only_a_file_gpu_check_wrote_and_only_with_overwrite(tmp_pa
     results.write_text(earlier.replace("skipped", "a GPU's row"))
     assert verb([*quick, "--out", str(results), "--overwrite"]) == 0
     assert results.read_text().startswith("## gpu-check: ") and "a GPU's row" not in results.read_text()
+
+
+@pytest.mark.parametrize("stopped_in", ["bench", "pytest"], ids=["before-its-first-row", "after-rows"])
+def test_a_sigterm_keeps_the_earlier_file_until_the_first_row_and_says_what_out_holds(tmp_path, capsys, monkeypatch,
+                                                                                       stopped_in):
+    """``--overwrite`` stopped by SIGTERM before its first row left an earlier file (a lent GPU's rows) as its heading
+    line alone, and said nothing (SIGTERM's default ended the process)."""
+    results = tmp_path / "gpu_check.md"
+    earlier = "## gpu-check: NVIDIA H200, torch 2.11, 2026-11-27\n\n| bench | nope | a GPU's row |\n"
+    results.write_text(earlier)
+
+    def unhandled(signum, frame):  # SIGTERM's default would end pytest itself
+        raise AssertionError("gpu-check left SIGTERM to its default: the process ends with nothing said")
+
+    monkeypatch.setattr(gpu_check.Run, stopped_in, lambda *args: signal.raise_signal(signal.SIGTERM))
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with pytest.raises(SystemExit) as stopped:  # every part skipped: rows at once, after the bench
+            verb(["gpu-check", "--rehearse-on-cpu", "--budget-scale", "1e-9", "--encodings", "nope", "--out",
+                  str(results), "--overwrite"])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    said = {"bench": f"it had no row yet: the earlier {results} is kept as it was",
+            "pytest": f"the rows so far are in {results}"}[stopped_in]
+    assert stopped.value.code == 143 and capsys.readouterr().err.splitlines() == [
+        f"error: gpu-check stopped by SIGTERM; {said}"]
+    text = results.read_text()
+    if stopped_in == "bench":
+        assert text == earlier
+    else:
+        assert text.startswith("## gpu-check: CPU rehearsal") and "skipped: its budget is spent" in text
+        assert "a GPU's row" not in text
+    assert os.listdir(tmp_path) == ["gpu_check.md"]  # no partial file left beside it

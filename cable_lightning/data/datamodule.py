@@ -200,7 +200,7 @@ class TokenDataModule(L.LightningDataModule):
                             tokenizer={"kind": "task", "name": f"task-vocabulary-{OWN_VOCABULARY}",
                                        "hash": f"task-vocabulary-v2-{OWN_VOCABULARY}"},
                             block_size=self.block_size, eval_specs=tuple(self.eval_specs()),
-                            layout=self.layout.as_dict())
+                            layout=self.layout.as_dict(), tasks_alone=self.tasks_alone())
         if self._manifest is None:
             if self.store is not None:  # manifest, index, held-out arrays fetched once per node; chunk sizes checked
                 self.folder = self.store.mirror(self.cache_dir)
@@ -213,7 +213,12 @@ class TokenDataModule(L.LightningDataModule):
             self.check_tasks()  # a text task's length in tokens is known now
         return DataInfo(vocab_size=int(m["vocab_size"]), eot_id=int(m["eot_id"]), mask_id=m["mask_id"],
                         special_ids=tuple(m["special_ids"]), tokenizer=dict(m["tokenizer"]["identity"]),
-                        block_size=self.block_size, eval_specs=tuple(self.eval_specs()), layout=self.layout.as_dict())
+                        block_size=self.block_size, eval_specs=tuple(self.eval_specs()), layout=self.layout.as_dict(),
+                        tasks_alone=self.tasks_alone())
+
+    def tasks_alone(self) -> dict[str, dict] | None:
+        """The tasks a run of tasks alone trains on, each with every setting (:attr:`DataInfo.tasks_alone`)."""
+        return self.tasks.settings() if self.tasks is not None and self.task_fraction == 1.0 else None
 
     def check_tasks(self) -> None:
         """The training length fits every task (task_fraction 0: no task row is trained on, only evaluated)."""

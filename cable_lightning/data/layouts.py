@@ -228,6 +228,15 @@ def check_encoding(layout: TrainingLayout, pe) -> None:
                           f"that many (learnable.max_positions {layout.position_range})")
 
 
+def configured_layout(settings) -> TrainingLayout:
+    """The data section's layout as the CLI holds it (a parsed namespace, a dict, None or the layout itself)."""
+    if settings is None or isinstance(settings, TrainingLayout):
+        return settings or TrainingLayout()
+    values = settings.as_dict() if hasattr(settings, "as_dict") else settings if isinstance(settings, dict) else vars(
+        settings)
+    return TrainingLayout.from_dict(dict(values))
+
+
 def check_configured_layout(settings, backbone, block_size: int) -> None:
     """The CLI's check, before anything is built: the data section's layout (a parsed namespace, a dict or None)
     against the configured backbone (a BackboneConfig) at the data's block size, through a module of its encoding
@@ -235,8 +244,6 @@ def check_configured_layout(settings, backbone, block_size: int) -> None:
     if settings is None:
         return
     backbone = dataclasses.replace(backbone, block_size=block_size)
-    values = settings.as_dict() if hasattr(settings, "as_dict") else dict(vars(settings)) if not isinstance(
-        settings, (dict, TrainingLayout)) else settings
-    layout = values if isinstance(values, TrainingLayout) else TrainingLayout.from_dict(values)
+    layout = configured_layout(settings)
     if layout.reads_positions():
         check_encoding(layout, backbone.pos_encoding.build(backbone))

@@ -116,6 +116,9 @@ class DataInfo:
     # What training sees of a block (documents, positions, length schedule): data.layout's settings, as plain values
     # (data/layouts.py); empty: packed blocks at contiguous positions
     layout: dict[str, Any] = field(default_factory=dict)
+    # The tasks a run of tasks alone (task_fraction 1) trains on, {name: every setting}: the only tasks its weights
+    # can be scored on (validate refuses others); None when the corpus is trained on too (a text model's passkey)
+    tasks_alone: Optional[dict[str, dict[str, Any]]] = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DataInfo:

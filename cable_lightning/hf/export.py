@@ -20,7 +20,7 @@ import tempfile
 
 from safetensors import SafetensorError
 
-from ..checkpoints import check_exists
+from ..checkpoints import check_exists, run_configs
 from ..data.manifest import read_manifest
 from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
@@ -69,9 +69,7 @@ def run_data_path(ckpt_path: str) -> str | None:
     relative to another folder, say)."""
     import yaml
 
-    run = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))
-    configs = sorted(glob.glob(os.path.join(run, "version_*", "config.yaml")), key=os.path.getmtime)
-    for config in reversed(configs):
+    for config in reversed(run_configs(ckpt_path)):
         with open(config, encoding="utf-8") as f:
             path = ((yaml.safe_load(f) or {}).get("data") or {}).get("path")
         if path and not is_remote(str(path)) and not os.path.isdir(path):  # relative to where the run started?

@@ -79,9 +79,10 @@ def check_tasks(tasks: list[str], manager, include_path: str | None, include_def
 
 
 def check_task_data(tasks: list[str], manager) -> None:
-    """The local jsonl files of a ``dataset_path: json`` task are there and read row by row, before the model is
-    loaded: the harness (datasets) reports a missing file or a torn row as a long traceback that names neither the
-    file nor the line."""
+    """The local jsonl files of a ``dataset_path: json`` task are there and read row by row, and every row has the
+    label its ``doc_to_target`` reads, before the model is loaded: the harness (datasets) reports a missing file or a
+    torn row as a long traceback that names neither the file nor the line, and scores a row without its label (the
+    template renders ``None``) with a warning among its log lines."""
     for task in tasks:
         entry = getattr(manager, "task_index", {}).get(task)
         config = getattr(entry, "cfg", None) or {}
@@ -95,15 +96,38 @@ def check_task_data(tasks: list[str], manager) -> None:
                 if not os.path.isfile(path):
                     raise MissingFileError(f"{path} is not a file; task {task} reads its data from it (its YAML's "
                                            "dataset_kwargs.data_files): restore the file or fix the path")
+                rows = []
                 with open(path, encoding="utf-8", errors="replace") as f:
                     for number, line in enumerate(f, 1):
                         if not line.strip():
                             continue
                         try:
-                            json.loads(line.strip())
+                            rows.append((number, json.loads(line.strip())))
                         except ValueError as exc:
                             raise ConfigError(f"{path}:{number}: not a JSON row ({exc}); task {task} cannot read its "
                                               "data: fix or remove that line") from None
+                check_labels(task, config, path, rows)
+
+
+def check_labels(task: str, config: dict, path: str, rows: list[tuple[int, object]]) -> None:
+    """Every row holds (not null) each field the task's ``doc_to_target`` reads: a template's variables, or the
+    column it names (a name no row has is a constant). A target made by code (``!function``) or from rows that
+    ``process_docs`` rewrites is the harness's to check."""
+    target = config.get("doc_to_target")
+    if not isinstance(target, str) or target.startswith("!function") or config.get("process_docs"):
+        return
+    if "{{" in target or "{%" in target:
+        from jinja2 import Environment, meta  # the harness's templates
+
+        fields = sorted(meta.find_undeclared_variables(Environment().parse(target)))
+    else:
+        fields = [target] if any(isinstance(row, dict) and target in row for _, row in rows) else []
+    for number, row in rows:
+        missing = [field for field in fields if not isinstance(row, dict) or row.get(field) is None]
+        if missing:
+            raise ConfigError(f"{path}:{number}: the row has no {missing[0]!r}; task {task} reads its label from it "
+                              f"(doc_to_target {target!r}), and the harness would score the row without one: give the "
+                              "row its label or remove that line")
 
 
 def check_model(model: str, trust_remote_code: bool) -> None:

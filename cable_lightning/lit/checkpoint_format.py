@@ -47,13 +47,15 @@ def saved_weights(checkpoint: dict) -> dict:
     return upgrade_state_dict(state, backbone) if isinstance(backbone, dict) else state
 
 
-def checkpoint_model(ckpt_path: str) -> Optional[dict]:
+def checkpoint_settings(ckpt_path: str) -> tuple[Optional[dict], dict]:
     """The model section (class_path, init_args) a checkpoint was made with, without the linked data description
-    (the CLI's defaults under ``--ckpt_path``)."""
+    (the CLI's defaults under ``--ckpt_path``; None when it names no class), and that data description (what
+    validate checks its data section against; empty when it holds none)."""
     hparams = dict(read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters") or {})
+    data = hparams.get("data") or {}
     class_path = hparams.pop("_class_path", None)
     if class_path is None:
-        return None
+        return None, data
     # Only what the class takes now: the data description is linked from the data section, and settings an older
     # version saved (vocab_size, block_size before they came from the data) would stop the parse.
     accepted = inspect.signature(package_model_class(class_path, ckpt_path)).parameters
@@ -61,7 +63,7 @@ def checkpoint_model(ckpt_path: str) -> Optional[dict]:
     if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
         backbone = upgrade_backbone_dict(init_args["backbone"])
         init_args["backbone"] = backbone | {"pos_encoding": BackboneConfig.from_dict(backbone).pos_encoding.to_dict()}
-    return {"class_path": class_path, "init_args": init_args}
+    return {"class_path": class_path, "init_args": init_args}, data
 
 
 def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:

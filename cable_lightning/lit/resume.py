@@ -6,8 +6,9 @@ what it refuses, what it carries over, and which checkpoints a run writes.
 - **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining
   settings, tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from
   another training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
-  (:func:`check_same_training`), and a world size and micro-batch that cannot make the checkpoint's global batch
-  (:func:`unkeepable_batch`, before any step).
+  (:func:`check_same_training`), a world size and micro-batch that cannot make the checkpoint's global batch
+  (:func:`unkeepable_batch`, before any step); in validate and test, another data.layout, or a task that weights
+  trained on tasks alone were not trained on (:func:`evaluated_as_trained`).
 - **May change**: evaluation settings, and the processes and micro-batch at the same global batch; the loop's
   micro-batch counters are then re-expressed in the new accumulation (:func:`carry_accumulation`), so the first
   resumed optimizer step trains on a whole global batch, and the run says so in one line.
@@ -18,6 +19,7 @@ what it refuses, what it carries over, and which checkpoints a run writes.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Optional
 
@@ -27,6 +29,7 @@ from ..checkpoints import checkpoint_step
 from ..data.layouts import TrainingLayout
 from ..errors import ConfigError
 from ..models import BackboneConfig
+from ..tasks.generation import TaskMix
 
 
 def global_batch(trainer, block_size: int) -> Optional[dict]:
@@ -141,21 +144,50 @@ def unkeepable_batch(saved: Optional[dict], world_size: int, micro_batch: int, p
             "run, not a resume")
 
 
+def layout_differences(saved: TrainingLayout, configured: TrainingLayout) -> tuple[str, str]:
+    """(each setting of ``configured`` that differs from ``saved`` with both values, the flags that give the saved
+    ones); empty strings when they agree."""
+    old, new = saved.as_dict(), configured.as_dict()
+    differ = [name for name in old if new[name] != old[name]]
+    return (", ".join(f"data.layout.{name} (checkpoint {old[name]!r}, configured {new[name]!r})" for name in differ),
+            " ".join(f"--data.layout.{name} {old[name] if old[name] is not None else 'null'}" for name in differ))
+
+
+def evaluated_as_trained(saved_data: dict, layout: TrainingLayout, tasks: Optional[dict], verb: str,
+                         path: str) -> TrainingLayout:
+    """What ``validate`` and ``test`` may ask of a checkpoint (``saved_data``: its data description), checked before
+    anything is built. Weights are evaluated at the data.layout they were trained with, which their records name:
+    the default layout (no --data.layout flags) stands for it, and another one would be recorded as the trained one
+    (randomized positions asked of contiguous weights changed nothing). Weights trained on tasks alone are scored only
+    on those tasks (a reverse-string checkpoint would be recorded as a duplicate-string score). Returns the layout to
+    evaluate with; anything else is one line naming both and the flags that fit. Checkpoints written before the
+    layout or the tasks were recorded are not checked for them."""
+    trained = TrainingLayout.from_dict(saved_data["layout"]) if "layout" in saved_data else layout
+    differ, flags = layout_differences(trained, layout)
+    if differ and layout.active:
+        described = trained.label(saved_data.get("block_size")) or "the default (packed blocks, contiguous positions)"
+        raise ConfigError(f"{path} was trained with data.layout {described} and {verb} asks another: {differ}; "
+                          f"{verb} evaluates weights at the layout they were trained with (its records name that "
+                          f"one): drop the --data.layout flags or give the checkpoint's ({flags})")
+    alone, asked = saved_data.get("tasks_alone"), TaskMix(tasks).settings() if tasks else {}
+    if alone is not None and any(alone.get(name) != settings for name, settings in asked.items()):
+        raise ConfigError(f"{path} was trained on tasks alone, {json.dumps(alone)}, and {verb} asks data.tasks "
+                          f"{json.dumps(asked)}: weights trained on tasks alone are scored only on those (a score on "
+                          f"another would be recorded as that task's); give --data.tasks '{json.dumps(alone)}' (the "
+                          "run's configs)")
+    return trained
+
+
 def check_same_training(checkpoint: dict, layout: TrainingLayout, batch: Optional[dict], path: str) -> None:
     """A resumed fit trains as the run it continues did: the same data.layout (what training sees of a block) and
     global batch, else one line naming the setting, both values and how to go on. (Records label a run by one
     layout; a layout or batch changed half-way would be reported as the run's.)"""
     new_run = f"or {new_run_from(path)}"
     saved = TrainingLayout.from_dict(((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("layout"))
-    configured = layout.as_dict()
-    differ = [(name, old, configured[name]) for name, old in saved.as_dict().items() if configured[name] != old]
+    differ, flags = layout_differences(saved, layout)
     if differ:
-        raise ConfigError(
-            "the checkpoint was trained with another data.layout: "
-            + ", ".join(f"data.layout.{name} (checkpoint {old!r}, configured {new!r})" for name, old, new in differ)
-            + "; a resumed run keeps its layout: resume with "
-            + " ".join(f"--data.layout.{name} {old if old is not None else 'null'}" for name, old, _ in differ)
-            + f" (or drop the flags that change it), {new_run}")
+        raise ConfigError(f"the checkpoint was trained with another data.layout: {differ}; a resumed run keeps its "
+                          f"layout: resume with {flags} (or drop the flags that change it), {new_run}")
     saved_batch = checkpoint.get("global_batch")
     if batch and (unkeepable := unkeepable_batch(saved_batch, batch["world_size"], batch["micro_batch_size"], path)):
         raise ConfigError(unkeepable)

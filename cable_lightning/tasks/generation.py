@@ -360,6 +360,10 @@ class TaskMix:
         if self.algorithmic and len(self.tasks) > 1:  # a batch has one input length, and tasks' outputs differ
             raise ConfigError(f"an algorithmic task trains alone; data.tasks names {', '.join(tasks)}: give one")
 
+    def settings(self) -> dict[str, dict]:
+        """{name: every setting, defaults included}: two spellings of one task compare equal."""
+        return {task.name: dataclasses.asdict(task) for task in self.tasks}
+
     def check_length(self, length: int) -> None:
         """Every task fits ``length`` (a text task is checked once the tokenizer is known)."""
         for task in self.tasks:
