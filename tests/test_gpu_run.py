@@ -1,14 +1,18 @@
-"""The paper's experiment on a lent GPU (issue 67): the records that let the runs of several lends join one table, or
-refuse to."""
+"""The paper's experiment on a lent GPU (issue 67): the script a GPU runs, rehearsed on the CPU at toy sizes, and the
+records that let the runs of several lends join one table, or refuse to."""
 
 import json
 import os
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval import report
 
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RECIPE = {"steps": 1000, "batch_tokens": 65536, "warmup_steps": 100, "min_lr": 6e-5, "betas": [0.9, 0.95],
           "eps": 1e-8, "weight_decay": 0.1, "gradient_clip": 1.0, "tokenizer": "ab12"}
 
@@ -52,3 +56,37 @@ def test_report_refuses_runs_of_different_corpora_or_recipes(tmp_path):
     write_run(old / "a", "cable")
     write_run(old / "b", "alibi")
     assert "| length | alibi | cable |" in report.report([str(old)], str(tmp_path / "old_report"))["nonoverlap"]
+
+
+def test_gpu_run_script_rehearsed_on_cpu(tmp_path):
+    """tools/gpu/run.sh with REHEARSE=1: every part runs at toy sizes (a 2-layer model, 4 steps, lengths 32 and 64,
+    two small distributions' code with a 300-token BPE), each writes its line to $OUT/results.jsonl, the fit's line
+    has the perplexity at each length, the ratio, tokens trained and the steady rate, and its records (in
+    records.tar.gz) carry the corpus hash of the prepared data and the machine; the report comes back as report.md."""
+    out = tmp_path / "out"
+    env = {**os.environ, "REHEARSE": "1", "OUT": str(out), "PY": sys.executable, "ENCODINGS": "cable",
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "tools/gpu/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(row["part"], row["status"]) for row in lines] == [
+        ("env", "ok"), ("gpu-check", "skipped"), ("prepare", "prepared"), ("fit", "done"), ("report", "done")]
+    prepared, fit = lines[2], lines[3]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert prepared["corpus_hash"] == manifest["source"]["corpus_hash"] and prepared["vocab_size"] == 300
+    assert fit["pe"] == "cable" and set(fit["ppl"]) == {"32", "64"} and fit["ppl_2x_over_1x"] > 0
+    assert fit["tokens"] == 4 * 64 and fit["tokens_per_sec"] > 0 and fit["steady_steps"] == 3
+    assert fit["corpus_hash"] == prepared["corpus_hash"] and fit["machine"].startswith("cpu")
+    assert fit["recipe"]["steps"] == 4 and fit["recipe"]["batch_tokens"] == 64
+    with tarfile.open(out / "records.tar.gz") as tar:
+        names = tar.getnames()
+        assert not any(name.endswith(".ckpt") for name in names)
+        for name in ("runs/cable/length_eval.jsonl", "runs/cable/throughput.jsonl"):
+            rows = [json.loads(line) for line in tar.extractfile(name).read().decode().splitlines()]
+            assert rows and all(r["corpus_hash"] == prepared["corpus_hash"] and r["machine"] == fit["machine"]
+                                for r in rows)
+    assert "report_nonoverlap" in (out / "report.md").read_text()
+    assert "| cable seed 1337 | cpu" in (out / "report.md").read_text()  # the speed table's row
+    assert sorted(os.listdir(out)) == ["manifest.json", "records.tar.gz", "report.md", "results.jsonl",
+                                       "run-log.txt"]  # the device tool returns at most 8 files
