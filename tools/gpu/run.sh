@@ -22,8 +22,8 @@
 #
 # Knobs (environment): ENCODINGS (default: cable alibi kerple_log rope nope t5 fire), TOTAL_S (the cap, 575 s: one
 # 600 s call of a 15-minute lend, its start spent outside it, 25 s kept for a part's kill and the last copy),
-# GPU_CHECK (0; 1 runs gpu-check first), GC_ENCODINGS, DATA (the prepared corpus, data/pycode-bpe16384), RUNS (the
-# runs, outside $OUT), SITE (where the wheels go), PY.
+# GPU_CHECK (0; 1 runs gpu-check first), GC_ENCODINGS, SOURCE (python-code, or a slice python-code:NAME,...) and DATA
+# (the prepared corpus, data/pycode-bpe16384), RUNS (the runs, outside $OUT), SITE (where the wheels go), PY.
 set -uo pipefail
 
 REHEARSE=${REHEARSE:-0}
@@ -59,7 +59,7 @@ if [ "$REHEARSE" = 1 ]; then
 else
     TOTAL_S=${TOTAL_S:-575}
     DATA=${DATA:-data/pycode-bpe16384}
-    SOURCE=python-code TOKENIZER=bpe:16384
+    SOURCE=${SOURCE:-python-code} TOKENIZER=bpe:16384
     FIT_ARGS=(--trainer.enable_progress_bar false)
     # Planned seconds on one H100 (configs/paper/gpt2_small_code.yaml says how; not yet measured on a GPU)
     declare -A PLAN_S=([cable]=235 [alibi]=225 [kerple_log]=355 [rope]=205 [nope]=205 [t5]=355 [fire]=600)
