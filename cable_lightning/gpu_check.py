@@ -75,6 +75,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import AttentionDiagnostics
+from .callbacks.throughput import WARMUP_STEPS
 from .errors import ArgumentParser, ConfigError, RunFailedError, user_error
 from .owned import check_replaceable
 
@@ -122,7 +123,7 @@ class Sizes:
         return torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
 
 
-GPU = Sizes("gpt2-small", {}, block=1024, micro=16, warmup=3, steady=10, eval_length=16384, repeats=2,
+GPU = Sizes("gpt2-small", {}, block=1024, micro=16, warmup=WARMUP_STEPS, steady=10, eval_length=16384, repeats=2,
             precision="bf16-mixed")
 # fp32: a CPU without bf16 instructions runs bf16 many times slower (the bf16 matmul peak took 129 s to measure on
 # the shared 2-core machine); no logger: TensorBoard figures take seconds of matplotlib a validation on 2 cores, and

@@ -7,6 +7,7 @@ this process, and the source string says so. On CPU: always measured (no datashe
 
 from __future__ import annotations
 
+import platform
 import re
 import time
 
@@ -61,3 +62,17 @@ def peak_flops(device: torch.device, dtype=torch.bfloat16) -> tuple[float, str]:
             return flops, f"datasheet dense bf16 peak of {name} as {gpu} ({source})"
     return (measured_matmul_peak(torch.bfloat16, device),
             f"torch.bfloat16 8192x8192 matmul measured in this process ({name} is not in cable_lightning/hardware.py)")
+
+
+def device_name(device: torch.device) -> str:
+    """The machine a record was measured on: a GPU's name (``NVIDIA H100 80GB HBM3``), or the CPU's model as the
+    system names it (``cpu: AMD EPYC 7B13``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        pass
+    return f"{device.type}: {model or platform.processor() or platform.machine() or 'unknown'}"

@@ -45,6 +45,12 @@ class Record:
     extended_to: Optional[int] = None
     lr: Optional[float] = None  # the run's peak learning rate (None in rows an earlier version wrote)
     model: Optional[str] = None  # the backbone's BackboneConfig.shape() (None in rows an earlier version wrote)
+    # What lets runs of several machines join one table (None in rows an earlier version wrote): the measured data's
+    # content hash (its manifest's ``corpus_hash``; None for a corpus without one), the settings that define the
+    # training besides those the run's key holds (:meth:`LanguageModel.recipe`), and the device it ran on
+    corpus_hash: Optional[str] = None
+    recipe: Optional[dict] = None
+    machine: Optional[str] = None
 
     def run_name(self) -> str:
         """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``)
@@ -258,6 +264,70 @@ class HiddenPairRecord(Record):
     difference_mean: float
     difference_min: float
     difference_max: float
+
+
+@dataclass(kw_only=True)
+class ThroughputRecord(Record):
+    """A fit's training speed (:class:`callbacks.TokenThroughput`, at its end): the steady phase's tokens/s over every
+    process and MFU per device (None without a peak to divide by: a CPU), from the first logging step at or after
+    ``warmup`` optimizer steps (compiling) to the end of training, validations left out; ``tokens`` is what the run
+    has trained by then (the global step x the tokens of an optimizer step), ``step`` that global step."""
+
+    FILE: ClassVar[str] = "throughput.jsonl"
+    RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {
+        "tokens": (0, None), "tokens_per_sec": (0, None), "mfu": (0, None), "steady_steps": (0, None),
+        "steady_seconds": (0, None), "devices": (1, None), "warmup": (0, None)}
+
+    tokens: int
+    tokens_per_sec: Optional[float]  # None: no steady step was timed (training ended in the warm-up)
+    mfu: Optional[float]
+    steady_steps: int
+    steady_seconds: float
+    warmup: int
+    devices: int = 1
+    precision: Optional[str] = None
+
+
+def run_label(row: Record) -> str:
+    """A run as a line of text names it: its encoding's label, training length and seed."""
+    return f"{row.run_name()}@{row.train_length}" + ("" if row.run_seed is None else f" seed {row.run_seed}")
+
+
+def incomparable(rows: Iterable[Record]) -> Optional[str]:
+    """Why the rows' runs cannot share one table, or None: they measured different corpora (``corpus_hash``), or runs
+    of one training length (and extension) were trained by different recipes; the line names each value with its runs
+    and, for recipes, the settings that differ. Rows without a corpus hash (an earlier version's, or a corpus whose
+    manifest has none) are compared as before: by their columns only."""
+    rows = [r for r in rows if r.corpus_hash is not None]
+
+    def runs(group: Iterable[Record]) -> str:
+        return ", ".join(sorted({run_label(r) for r in group}))
+
+    corpora: dict[str, list[Record]] = {}
+    for r in rows:
+        corpora.setdefault(r.corpus_hash, []).append(r)
+    if len(corpora) > 1:
+        return ("these runs measured different corpora, which one table cannot compare: "
+                + "; ".join(f"corpus {corpus[:12]}: {runs(group)}" for corpus, group in sorted(corpora.items()))
+                + "; report each corpus's runs apart")
+    lengths: dict[tuple, list[Record]] = {}
+    for r in rows:
+        if r.recipe is not None:
+            lengths.setdefault((r.train_length, r.extended_to), []).append(r)
+    for (length, extended), group in sorted(lengths.items(), key=str):
+        settings = sorted({key for r in group for key in r.recipe})
+        differ = []
+        for key in settings:
+            values: dict[str, list[Record]] = {}
+            for r in group:
+                values.setdefault(json.dumps(r.recipe.get(key)), []).append(r)
+            if len(values) > 1:
+                differ.append(f"{key} " + " vs ".join(f"{value} ({runs(by)})" for value, by in sorted(values.items())))
+        if differ:
+            at = f"training length {length}" + (f" extended to {extended}" if extended else "")
+            return (f"these runs ({at}) were trained by different recipes, which one table cannot compare: "
+                    + "; ".join(differ) + "; report them apart, or train them alike")
+    return None
 
 
 def differing(rows: Iterable[Record]) -> tuple[bool, bool, bool]:

@@ -216,6 +216,15 @@ class TokenDataModule(L.LightningDataModule):
                         block_size=self.block_size, eval_specs=tuple(self.eval_specs()), layout=self.layout.as_dict(),
                         tasks_alone=self.tasks_alone())
 
+    def corpus_hash(self) -> str | None:
+        """The prepared corpus's content hash as its manifest records it (``python-code``'s ``corpus_hash``), so that
+        records of runs on several machines can tell whether they measured the same text; None without one."""
+        if self.path is None:
+            return None
+        self.describe()
+        source = self._manifest.get("source")
+        return source.get("corpus_hash") if isinstance(source, dict) else None
+
     def tasks_alone(self) -> dict[str, dict] | None:
         """The tasks a run of tasks alone trains on, each with every setting (:attr:`DataInfo.tasks_alone`)."""
         return self.tasks.settings() if self.tasks is not None and self.task_fraction == 1.0 else None

@@ -58,10 +58,12 @@ from cable_lightning.records import (
     Record,
     RetrievalRecord,
     TaskRecord,
+    ThroughputRecord,
     behind_their_seeds,
     differing,
     find_records,
     format_value,
+    incomparable,
     latest_rows,
     latest_step,
     read_records,
@@ -405,6 +407,22 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
     return True
 
 
+def speed_table(rows: list[ThroughputRecord]) -> str:
+    """Each run's training speed (its latest fit on each machine): the rows of a speed table, as the run measured
+    them (:class:`ThroughputRecord`)."""
+    differ = differing(rows)
+    head = ["run", "machine", "precision", "tokens trained", "steady tokens/s", "MFU", "steady steps (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in sorted(rows, key=lambda r: (run_column(r, differ), str(r.run_seed), str(r.machine))):
+        seed = "" if r.run_seed is None else f" seed {r.run_seed}"
+        lines.append(f"| {run_column(r, differ)}{seed} | {r.machine or '?'} | {r.precision or '?'} | {r.tokens:,} | "
+                     + ("-" if r.tokens_per_sec is None else f"{r.tokens_per_sec:,.0f}") + " | "
+                     + ("-" if r.mfu is None else f"{r.mfu:.1%}") + f" | {r.steady_steps} ({r.steady_seconds:.3g}) |")
+    return "\n".join(lines) + ("\n\n_steady: after the first warm-up steps (compiling) to the last logging step, "
+                               "validations left out; MFU per device, against the device's datasheet dense bf16 "
+                               "peak (none on a CPU)._")
+
+
 TRAIN_LOSS_TAG = "train/loss"  # what the LightningModules log every log_every_n_steps
 CONTRASTIVE_LOSS_LOG = "finetune_loss.jsonl"  # the retrieval verb's finetune loss curve, in the tuned export
 
@@ -478,6 +496,11 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     rows = latest_step(runs)
     if not rows:
         raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
+    found = find_records(paths, TaskRecord.FILE, required=False)
+    task_runs = rows_by_step(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else {}
+    task_rows = latest_step(task_runs)
+    if problem := incomparable(rows + task_rows):  # before anything is written
+        raise ConfigError(f"report {' '.join(paths)}: {problem}")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
     for mode in sorted({r.mode for r in rows}):
@@ -501,9 +524,6 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         with open(f"{out}_position.md", "w") as f:
             f.write(tables["position"] + "\n")
         write_csv(f"{out}_position.csv", table, "loss", header)
-    found = find_records(paths, TaskRecord.FILE, required=False)
-    task_runs = rows_by_step(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else {}
-    task_rows = latest_step(task_runs)
     for task in sorted({r.task for r in task_rows}):
         table = task_table([r for r in task_rows if r.task == task])
         tables[f"task {task}"] = markdown(*table, best=max) + "\n\n" + describe(table, "highest")
@@ -545,6 +565,11 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         write_csv(f"{out}_retrieval_{dataset}.csv", table, "ndcg10")
         plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
              "nDCG@10 (x100)", log_y=False)
+    found = find_records(paths, ThroughputRecord.FILE, required=False)
+    if found:
+        tables["speed"] = speed_table(latest_rows(found, ThroughputRecord, lambda r: r.machine))
+        with open(f"{out}_speed.md", "w") as f:
+            f.write(tables["speed"] + "\n")
     curves = loss_curves(paths)
     if curves:
         loss_curves_figure(curves, f"{out}_loss_curves.png")

@@ -23,6 +23,7 @@ from ..data.windows import scored_targets
 from ..errors import ConfigError, RunFailedError
 from ..eval import PositionNLL
 from ..eval.work import ReadLater
+from ..hardware import device_name
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
@@ -86,6 +87,8 @@ class LanguageModel(L.LightningModule):
         self.position_results: list[PositionRecord] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
+        self.trained_recipe: Optional[dict] = None  # a loaded checkpoint's recipe (None: written before recipes)
+        self.fit_recipe: Optional[dict] = None  # this process's fit's (see recipe)
         # The run's seed_everything (set by the CLI, kept in checkpoints and taken from a loaded one); in every record
         self.run_seed: Optional[int] = None
         self._last_step_time = None
@@ -262,7 +265,7 @@ class LanguageModel(L.LightningModule):
             where = f"{bad[0]} and {len(bad) - 1} more" if bad else "on another rank"
             raise RunFailedError(f"weights at step {self.global_step} are not finite ({where}); "
                                  "not saving them; the checkpoints already written are finite")
-        record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size))
+        record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size), self.recipe())
 
     def configure_optimizers(self):
         h = self.hparams
@@ -327,11 +330,7 @@ class LanguageModel(L.LightningModule):
         checkpoint = shown_name(os.path.abspath(self.trainer.ckpt_path)) if loaded else None  # a URL, not its copy
         # The run and evaluation every record of this validation names (lengths, tasks, attention diagnostics), so
         # the report keeps runs apart by encoding, training layout, extension and seed whichever record it reads.
-        self.run_context = dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
-                                extended_to=self.config.block_size if self.config.trained_length else None,
-                                layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
-                                checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr,
-                                model=self.config.shape())
+        self.run_context = self.record_context(step, checkpoint, self.trained_recipe if loaded else self.recipe())
         for length, stride in self.eval_specs():
             key = self.spec_key(length, stride)
             metric = self.val_nll[key]
@@ -359,6 +358,33 @@ class LanguageModel(L.LightningModule):
             metric.reset()
             if key in self.val_nll_by_position:
                 self.position_results += self._position_rows(self.val_nll_by_position[key], row)
+
+    def record_context(self, step: int, checkpoint: Optional[str], recipe: Optional[dict]) -> dict:
+        """What every record of this run names (:class:`records.Record`): the run (encoding, training layout and
+        extension, seed, learning rate, backbone), the step and stage measured, and what lets runs of several
+        machines join one table: the corpus measured, the training's recipe and the device."""
+        data = getattr(self.trainer, "datamodule", None)
+        return dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
+                    extended_to=self.config.block_size if self.config.trained_length else None,
+                    layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value, checkpoint=checkpoint,
+                    run_seed=self.run_seed, lr=self.hparams.lr, model=self.config.shape(),
+                    corpus_hash=data.corpus_hash() if hasattr(data, "corpus_hash") else None, recipe=recipe,
+                    machine=device_name(self.device))
+
+    def recipe(self) -> Optional[dict]:
+        """The settings that define this fit's training besides those a record's run key holds (encoding, training
+        length, layout, seed, peak learning rate, backbone): the steps, the tokens of an optimizer step, the schedule
+        and optimizer, clipping and the tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
+        validation records its weights' recipe; outside a fit, the last fit's of this process (None without one)."""
+        trainer, h = self.trainer, self.hparams
+        if trainer.state.fn == "fit":
+            batch = global_batch(trainer, self.config.block_size)
+            self.fit_recipe = {
+                "steps": trainer.max_steps, "batch_tokens": batch["tokens"] if batch else None,
+                "warmup_steps": h.warmup_steps, "min_lr": h.min_lr, "betas": list(h.betas), "eps": h.eps,
+                "weight_decay": h.weight_decay, "gradient_clip": trainer.gradient_clip_val,
+                "tokenizer": self.data_info.tokenizer.get("hash") if self.data_info is not None else None}
+        return self.fit_recipe
 
     def _windows(self, key: str) -> tuple[list[float], list[int]]:
         """Each evaluated window's mean NLL and scored tokens in stream order (each window scores the targets after
@@ -406,6 +432,7 @@ class LanguageModel(L.LightningModule):
             self.trained_layout = TrainingLayout.from_dict(saved_data["layout"])
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
+        self.trained_recipe = checkpoint.get("recipe")
 
 
 def val_tag(quantity: str, length: int, mode: str) -> str:

@@ -1,8 +1,9 @@
 """The resume contract, in one file: what a fit checkpoint records about its run, what a run that loads it may change,
 what it refuses, what it carries over, and which checkpoints a run writes.
 
-- **Recorded** (:func:`record_run`): the run's seed and its global batch (processes x micro-batch x block x
-  accumulation), beside Lightning's weights, optimizer, schedule, loop counters and stream position.
+- **Recorded** (:func:`record_run`): the run's seed, its recipe (what its records carry: ``LanguageModel.recipe``)
+  and its global batch (processes x micro-batch x block x accumulation), beside Lightning's weights, optimizer,
+  schedule, loop counters and stream position.
 - **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining
   settings, tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from
   another training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
@@ -52,12 +53,14 @@ def describe_batch(batch: dict) -> str:
             f"{batch['block_size']} tokens x accumulation {batch['accumulate_grad_batches']})")
 
 
-def record_run(checkpoint: dict, run_seed: Optional[int], batch: Optional[dict]) -> None:
-    """What a checkpoint carries beside Lightning's state: the run's seed (a validation of these weights is recorded
-    as the same run) and its global batch (a resume must keep it)."""
+def record_run(checkpoint: dict, run_seed: Optional[int], batch: Optional[dict], recipe: Optional[dict] = None) -> None:
+    """What a checkpoint carries beside Lightning's state: the run's seed and recipe (a validation of these weights
+    is recorded as the same run, trained the same way) and its global batch (a resume must keep it)."""
     checkpoint["run_seed"] = run_seed
     if batch is not None:
         checkpoint["global_batch"] = batch
+    if recipe is not None:
+        checkpoint["recipe"] = recipe
 
 
 def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:

@@ -1,0 +1,92 @@
+"""The paper's experiment on a lent GPU (issue 67): the script a GPU runs, rehearsed on the CPU at toy sizes, and the
+records that let the runs of several lends join one table, or refuse to."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from cable_lightning.errors import ConfigError
+from cable_lightning.eval import report
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+RECIPE = {"steps": 1000, "batch_tokens": 65536, "warmup_steps": 100, "min_lr": 6e-5, "betas": [0.9, 0.95],
+          "eps": 1e-8, "weight_decay": 0.1, "gradient_clip": 1.0, "tokenizer": "ab12"}
+
+
+def write_run(folder, pe, corpus_hash=None, recipe=None, machine=None):
+    """Length records of one run as a fit writes them (plain JSON rows: any version of the report reads them)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "length_eval.jsonl"), "w") as f:
+        for length, ppl in ((1024, 20.0), (2048, 21.0)):
+            row = dict(pe=pe, train_length=1024, step=1000, stage="fit", run_seed=0, lr=6e-4, model="decoder L12",
+                       length=length, mode="nonoverlap", ppl=ppl, stride=length, tokens=4096)
+            if corpus_hash is not None:
+                row.update(corpus_hash=corpus_hash, recipe=recipe, machine=machine)
+            f.write(json.dumps(row) + "\n")
+
+
+def test_report_refuses_runs_of_different_corpora_or_recipes(tmp_path):
+    """Runs of two lends join one table when their corpus and recipe agree (the machines may differ); another corpus,
+    or another recipe at the same training length, is one line naming the runs and what differs, before anything is
+    written. Rows without a corpus hash (an earlier version's) are compared as before."""
+    runs = tmp_path / "runs"
+    write_run(runs / "a", "cable", "1" * 64, RECIPE, "NVIDIA H100 80GB HBM3")
+    write_run(runs / "b", "alibi", "1" * 64, RECIPE, "NVIDIA H200")
+    tables = report.report([str(runs)], str(tmp_path / "joined"))
+    assert "| length | alibi | cable |" in tables["nonoverlap"]
+
+    write_run(runs / "c", "rope", "2" * 64, RECIPE, "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ConfigError) as refused:
+        report.report([str(runs)], str(tmp_path / "mixed"))
+    line = str(refused.value)
+    assert "\n" not in line and "different corpora" in line
+    assert f"corpus {'1' * 12}: alibi@1024 seed 0, cable@1024 seed 0; corpus {'2' * 12}: rope@1024 seed 0" in line
+    assert not list(tmp_path.glob("mixed*"))  # refused before anything was written
+
+    write_run(runs / "c", "rope", "1" * 64, {**RECIPE, "steps": 500}, "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ConfigError, match=r"different recipes.*steps 1000 \(alibi@1024 seed 0, cable@1024 seed 0\) vs "
+                                          r"500 \(rope@1024 seed 0\)"):
+        report.report([str(runs)], str(tmp_path / "mixed"))
+
+    old = tmp_path / "old"  # no corpus hash: as before, whatever else the rows say
+    write_run(old / "a", "cable")
+    write_run(old / "b", "alibi")
+    assert "| length | alibi | cable |" in report.report([str(old)], str(tmp_path / "old_report"))["nonoverlap"]
+
+
+def test_gpu_run_script_rehearsed_on_cpu(tmp_path):
+    """tools/gpu/run.sh with REHEARSE=1: every part runs at toy sizes (a 2-layer model, 4 steps, lengths 32 and 64,
+    two small distributions' code with a 300-token BPE), each writes its line to $OUT/results.jsonl, the fit's line
+    has the perplexity at each length, the ratio, tokens trained and the steady rate, and its records (in
+    records.tar.gz) carry the corpus hash of the prepared data and the machine; the report comes back as report.md."""
+    out = tmp_path / "out"
+    env = {**os.environ, "REHEARSE": "1", "OUT": str(out), "PY": sys.executable, "ENCODINGS": "cable",
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "tools/gpu/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(row["part"], row["status"]) for row in lines] == [
+        ("env", "ok"), ("gpu-check", "skipped"), ("prepare", "prepared"), ("fit", "done"), ("report", "done")]
+    prepared, fit = lines[2], lines[3]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert prepared["corpus_hash"] == manifest["source"]["corpus_hash"] and prepared["vocab_size"] == 300
+    assert fit["pe"] == "cable" and set(fit["ppl"]) == {"32", "64"} and fit["ppl_2x_over_1x"] > 0
+    assert fit["tokens"] == 4 * 64 and fit["tokens_per_sec"] > 0 and fit["steady_steps"] == 3
+    assert fit["corpus_hash"] == prepared["corpus_hash"] and fit["machine"].startswith("cpu")
+    assert fit["recipe"]["steps"] == 4 and fit["recipe"]["batch_tokens"] == 64
+    with tarfile.open(out / "records.tar.gz") as tar:
+        names = tar.getnames()
+        assert not any(name.endswith(".ckpt") for name in names)
+        for name in ("runs/cable/length_eval.jsonl", "runs/cable/throughput.jsonl"):
+            rows = [json.loads(line) for line in tar.extractfile(name).read().decode().splitlines()]
+            assert rows and all(r["corpus_hash"] == prepared["corpus_hash"] and r["machine"] == fit["machine"]
+                                for r in rows)
+    assert "report_nonoverlap" in (out / "report.md").read_text()
+    assert "| cable seed 1337 | cpu" in (out / "report.md").read_text()  # the speed table's row
+    assert sorted(os.listdir(out)) == ["manifest.json", "records.tar.gz", "report.md", "results.jsonl",
+                                       "run-log.txt"]  # the device tool returns at most 8 files
