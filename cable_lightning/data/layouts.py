@@ -107,15 +107,16 @@ class TrainingLayout:
             parts.append(f"{self.schedule}{self.schedule_start}-{block_size}{stages}@{self.schedule_steps}")
         return "+".join(parts)
 
-    def window(self, step: int, block_size: int) -> int:
-        """The training window (tokens attended to and positioned together) at optimizer step ``step``."""
+    def window(self, step: int, row: int) -> int:
+        """The training window (tokens attended to and positioned together) at optimizer step ``step`` in a row of
+        ``row`` tokens (the block size for packed text; a task's row can be longer)."""
         if self.schedule == "none" or step >= self.schedule_steps:
-            return block_size
-        start, progress = min(self.schedule_start, block_size), step / self.schedule_steps
+            return row
+        start, progress = min(self.schedule_start, row), step / self.schedule_steps
         if self.schedule == "linear":
-            return int(start + (block_size - start) * progress)
-        stage = int(progress * self.schedule_stages)  # stepwise: stage k of schedule_stages before the block size
-        return int(round(start * (block_size / start) ** (stage / self.schedule_stages)))
+            return int(start + (row - start) * progress)
+        stage = int(progress * self.schedule_stages)  # stepwise: stage k of schedule_stages before the whole row
+        return int(round(start * (row / start) ** (stage / self.schedule_stages)))
 
     def reads_positions(self) -> bool:
         """Whether the layout sets positions other than each segment's 0, 1, 2, ... (what an encoding that reads no
