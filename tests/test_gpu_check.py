@@ -65,8 +65,9 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch)
     assert verb(["gpu-check", "--rehearse-on-cpu", "--data-path", tiny_corpus_dir, "--out", str(out),
                  "--runs-dir", str(tmp_path / "runs")]) == 0
     text = out.read_text()
-    rows = cells(text, "fit ")
-    assert [row[0] for row in rows] == list(plan.parts_of(plan.ENCODINGS))
+    rows = [row for row in cells(text, "") if row[0].startswith(("fit ", "gpt2-vocab fit "))]
+    assert [row[0] for row in rows] == [f"{shape}{part}" for part in plan.parts_of(plan.ENCODINGS)
+                                        for shape in ("gpt2-vocab ", "")]  # each part at each shape, the paper's first
     for number, row in enumerate(rows):
         cell = dict(zip(fits.FIT_HEAD, row))
         assert cell["steady steps"] == str(plan.REHEARSAL.steady), row
@@ -91,6 +92,44 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch)
     assert flex_tests[1:4] == ["tests/test_attention.py -k flex", "0", flex_tests[3]] and "collected" in flex_tests[3]
     assert torch.compile.__name__ == "compile"  # the rehearsal's eager backend is undone
     assert list(cwd.iterdir()) == []  # every record under --runs-dir
+
+
+def test_the_paper_shape_fits_carry_mfu_the_anchors_and_the_issues_targets(tiny_corpus_dir, tmp_path, monkeypatch):
+    """Beside the prepared data's fits, fits at GPT-2's vocabulary (the paper's shape: the prepared ids in a
+    50257-entry vocabulary, no tokenizer), each row with its MFU, its tokens/s over the paper's and llm.c's and the
+    issue's target met or missed (NoPE's ratio at the same shape)."""
+    monkeypatch.setattr(run.Run, "bench", lambda *args: None)
+    monkeypatch.setattr(run.Run, "pytest", lambda *args: None)
+    out = tmp_path / "gpu_check.md"
+    assert verb(["gpu-check", "--rehearse-on-cpu", "--data-path", tiny_corpus_dir, "--out", str(out), "--runs-dir",
+                 str(tmp_path / "runs"), "--encodings", "nope", "cable", "--shapes", "gpt2-vocab"]) == 0
+    rows = {row[1]: dict(zip(fits.FIT_HEAD, row)) for row in cells(out.read_text(), "gpt2-vocab fit ")}
+    assert set(rows) == {"nope", "cable"}
+    for label, row in rows.items():
+        assert row["vocab"] == "50257" and row["steady steps"] == str(plan.REHEARSAL.steady), row
+        rate = float(row["tokens/s"].replace(",", ""))
+        assert re.fullmatch(r"\d+\.\d%", row["MFU"]), row
+        assert row["x paper 238k / llm.c 460k"] == f"{rate / 237500:.2f} / {rate / 460000:.2f}", row
+    assert re.fullmatch(r"MFU >= 40%: (met|missed)", rows["nope"]["target (issue 68)"])
+    assert rows["nope"]["target (issue 68)"].endswith("met" if float(rows["nope"]["MFU"][:-1]) >= 40 else "missed")
+    # a toy model on a CPU trains far below 357k tokens/s: the target is missed, and its ratio to NoPE is there
+    assert rows["cable"]["target (issue 68)"] == ">= 357k tokens/s and >= 0.9x NoPE: missed"
+    assert float(rows["cable"]["x NoPE"]) > 0
+    assert "\n| fit " not in out.read_text()  # --shapes gpt2-vocab: no fit at the prepared data's vocabulary
+
+
+def test_the_targets_are_the_issues():
+    from cable_lightning.gpu_check.targets import target_of
+
+    texts = {label: getattr(target_of(label, plan.backend_of(label)), "text", None) for label in plan.ENCODINGS}
+    assert texts == {"nope": "MFU >= 40%", "rope": None, "cable": ">= 357k tokens/s and >= 0.9x NoPE",
+                     "alibi": ">= 0.9x NoPE", "fox": ">= 0.9x NoPE", "kerple_log": ">= 0.6x NoPE",
+                     "fire": ">= 0.6x NoPE", "t5": ">= 0.6x NoPE", "cope": ">= 0.3x NoPE",
+                     "dape_v2+cable": ">= 0.3x NoPE", "stick_breaking": ">= 0.3x NoPE"}
+    cable = target_of("cable", "fold")
+    assert cable.verdict(None, 360e3, 0.95).endswith(": met") and cable.verdict(None, 350e3, 0.95).endswith(": missed")
+    assert cable.verdict(None, 360e3, 0.85).endswith(": missed")
+    assert cable.verdict(None, 360e3, None).endswith(": not measured")  # no NoPE row at that shape
 
 
 def test_a_fit_stops_at_its_steady_budget_once_a_steady_step_is_timed_and_one_with_none_says_why():
@@ -136,14 +175,15 @@ def test_a_spent_budget_skips_each_part_with_a_row(tmp_path):
     out = tmp_path / "gpu_check.md"
     assert verb(["gpu-check", "--rehearse-on-cpu", "--budget-scale", "1e-9", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
-    parts = ["bench", *plan.parts_of(plan.ENCODINGS), "pytest"]
+    parts = ["bench", *plan.parts_of(plan.ENCODINGS), *(f"gpt2-vocab {p}" for p in plan.parts_of(plan.ENCODINGS)),
+             "pytest"]
     assert {row.split(" | ")[0][2:] for row in rows if "skipped: its budget is spent" in row} == set(parts)
 
 
 def test_a_recompile_limit_hit_fails_the_verb_naming_the_function(monkeypatch, tmp_path, capsys):
     """Dynamo's real warning (a function recompiled past its limit) is caught, and the verb exits 1 naming it."""
 
-    def thrashing_fit(self, part, label):
+    def thrashing_fit(self, part, label, shape):
         @torch.compile(backend="eager")
         def thrashed(x):
             return x * 2

@@ -17,12 +17,13 @@ from .dynamo import dynamo_counts
 from .memory import memory_estimate
 from .plan import COMPILE_BUDGET_S, STEADY_BUDGET_S, Sizes, backend_of
 from .rows import gib, seconds_or_dash
+from .targets import GPT2_VOCAB, LLMC_RATE, PAPER_RATE, target_of, widened
 
-FIT_HEAD = ["part", "encoding", "backend", "steady steps", "step ms (median)", "tokens/s", "x NoPE", "MFU",
-            "compile s (warm-up) / budget", "steady s / budget", "fit s (all)", "train peak GiB",
-            "estimate GiB: state + activations + logits + tables", "Dynamo compiles: warm-up / steady / validations",
-            "graph breaks", "first validation s", "evaluation s", "diagnostics s (x evaluation)", "checkpoint s",
-            "note"]
+FIT_HEAD = ["part", "encoding", "backend", "vocab", "steady steps", "step ms (median)", "tokens/s", "x NoPE", "MFU",
+            "x paper 238k / llm.c 460k", "target (issue 68)", "compile s (warm-up) / budget", "steady s / budget",
+            "fit s (all)", "train peak GiB", "estimate GiB: state + activations + logits + tables",
+            "Dynamo compiles: warm-up / steady / validations", "graph breaks", "first validation s", "evaluation s",
+            "diagnostics s (x evaluation)", "checkpoint s", "note"]
 
 
 class FitClock(L.Callback):
@@ -174,26 +175,48 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
             "--trainer.default_root_dir", os.path.join(runs_dir, experiment), *sizes.extra]
 
 
-def fit(run, part: str, label: str) -> None:
-    """``Run.fit``: a fit of ``label`` through the CLI, timed by a :class:`FitClock`, and its row in ``run.report``."""
+def shape_data(run, shape: str) -> list[str]:
+    """A fit's data arguments: the prepared folder (``--data-path``, else the offline python-docs corpus, prepared on
+    first use), or for the paper's shape that folder widened to GPT-2's vocabulary (:func:`targets.widened`, made once
+    a run under ``--runs-dir``)."""
+    args = run.args
+    prepared = args.data_path or "data/pydocs-bpe4096"
+    data = (["--data.path", args.data_path] if args.data_path else
+            ["--data.path", prepared, "--data.source", "python-docs", "--data.tokenizer", "bpe:4096"])
+    if shape == "prepared":
+        return data
+    if run.widened is None:
+        if not args.data_path:  # prepared here as the CLI would for a prepared-data fit
+            from ..cli import prepare_first
+            from ..data.datamodule import TokenDataModule
+
+            prepare_first(TokenDataModule(path=prepared, source="python-docs", tokenizer="bpe:4096"))
+        run.widened = widened(prepared, os.path.join(args.runs_dir, f"data-vocab{GPT2_VOCAB}"))
+    return ["--data.path", run.widened]
+
+
+def fit(run, part: str, label: str, shape: str = "prepared") -> None:
+    """``Run.fit``: a fit of ``label`` at ``shape`` (``targets.SHAPES``) through the CLI, timed by a
+    :class:`FitClock`, and its row in ``run.report``."""
     from torch._dynamo.utils import counters
 
     from ..cli import main
 
     args, sizes, backend, scale = run.args, run.sizes, backend_of(label), run.args.budget_scale
-    data = (["--data.path", args.data_path] if args.data_path else
-            ["--data.path", "data/pydocs-bpe4096", "--data.source", "python-docs", "--data.tokenizer", "bpe:4096"])
     clock = FitClock(sizes.warmup, STEADY_BUDGET_S * scale, run.cuda)
     torch._dynamo.reset()  # each fit compiles afresh: one fit's cache entries must not count against the next's
     counters.clear()
     hits, started = len(run.watch.hits), time.perf_counter()
+    vocab = GPT2_VOCAB if shape == "gpt2-vocab" else "-"
     try:
+        data = shape_data(run, shape)
         with warnings.catch_warnings():  # Lightning's note that this process's argv is not the fit's: it is not
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-            main([*fit_arguments(sizes, run.device.type, data, args.runs_dir, run.stamp),
+            experiment = run.stamp if shape == "prepared" else f"{run.stamp}-{shape}"  # a run folder per shape
+            main([*fit_arguments(sizes, run.device.type, data, args.runs_dir, experiment),
                   "--model.init_args.backbone.pos_encoding", encoding_argument(label)], extra_callbacks=[clock])
     except Exception as exc:  # a fit that fails is a row; the other parts still run
-        return run.failed([part, label, backend], exc, len(FIT_HEAD))
+        return run.failed([part, label, backend, vocab], exc, len(FIT_HEAD))
     finally:
         gc.collect()
         if run.cuda:
@@ -203,7 +226,11 @@ def fit(run, part: str, label: str) -> None:
     step = statistics.median(steps) if steps else None
     rate = clock.tokens / step if step else None
     if label == "nope":
-        run.nope_rate = rate
+        run.nope_rate[shape] = rate
+    base = run.nope_rate.get(shape)
+    x_nope = rate / base if rate and base else None
+    mfu = rate * clock.flops / run.peak if rate and run.peak else None
+    target = target_of(label, backend) if shape == "gpt2-vocab" else None
     compiled, steady = clock.compile_seconds(), clock.steady_seconds()
     notes = [] if steps else [clock.no_steps()]
     if compiled is not None and compiled > COMPILE_BUDGET_S * scale:
@@ -219,9 +246,10 @@ def fit(run, part: str, label: str) -> None:
     if len(clock.validations) < 2:
         notes.append("one validation: its evaluation and diagnostics include compiling")
     run.report.row([
-        part, label, backend, len(steps), f"{step * 1000:.1f}" if step else "-", f"{rate:,.0f}" if rate else "-",
-        f"{rate / run.nope_rate:.2f}" if rate and run.nope_rate else "-",
-        f"{rate * clock.flops / run.peak:.1%}" if rate and run.peak else "-",
+        part, label, backend, clock.model.config.vocab_size, len(steps), f"{step * 1000:.1f}" if step else "-",
+        f"{rate:,.0f}" if rate else "-", f"{x_nope:.2f}" if x_nope else "-", f"{mfu:.1%}" if mfu else "-",
+        f"{rate / PAPER_RATE:.2f} / {rate / LLMC_RATE:.2f}" if rate and shape == "gpt2-vocab" else "-",
+        target.verdict(mfu, rate, x_nope) if target else "-",
         f"{seconds_or_dash(compiled)} / {COMPILE_BUDGET_S * scale:.0f}",
         f"{seconds_or_dash(steady)} / {STEADY_BUDGET_S * scale:.0f}", f"{seconds:.1f}", gib(clock.train_peak),
         " + ".join(gib(term) for term in estimate) + f" = {gib(sum(estimate))}",

@@ -15,7 +15,11 @@ without a GPU. SIGTERM or Ctrl-C ends it in one line saying what ``--out`` holds
    (phases of seconds, some on the host; events add nothing there). The row gives the median steady step, tokens/s,
    MFU (``bench.peak_flops``), the warm-up's and the steady phase's seconds beside their budgets, the steady steps'
    peak memory beside its estimate, Dynamo's compiles in the warm-up, the steady steps (0 unless something
-   recompiles) and the validations, and graph breaks. A fit that timed no steady step says why.
+   recompiles) and the validations, and graph breaks. A fit that timed no steady step says why. Each part runs at
+   each of ``--shapes``, the paper's first: ``gpt2-vocab fit <backend>``, GPT-2's 50257-entry vocabulary over the
+   prepared ids (``targets.widened``: which ids appear changes no step's work), its tokens/s beside the paper's 238k a
+   GPU and llm.c's 460k and its target of issue 68 met or missed (``targets.TARGETS``, NoPE's ratio at the same
+   shape); then ``fit <backend>``, the prepared data's own vocabulary (4096 for the default corpus).
 2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): the first
    forward's seconds (FlexAttention compiles there on CUDA), then seconds and peak memory against NoPE from forwards
    that reuse that compile (the row counts Dynamo's compiles in both), for every chosen encoding except those on the
@@ -34,10 +38,10 @@ for the default encodings). Then each fit: 20 s for its warm-up and 8 s for its 
 first steady step's start whatever the warm-up took (a fit stops training once that passes and a steady step was
 timed; the warm-up is never cut; the validations that follow still run), and 20 s for its start, validations and
 checkpoints, 40 s more on the flex path (its first validation compiles): a part's budget is its fits' (48 s a fit,
-88 s a flex fit). Then the FlexAttention tests, 60 s. For the default encodings that is 852 s, more than a lent
-GPU's 15 minutes: nothing starts after 425 s (plus about 20 s to import and start), what would start after its part's
-budget or after that is a "skipped" row, so the run ends within one fit (or the tests' 60 s) of 425 s;
-``--encodings`` picks what matters.
+88 s a flex fit), at each shape. Then the FlexAttention tests, 60 s. For the default encodings that is 1,500 s
+(852 s at one shape), more than a lent GPU's 15 minutes: nothing starts after 425 s (plus about 20 s to import and
+start), what would start after its part's budget or after that is a "skipped" row, so the run ends within one fit (or
+the tests' 60 s) of 425 s; ``--encodings`` and ``--shapes`` pick what matters.
 
 Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
 validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`, the
@@ -84,6 +88,7 @@ from .plan import (
     parts_of,
 )
 from .rows import Report, stopped_by_signals
+from .targets import GPT2_VOCAB, LLMC_RATE, PAPER_RATE, SHAPES
 
 PYTEST_HEAD = ["part", "command", "exit", "result", "s", "note"]
 
@@ -98,7 +103,7 @@ class Run:
         self.device = torch.device("cuda" if cuda else "cpu")
         self.report, self.watch = report, RecompileWatch()
         self.failures: list[str] = []
-        self.nope_rate = self.nope_eval = None
+        self.nope_rate, self.nope_eval, self.widened = {}, None, None  # NoPE's tokens/s at each shape
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         try:
             self.peak, self.peak_source = bench.peak_flops(self.device, sizes.dtype)
@@ -162,15 +167,22 @@ def run_parts(args, parts: dict[str, list[str]], sizes: Sizes, cuda: bool, repor
         compiling = sum(backend_of(label) == "flex" for label in benched)
         run.bench("bench", benched, head,
                   min(time.monotonic() + (BENCH_BUDGET_S + BENCH_COMPILE_BUDGET_S * compiling) * scale, run_deadline))
+        report.line()
+        report.line(f"{SHAPES['gpt2-vocab']}: GPT-2's {GPT2_VOCAB}-entry vocabulary over the prepared ids (the paper's "
+                    f"shape: {PAPER_RATE / 1e3:.0f}k tokens/s a GPU in the paper, about {LLMC_RATE / 1e3:.0f}k in "
+                    "llm.c), with the issue's targets; fit: the prepared data's own vocabulary")
         report.table(FIT_HEAD)
-        for part, labels in parts.items():
-            deadline = min(time.monotonic() + sum(map(fit_budget, labels)) * scale, run_deadline)
-            for label in labels:
-                if time.monotonic() < deadline:
-                    run.fit(part, label)
-                else:
-                    report.row([part, label, backend_of(label), "skipped: its budget is spent"]
-                               + [""] * (len(FIT_HEAD) - 4))
+        for part, labels in parts.items():  # each backend's part at each shape, the paper's first
+            for shape in args.shapes:
+                named = part.replace("fit", SHAPES[shape], 1)
+                deadline = min(time.monotonic() + sum(map(fit_budget, labels)) * scale, run_deadline)
+                for label in labels:
+                    if time.monotonic() < deadline:
+                        run.fit(named, label, shape)
+                    else:
+                        vocab = GPT2_VOCAB if shape == "gpt2-vocab" else "-"
+                        report.row([named, label, backend_of(label), vocab, "skipped: its budget is spent"]
+                                   + [""] * (len(FIT_HEAD) - 5))
         report.table(PYTEST_HEAD)
         run.pytest("pytest", run_deadline)
         report.line()
@@ -187,11 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-path", help="a prepared data folder (default: the offline python-docs corpus with a "
                         "4096-token BPE, prepared on first use into data/pydocs-bpe4096)")
     parser.add_argument("--encodings", nargs="+", default=ENCODINGS, help="encoding labels (default: %(default)s)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="the fits' shapes: GPT-2's vocabulary (the paper's, with the issue's targets) and the "
+                        "prepared data's own (default: %(default)s)")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiplies every time budget (a slower GPU, or a longer loan)")
     parser.add_argument("--rehearse-on-cpu", action="store_true",
                         help="every part on the CPU at toy sizes, to check this command (not GPU figures)")
     args = parser.parse_args(argv)
+    args.shapes = list(dict.fromkeys(args.shapes))  # each shape once
     started, cuda = time.monotonic(), not args.rehearse_on_cpu
     if not args.budget_scale > 0:
         raise ConfigError(f"--budget-scale must be > 0, got {args.budget_scale}")
