@@ -118,6 +118,24 @@ def test_the_paper_shape_fits_carry_mfu_the_anchors_and_the_issues_targets(tiny_
     assert "\n| fit " not in out.read_text()  # --shapes gpt2-vocab: no fit at the prepared data's vocabulary
 
 
+def test_each_fit_has_its_bare_step_beside_it_and_their_ratio(tiny_corpus_dir, tmp_path, monkeypatch):
+    """The fit's own compiled model trained on one batch without Lightning (forward, backward, clipping, fused AdamW)
+    in the same process after the fit, reusing the fit's compile; the row gives its step and the fit's over it against
+    the 1.10x target."""
+    monkeypatch.setattr(run.Run, "bench", lambda *args: None)
+    monkeypatch.setattr(run.Run, "pytest", lambda *args: None)
+    out = tmp_path / "gpu_check.md"
+    assert verb(["gpu-check", "--rehearse-on-cpu", "--data-path", tiny_corpus_dir, "--out", str(out), "--runs-dir",
+                 str(tmp_path / "runs"), "--encodings", "nope", "--shapes", "prepared"]) == 0
+    (row,) = [dict(zip(fits.FIT_HEAD, row)) for row in cells(out.read_text(), "fit ")]
+    step, bare = float(row["step ms (median)"]), float(row["bare step ms"])
+    ratio = re.fullmatch(r"(\d+\.\d\d) \(<= 1\.10: (met|missed)\)", row["fit / bare step"])
+    assert bare > 0 and ratio, row
+    assert abs(float(ratio[1]) - step / bare) <= 0.01 + 0.05 * step / bare, row  # the cells are rounded to 0.1 ms
+    assert ratio[2] == ("met" if float(ratio[1]) <= 1.10 else "missed")
+    assert row["note"] == "", row  # the bare step compiled nothing more: it ran the fit's compiled blocks
+
+
 def test_the_targets_are_the_issues():
     from cable_lightning.gpu_check.targets import target_of
 

@@ -13,13 +13,15 @@ import lightning as L
 import torch
 
 from ..callbacks import AttentionDiagnostics
+from .bare import bare_step, ratio_cell
 from .dynamo import dynamo_counts
 from .memory import memory_estimate
 from .plan import COMPILE_BUDGET_S, STEADY_BUDGET_S, Sizes, backend_of
 from .rows import gib, seconds_or_dash
 from .targets import GPT2_VOCAB, LLMC_RATE, PAPER_RATE, target_of, widened
 
-FIT_HEAD = ["part", "encoding", "backend", "vocab", "steady steps", "step ms (median)", "tokens/s", "x NoPE", "MFU",
+FIT_HEAD = ["part", "encoding", "backend", "vocab", "steady steps", "step ms (median)", "bare step ms",
+            "fit / bare step", "tokens/s", "x NoPE", "MFU",
             "x paper 238k / llm.c 460k", "target (issue 68)", "compile s (warm-up) / budget", "steady s / budget",
             "fit s (all)", "train peak GiB", "estimate GiB: state + activations + logits + tables",
             "Dynamo compiles: warm-up / steady / validations", "graph breaks", "first validation s", "evaluation s",
@@ -224,6 +226,17 @@ def fit(run, part: str, label: str, shape: str = "prepared") -> None:
     seconds = time.perf_counter() - started
     steps = clock.steps()
     step = statistics.median(steps) if steps else None
+    bare = None
+    if step:  # the bare step beside it, on the fit's own compiled model
+        try:
+            bare, bare_compiles = bare_step(clock.model.backbone, sizes, run.device, run.cuda)
+        except Exception as exc:  # its failure fails the run, and the fit's row still comes
+            bare_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            run.failures.append(f"{part} {label}: the bare step: {bare_failed}")
+        finally:
+            gc.collect()
+            if run.cuda:
+                torch.cuda.empty_cache()
     rate = clock.tokens / step if step else None
     if label == "nope":
         run.nope_rate[shape] = rate
@@ -235,6 +248,10 @@ def fit(run, part: str, label: str, shape: str = "prepared") -> None:
     notes = [] if steps else [clock.no_steps()]
     if compiled is not None and compiled > COMPILE_BUDGET_S * scale:
         notes.append(f"compiling took {compiled:.0f} s, past its {COMPILE_BUDGET_S * scale:.0f} s budget")
+    if step and bare is None:
+        notes.append(f"the bare step failed: {bare_failed}")
+    elif bare is not None and bare_compiles:
+        notes.append(f"the bare step compiled {bare_compiles} more times")
     if clock.stopped:
         notes.append(f"stopped at its {STEADY_BUDGET_S * scale:.0f} s steady budget")
     notes += [f"RECOMPILE LIMIT: {function} ({reason})" for function, reason in run.watch.hits[hits:]]
@@ -247,6 +264,7 @@ def fit(run, part: str, label: str, shape: str = "prepared") -> None:
         notes.append("one validation: its evaluation and diagnostics include compiling")
     run.report.row([
         part, label, backend, clock.model.config.vocab_size, len(steps), f"{step * 1000:.1f}" if step else "-",
+        f"{bare * 1000:.1f}" if bare else "-", ratio_cell(step, bare),
         f"{rate:,.0f}" if rate else "-", f"{x_nope:.2f}" if x_nope else "-", f"{mfu:.1%}" if mfu else "-",
         f"{rate / PAPER_RATE:.2f} / {rate / LLMC_RATE:.2f}" if rate and shape == "gpt2-vocab" else "-",
         target.verdict(mfu, rate, x_nope) if target else "-",

@@ -20,6 +20,9 @@ without a GPU. SIGTERM or Ctrl-C ends it in one line saying what ``--out`` holds
    prepared ids (``targets.widened``: which ids appear changes no step's work), its tokens/s beside the paper's 238k a
    GPU and llm.c's 460k and its target of issue 68 met or missed (``targets.TARGETS``, NoPE's ratio at the same
    shape); then ``fit <backend>``, the prepared data's own vocabulary (4096 for the default corpus).
+   After each fit that timed a steady step, the bare step (``bare``): the fit's own compiled model trained on one
+   batch without Lightning (forward, backward, clipping, fused AdamW), its median step and the fit's over it
+   against the 1.10x target.
 2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): the first
    forward's seconds (FlexAttention compiles there on CUDA), then seconds and peak memory against NoPE from forwards
    that reuse that compile (the row counts Dynamo's compiles in both), for every chosen encoding except those on the
