@@ -1,0 +1,9 @@
+"""``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent (its plan in
+``run``'s docstring and docs/speed.md, "On a GPU"). Its parts, each read in one sitting: ``plan`` (encodings, sizes,
+parts and budgets), ``fits`` (a timed fit per encoding), ``evaluation`` (the bench's evaluation at 16,384 tokens),
+``memory`` (the estimate beside a fit's peak), ``dynamo`` (counters, the recompile watch, the rehearsal's backend),
+``rows`` (the results file) and ``run`` (the run, part by part, and the verb's ``main``)."""
+
+from .run import main
+
+__all__ = ["main"]
