@@ -22,7 +22,8 @@
 #
 # Knobs (environment): ENCODINGS (default: cable alibi kerple_log rope nope t5 fire), TOTAL_S (the cap, 575 s: one
 # 600 s call of a 15-minute lend, its start spent outside it, 25 s kept for a part's kill and the last copy),
-# GPU_CHECK (0; 1 runs gpu-check first), GC_ENCODINGS, SOURCE (python-code, or a slice python-code:NAME,...) and DATA
+# GPU_CHECK (0; 1 runs gpu-check first), GC_ENCODINGS, GC_SHAPES (gpu-check's --shapes: gpt2-vocab, the paper's
+# vocabulary, alone by default, as both shapes of gpu-check's default plan do not fit one call), SOURCE (python-code, or a slice python-code:NAME,...) and DATA
 # (the prepared corpus, data/pycode-bpe16384), RUNS (the runs, outside $OUT), SITE (where the wheels go), PY.
 set -uo pipefail
 
@@ -39,6 +40,7 @@ RUNS=${RUNS:-$WORK/runs}
 ENCODINGS=${ENCODINGS:-cable alibi kerple_log rope nope t5 fire}
 GPU_CHECK=${GPU_CHECK:-0}
 GC_ENCODINGS=${GC_ENCODINGS:-nope kerple_log t5 cope}
+GC_SHAPES=${GC_SHAPES:-gpt2-vocab}
 CONFIG=(--config configs/paper/gpt2_small_code.yaml --config configs/trainer/single.yaml)
 RESULTS=$OUT/results.jsonl
 REPORT_S=20  # kept for the report and the last copy of the records
@@ -116,7 +118,7 @@ main() {
         t=$(left); t0=$(date +%s)
         # shellcheck disable=SC2086
         timeout -k 20 "$t" "$PY" -m cable_lightning gpu-check $([ "$REHEARSE" = 1 ] && echo --rehearse-on-cpu) \
-            --out "$OUT/gpu_check.md" --runs-dir "$WORK/gpu_check" --encodings $GC_ENCODINGS \
+            --out "$OUT/gpu_check.md" --runs-dir "$WORK/gpu_check" --encodings $GC_ENCODINGS --shapes $GC_SHAPES \
             > "$OUT/gpu_check-console.txt" 2>&1
         rc=$?
         grep -E '^\[gpu-check\] \||^error' "$OUT/gpu_check-console.txt" | cut -c1-300
