@@ -9,7 +9,9 @@ files (``RECORD``). ``NAME,...`` keeps only those distributions (names as ``pip 
 Order: the standard library, then distributions by normalized name, each's files by path. Dropped, each said in one
 line: exact duplicates (vendored copies; the first in that order is kept), files that are not text (not UTF-8, or
 holding NUL bytes), empty ones, and ``.py`` files in a site-packages folder that no distribution lists (nothing
-records their name, version or which split they belong to). Whole installed distributions are held out for
+records their name, version or which split they belong to). An editable install's files are left out too: the
+installer generates them (setuptools' ``__editable__..._finder.py``) and they hold the checkout's absolute path, so
+the corpus, and its hash, would depend on where the project lives. Whole installed distributions are held out for
 validation: those whose name's SHA-256 falls in the first :data:`VAL_SHARE` of its range, so a package gets the same
 split on every machine, whatever else is installed there. The standard library always trains: held out by its
 version's name, Python 3.12's whole library (about 30 MB) would be validation on a lent GPU's image and not on 3.11.
@@ -20,6 +22,7 @@ contents and splits in order: two machines prepared the same data when their has
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
@@ -77,12 +80,22 @@ def _stdlib(folder: str) -> Distribution:
     return Distribution(name, platform.python_version(), "train", tuple(sorted(found, key=key.__getitem__)))
 
 
-def _installed(folders: list[str]) -> tuple[list[Distribution], set[str]]:
-    """Every distribution in ``folders`` (the first of a name), sorted by name, and the folders they live in."""
+def _editable(dist) -> bool:
+    """Whether pip installed ``dist`` in editable mode (PEP 610's ``direct_url.json``): its RECORD lists only files the
+    installer generated, which point at the checkout."""
+    try:
+        return bool(json.loads(dist.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def _installed(folders: list[str]) -> tuple[list[Distribution], set[str], dict[str, tuple[str, ...]]]:
+    """Every distribution in ``folders`` (the first of a name), sorted by name, the folders they live in, and the
+    files of editable installs, which are left out."""
     import importlib.metadata
 
     found: dict[str, Distribution] = {}
-    roots = set()
+    roots, generated = set(), {}
     for dist in importlib.metadata.distributions(path=folders):
         where, meta = getattr(dist, "_path", dist.locate_file("")), dist.metadata
         if meta is None or not meta.get("Name"):
@@ -95,10 +108,12 @@ def _installed(folders: list[str]) -> tuple[list[Distribution], set[str]]:
             raise ConfigError(f"{SPEC}: distribution {name} {dist.version} lists no files (its RECORD at {where} is "
                               f"missing or unreadable); reinstall it (pip install --force-reinstall {name})")
         files = sorted({str(f): f for f in dist.files if f.suffix == ".py"}.items())
-        found[name] = Distribution(name, dist.version, "val" if held_out(name) else "train",
-                                   tuple(os.path.normpath(str(dist.locate_file(f))) for _, f in files))
+        paths = tuple(os.path.normpath(str(dist.locate_file(f))) for _, f in files)
+        if _editable(dist):
+            generated[name], paths = paths, ()
+        found[name] = Distribution(name, dist.version, "val" if held_out(name) else "train", paths)
         roots.add(os.path.normpath(str(dist.locate_file(""))))
-    return [found[name] for name in sorted(found)], roots
+    return [found[name] for name in sorted(found)], roots, generated
 
 
 def _unowned(roots: set[str], owned: set[str]) -> list[str]:
@@ -122,7 +137,7 @@ class PythonCodeSource:
 
     def __init__(self, select: list[str] | None = None):
         stdlib, folders = python_environment()
-        installed, roots = _installed(folders)
+        installed, roots, generated = _installed(folders)
         self.distributions = everything = [_stdlib(stdlib), *installed]
         self.unowned: list[str] | None = None
         if select is not None:
@@ -136,7 +151,9 @@ class PythonCodeSource:
                                   f"{everything[0].name}; `pip list` names the {len(installed)} others)")
             self.distributions = [d for d in everything if normalized(d.name) in wanted]
         else:
-            self.unowned = _unowned(roots, {p for d in installed for p in d.paths})
+            self.unowned = _unowned(roots, {p for d in installed for p in d.paths} | {p for g in generated.values()
+                                                                                       for p in g})
+        self.generated = [p for d in self.distributions for p in generated.get(d.name, ())]
         self.name = SPEC + (f":{','.join(d.name for d in self.distributions)}" if select is not None else "")
         where = f"the standard library ({stdlib}) or the site-packages folders ({', '.join(folders) or 'none'})"
         if not any(d.paths for d in self.distributions):
@@ -191,6 +208,7 @@ class PythonCodeSource:
         _skipped(dropped["not_text"], "not UTF-8 text, or NUL bytes")
         _skipped(dropped["empty"], "empty")
         _skipped(self.unowned or [], "listed by no distribution's RECORD")
+        _skipped(self.generated, "generated by an editable install, they hold the checkout's path")
         self._scan = {"kept": kept, "dropped": {k: len(v) for k, v in dropped.items()}, "distributions": per_dist,
                       "corpus_hash": corpus.hexdigest()}
         return self._scan
@@ -227,7 +245,8 @@ class PythonCodeSource:
                 "py_files": sum(d["py_files"] for d in scan["distributions"]),
                 "documents": {split: len(docs) for split, docs in scan["kept"].items()},
                 "bytes": {split: sum(n for *_, n in docs) for split, docs in scan["kept"].items()},
-                "dropped": {**scan["dropped"], **({"unowned": len(self.unowned)} if self.unowned is not None else {})},
+                "dropped": {**scan["dropped"], "editable": len(self.generated),
+                            **({"unowned": len(self.unowned)} if self.unowned is not None else {})},
                 "distributions": scan["distributions"]}
 
 
