@@ -196,37 +196,58 @@ def write(rows: dict, out: str, manifest: dict, overwrite: bool = False, inputs:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from . import code_retrieval
     from .sources import VALID_SOURCES, get_source
     from .tokenizers import get_tokenizer
 
     defaults = Settings()
     parser = ArgumentParser(prog="python -m cable_lightning retrieval-set",
-                            description=__doc__.split("\n\n")[0])
+                            description=__doc__.split("\n\n")[0] + " With --source python-code[:NAME,...]: a "
+                            "long-file code retrieval set (cable_lightning/data/code_retrieval.py).")
     parser.add_argument("--source", default="python-docs", help=f"the text: {VALID_SOURCES}")
     parser.add_argument("--tokenizer", required=True,
                         help="the run's tokenizer (a prepared folder's tokenizer.json, gpt2, bert-base-uncased)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--doc_tokens", type=int, default=defaults.doc_tokens,
-                        help="each document's length in tokens (16x the training length evaluates it whole)")
-    parser.add_argument("--queries", type=int, default=defaults.queries, help="queries = documents")
+    parser.add_argument("--doc_tokens", type=int,
+                        help=f"each document's length in tokens (default {defaults.doc_tokens}; 16x the training "
+                        "length evaluates it whole; not for python-code, whose documents are whole files)")
+    parser.add_argument("--queries", type=int, default=defaults.queries, help="queries (prose: = documents)")
+    parser.add_argument("--documents", type=int, help="python-code only: held-out files in the corpus, every query's "
+                        "file and distractors (default: every held-out file that parses)")
     parser.add_argument("--train_pairs", type=int, default=defaults.train_pairs,
-                        help="contrastive training pairs (default: one per key passage outside the evaluation set)")
-    parser.add_argument("--eval_fraction", type=float, default=defaults.eval_fraction)
+                        help="contrastive training pairs (default: every one the source gives)")
+    parser.add_argument("--eval_fraction", type=float, help=f"prose only (default {defaults.eval_fraction}); "
+                        "python-code's evaluation is its held-out distributions")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--query_in_passage", action="store_true",
-                        help="keep each query's sentence at the head of its passage (query and passage share words)")
+                        help="prose only: keep each query's sentence at the head of its passage")
     parser.add_argument("--overwrite", action="store_true", help="replace a retrieval set this command wrote")
     args = parser.parse_args(argv)
-    settings = Settings(args.doc_tokens, args.queries, args.train_pairs, args.eval_fraction, args.seed,
-                        args.query_in_passage)
+    code = args.source.partition(":")[0] == "python-code"
+    prose_only = [flag for flag, value in (("--doc_tokens", args.doc_tokens), ("--eval_fraction", args.eval_fraction),
+                                           ("--query_in_passage", args.query_in_passage or None)) if value is not None]
+    if code and prose_only:
+        parser.error(f"{', '.join(prose_only)}: not for --source python-code, whose documents are whole held-out "
+                     "files; valid there: --queries, --documents, --train_pairs, --seed")
+    if not code and args.documents is not None:
+        parser.error("--documents is for --source python-code; a prose set has one document per query")
+    if code:
+        settings = code_retrieval.CodeSettings(args.queries, args.documents, args.train_pairs, args.seed)
+    else:
+        settings = Settings(args.doc_tokens or defaults.doc_tokens, args.queries, args.train_pairs,
+                            args.eval_fraction or defaults.eval_fraction, args.seed, args.query_in_passage)
     inputs = (args.tokenizer if os.path.exists(args.tokenizer) else None, args.source)
     check_replaceable(args.out, "retrieval set", args.overwrite, inputs)  # before reading the source
     tokenizer = get_tokenizer(args.tokenizer)
     try:  # the sources' own errors about the source (unknown, missing, unreadable): one line, as prepare's
         source = get_source(args.source)
-        documents = list(source.documents())
+        documents = None if code else list(source.documents())
     except (ValueError, OSError) as exc:
         raise ConfigError(f"--source {args.source}: {exc}") from exc
+    if code:
+        manifest = code_retrieval.make(source, tokenizer, args.tokenizer, settings, args.out, args.overwrite, inputs)
+        print(code_retrieval.summary(args.out, manifest))
+        return
     rows = build(documents, tokenizer, settings)
     manifest = {"format": FORMAT, "kind": "retrieval set", "source": source.describe(),
                 "tokenizer": args.tokenizer, **asdict(settings),

@@ -46,6 +46,10 @@ class TiktokenTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.enc.decode([int(i) for i in ids])
 
+    def char_starts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Where each token of each text begins, in characters."""
+        return [self.enc.decode_with_offsets(ids)[1] for ids in self.encode_batch(texts)]
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers.Tokenizer`` (WordPiece or byte-level BPE)."""
@@ -74,6 +78,10 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def char_starts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Where each token of each text begins, in characters."""
+        return [[start for start, _ in e.offsets] for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def save(self, path: str) -> None:
         self.tok.save(path)
