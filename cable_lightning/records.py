@@ -141,14 +141,14 @@ class TaskRecord(Record):
 
 @dataclass(kw_only=True)
 class RetrievalRecord(Record):
-    """nDCG@10 of an exported, fine-tuned encoder on a retrieval set at one maximum input length
-    (``retrieval evaluate --records``); ``step`` and ``run_seed`` are those of the pre-training checkpoint
+    """nDCG@10 (and MRR@10, Recall@100) of an exported, fine-tuned encoder on a retrieval set at one maximum input
+    length (``retrieval evaluate --records``); ``step`` and ``run_seed`` are those of the pre-training checkpoint
     the export came from, ``visible`` the share of queries whose passage ends within the length (None: the set does
     not record where its passages lie)."""
 
     FILE: ClassVar[str] = "retrieval.jsonl"
     RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "ndcg": (0, 1), "queries": (0, None),
-                                                          "visible": (0, 1)}
+                                                          "visible": (0, 1), "mrr": (0, 1), "recall": (0, 1)}
 
     stage: str = "retrieval"
     dataset: str
@@ -156,6 +156,8 @@ class RetrievalRecord(Record):
     ndcg: float
     queries: int = 0
     visible: Optional[float] = None
+    mrr: Optional[float] = None  # None: rows an earlier version wrote, and MLDR (nDCG@10 only)
+    recall: Optional[float] = None
 
 
 @dataclass(kw_only=True)

@@ -64,9 +64,12 @@ def learning_rate(text: str) -> float:
 
 
 def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
-    """The retrieval stage of one pre-trained run folder: export, fine-tune at the first length, evaluate at all."""
+    """The retrieval stage of one pre-trained run folder: export, fine-tune at the first length, evaluate at all; for
+    a set with a short-document check (``short/``, the code set's), evaluate that at the first length too."""
     data = {name: os.path.join(args.retrieval_set, f"{name}.{ext}")
             for name, ext in (("corpus", "jsonl"), ("queries", "jsonl"), ("qrels", "tsv"), ("train_pairs", "jsonl"))}
+    short = os.path.join(args.retrieval_set, "short")
+    cached = [] if args.finetune_mini_batch is None else ["--mini_batch_size", str(args.finetune_mini_batch)]
     export, tuned = os.path.join(run, "export"), os.path.join(run, "export-tuned")
     checkpoint = os.path.join(run, "checkpoints", "last.ckpt")
     return [
@@ -74,11 +77,14 @@ def retrieval_commands(run: str, pe: str, seed, args) -> list[list[str]]:
         [*COMMAND, "retrieval", "finetune", "--model", export, "--triples", data["train_pairs"], "--out", tuned,
          "--max_seq_length", str(args.retrieval_lengths[0]), "--max_steps", str(args.finetune_steps),
          "--batch_size", str(args.finetune_batch), "--lr", str(args.finetune_lr), "--seed",
-         str(0 if seed is None else seed), "--overwrite", "--trust_remote_code"],
+         str(0 if seed is None else seed), "--overwrite", "--trust_remote_code", *cached],
         [*COMMAND, "retrieval", "evaluate", "--models", f"{pe}={tuned}", "--lengths",
          *map(str, args.retrieval_lengths), "--corpus", data["corpus"], "--queries", data["queries"], "--qrels",
          data["qrels"], "--records", run, "--out", os.path.join(run, "retrieval"), "--trust_remote_code"],
-    ]
+    ] + ([[*COMMAND, "retrieval", "evaluate", "--models", f"{pe}={tuned}", "--lengths", str(args.retrieval_lengths[0]),
+           "--corpus", os.path.join(short, "corpus.jsonl"), "--queries", os.path.join(short, "queries.jsonl"),
+           "--qrels", os.path.join(short, "qrels.tsv"), "--records", run, "--out", os.path.join(run, "retrieval-short"),
+           "--trust_remote_code"]] if os.path.isdir(short) else [])
 
 
 def set_settings(encoding: dict) -> dict:
@@ -153,6 +159,8 @@ def main(argv=None):
     parser.add_argument("--finetune-steps", type=int, default=200)
     parser.add_argument("--finetune-batch", type=int, default=32)
     parser.add_argument("--finetune-lr", type=float, default=2e-5, help="the contrastive fine-tuning's learning rate")
+    parser.add_argument("--finetune-mini-batch", type=int, help="CachedMultipleNegativesRankingLoss in mini-batches "
+                        "of this size (retrieval finetune --mini_batch_size)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
     args = parser.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]

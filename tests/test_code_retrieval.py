@@ -129,8 +129,9 @@ class Circle:
         squared = radius ** 2
         return math.pi * squared
 ''',
-    "held/windows.py": 'import sys\r\n\r\n\r\ndef platform_name():\r\n    """Name the platform this runs on, in words."""'
-                       '\r\n    name = sys.platform\r\n    lower = name.lower()\r\n    return lower\r\n',
+    "held/windows.py": 'import sys\r\n\r\n\r\ndef platform_name():\r\n'
+                       '    """Name the platform this runs on, in words."""\r\n    name = sys.platform\r\n'
+                       '    lower = name.lower()\r\n    return lower\r\n',
     "held/constants.py": "LIMIT = 10\nNAMES = ['a', 'b']\n",
     "held/python2.py": 'print "this is Python 2"\n',
 }
@@ -290,3 +291,24 @@ def test_the_manifest_names_the_in_view_share(environment, tokenizer):
     manifest = json.loads((environment / "set" / "manifest.json").read_text())
     ends = [json.loads(line)["end"] for line in (environment / "set" / "queries.jsonl").open()]
     assert manifest["counts"]["in_view"]["64"] == sum(end <= 64 for end in ends) / 3
+
+
+def test_the_sweep_scores_a_code_set_and_its_short_check_and_can_cache_the_loss(tmp_path, capsys):
+    """One command a run: --stage retrieval on a set with short/ adds the short-document check at the first length
+    (recorded as <set>-short), and --finetune-mini-batch fine-tunes with the cached loss."""
+    from cable_lightning import sweep
+    from cable_lightning.hf.retrieval import passage_ends
+
+    folder = tmp_path / "code-set"
+    (folder / "short").mkdir(parents=True)
+    for name in ("train_pairs.jsonl", "short/queries.jsonl"):
+        (folder / name).write_text(json.dumps({"_id": "q0", "text": "query", "end": 3}) + "\n")
+    sweep.main(["--config", "configs/paper/bert_base_code.yaml", "--pes", "cable", "--seeds", "0", "--experiment",
+                "e", "--stage", "retrieval", "--retrieval-set", str(folder), "--retrieval-lengths", "512", "1024",
+                "--finetune-mini-batch", "16", "--print-only"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and "--mini_batch_size 16" in lines[1]
+    assert f"--lengths 512 --corpus {folder}/short/corpus.jsonl" in lines[3]
+    assert "--records runs/e/cable/seed0" in lines[3]
+    corpus = str(folder / "short" / "corpus.jsonl")
+    assert passage_ends((corpus, str(folder / "short" / "queries.jsonl"), "")) == ("code-set-short", [3])

@@ -177,7 +177,7 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     cmds = [cmd for _, cmd in sweep.commands(argparse.Namespace(
         config=["c.yaml"], pes=["cable"], seeds=[0, 1], train_lengths=None, lrs=None, experiment="seeds", runs_dir=runs,
         extra=[], stage="retrieval", retrieval_set=str(tmp_path / "set"), retrieval_lengths=[32, 256],
-        finetune_steps=2, finetune_batch=4, finetune_lr=1e-4))]
+        finetune_steps=2, finetune_batch=4, finetune_lr=1e-4, finetune_mini_batch=None))]
     assert [cmd[1:5] for cmd in cmds] == [["-m", "cable_lightning", "export", "--ckpt_path"],
                                           ["-m", "cable_lightning", "retrieval", "finetune"],
                                           ["-m", "cable_lightning", "retrieval", "evaluate"]] * 2

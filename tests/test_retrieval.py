@@ -107,8 +107,8 @@ def test_finetune_then_ndcg_beats_a_shuffled_ranking_and_table_layout(encoder_fo
     truth = {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()}
     shuffled = dict(zip(truth, list(truth.values())[1:] + list(truth.values())[:1]))  # every query's answer is wrong
     model = retrieval.encoder(tuned, 32, trust_remote_code=True)
-    trained = retrieval.ndcg_local(model, *retrieval.read_beir(*write_beir(tmp_path / "truth", truth)))
-    wrong = retrieval.ndcg_local(model, *retrieval.read_beir(*write_beir(tmp_path / "shuffled", shuffled)))
+    trained = retrieval.scores_local(model, *retrieval.read_beir(*write_beir(tmp_path / "truth", truth)))["ndcg"]
+    wrong = retrieval.scores_local(model, *retrieval.read_beir(*write_beir(tmp_path / "shuffled", shuffled)))["ndcg"]
     assert 0 <= wrong < trained <= 1 and trained > 0.8, (trained, wrong)
 
     corpus, queries, qrels = write_beir(tmp_path / "truth", truth)
@@ -116,7 +116,7 @@ def test_finetune_then_ndcg_beats_a_shuffled_ranking_and_table_layout(encoder_fo
                     "--corpus", corpus, "--queries", queries, "--qrels", qrels, "--out", str(tmp_path / "table"),
                     "--trust_remote_code"])
     lines = (tmp_path / "table" / "table.md").read_text().splitlines()
-    assert lines[2] == "| length | tuned | base |" and [line.split(" | ")[0] for line in lines[4:]] == ["| 8", "| 32"]
+    assert lines[2] == "| length | tuned | base |" and [line.split(" | ")[0] for line in lines[4:6]] == ["| 8", "| 32"]
     assert f"{100 * trained:.2f}" in lines[5]
 
 
@@ -212,8 +212,8 @@ def test_bm25_baseline_finds_a_shared_rare_word_only_where_the_cut_keeps_it(enco
     local = write_beir(tmp_path, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     data = retrieval.read_beir(*local)
-    assert retrieval.ndcg_bm25(*data, 64, tokenizer) == 1.0
-    assert retrieval.ndcg_bm25(*data, 1, tokenizer) < 0.9
+    assert retrieval.scores_bm25(*data, 64, tokenizer) == {"ndcg": 1.0, "mrr": 1.0, "recall": 1.0}
+    assert retrieval.scores_bm25(*data, 1, tokenizer)["ndcg"] < 0.9
     retrieval.main(["evaluate", "--models", f"base={folder}", "--lengths", "1", "64", "--corpus", local[0],
                     "--queries", local[1], "--qrels", local[2], "--bm25", "--out", str(tmp_path / "out"),
                     "--trust_remote_code"])
@@ -237,3 +237,43 @@ def test_a_learned_table_gets_a_dash_past_its_size_and_no_record(tiny_corpus_dir
     rows = (tmp_path / "table" / "table.md").read_text().splitlines()[4:]
     assert [row.endswith("| - |") for row in rows] == [False, False, True] and rows[2] == "| 32 | - |"
     assert [r.length for r in read_records(str(tmp_path / RetrievalRecord.FILE), RetrievalRecord)] == [8, 16]
+
+
+def test_pairs_without_negatives_train_on_in_batch_negatives_also_with_the_cached_loss(encoder_folder, tmp_path):
+    """A code set's training rows are (query, positive) only: the other rows' positives in a batch are the negatives;
+    --mini_batch_size computes that loss in mini-batches (CachedMultipleNegativesRankingLoss); a mini-batch larger
+    than the batch is one error before any work."""
+    folder = encoder_folder[0]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p, _ in EXTRA_TRIPLES))
+    assert retrieval.load_triples(str(pairs)).column_names == ["query", "positive"]
+    tuned = retrieval.finetune(folder, str(pairs), str(tmp_path / "tuned"), max_seq_length=16, batch_size=3,
+                               max_steps=2, lr=1e-3, trust_remote_code=True, mini_batch_size=1)
+    before, after = (load_file(os.path.join(f, "model.safetensors")) for f in (folder, tuned))
+    assert not torch.equal(before["backbone.wte.weight"], after["backbone.wte.weight"])
+    with pytest.raises(ConfigError, match=r"^--mini_batch_size must be from 1 to --batch_size \(3\), got 4$"):
+        retrieval.finetune(folder, str(pairs), str(tmp_path / "other"), batch_size=3, mini_batch_size=4)
+
+
+def test_mrr_recall_and_the_in_view_share_by_length(encoder_folder, tmp_path):
+    """BM25's MRR@10 and Recall@100 from its ranking; a set whose queries record where their passage ends gets an
+    "in view" column (the share whose passage ends within the length) and MRR@10 and Recall@100 tables; metrics.csv
+    has every value."""
+    folder, _ = encoder_folder
+    truth = {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()}
+    corpus, queries, qrels = write_beir(tmp_path / "set", truth)
+    rows = [json.loads(line) for line in open(queries)]
+    with open(queries, "w") as f:  # where each query's answer ends, in tokens
+        f.writelines(json.dumps({**row, "end": end}) + "\n" for row, end in zip(rows, (4, 8, 30)))
+    retrieval.main(["evaluate", "--models", f"base={folder}", "--lengths", "4", "8", "16", "--corpus", corpus,
+                    "--queries", queries, "--qrels", qrels, "--bm25", "--out", str(tmp_path / "out"),
+                    "--trust_remote_code"])
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| length | in view | bm25 | base |" in table.splitlines()[2]
+    assert [line.split(" | ")[1] for line in table.splitlines()[4:7]] == ["33.33", "66.67", "66.67"]
+    assert "MRR@10 (x100)" in table and "Recall@100 (x100)" in table
+    metrics = list(csv.DictReader(open(tmp_path / "out" / "metrics.csv")))
+    assert {row["model"] for row in metrics} == {"bm25", "base"} and len(metrics) == 6
+    for row in metrics:
+        assert float(row["mrr"]) <= 1 and float(row["recall"]) == 1.0  # 8 documents: every answer in the top 100
+        assert float(row["ndcg"]) >= float(row["mrr"])  # one relevant each: 1/log2(1+r) >= 1/r

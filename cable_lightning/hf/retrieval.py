@@ -52,7 +52,8 @@ def encoder(folder: str, max_seq_length: int, device: str | None = None, trust_r
 
 
 def load_triples(triples: str):
-    """``msmarco`` (the hub) or a local jsonl of query/positive/negative rows, as a datasets.Dataset."""
+    """``msmarco`` (the hub) or a local jsonl of query/positive(/negative) rows, as a datasets.Dataset: without a
+    negative, the other rows' positives in the batch are the only negatives (in-batch negatives)."""
     from datasets import load_dataset
 
     if triples == "msmarco":
@@ -65,17 +66,22 @@ def load_triples(triples: str):
     if not os.path.isfile(triples):
         raise ConfigError(f"--triples {triples!r} is neither 'msmarco' nor a jsonl file")
     dataset = load_dataset("json", data_files=triples, split="train")
-    if dataset.column_names[:3] != ["query", "positive", "negative"]:
-        raise ConfigError(f"{triples} has columns {dataset.column_names}; valid: query, positive, negative")
-    return dataset.select_columns(["query", "positive", "negative"])
+    columns = ["query", "positive", "negative"][: 3 if "negative" in dataset.column_names else 2]
+    if dataset.column_names[: len(columns)] != columns:
+        raise ConfigError(f"{triples} has columns {dataset.column_names}; valid: query, positive (and negative)")
+    return dataset.select_columns(columns)
 
 
 def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batch_size: int = 32,
              max_steps: int = 1000, lr: float = 2e-5, warmup_ratio: float = 0.1, seed: int = 42,
-             trust_remote_code: bool = False, overwrite: bool = False) -> str:
-    """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and hard negatives); save the result
+             trust_remote_code: bool = False, overwrite: bool = False, mini_batch_size: int | None = None) -> str:
+    """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and, where the rows have them, hard
+    negatives; with ``mini_batch_size``, its cached form, CachedMultipleNegativesRankingLoss: the same loss over the
+    whole batch, computed in mini-batches of that size, for a batch whose activations would not fit); save the result
     as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
     (``overwrite``) that holds neither input, swapped in by rename."""
+    if mini_batch_size is not None and not 0 < mini_batch_size <= batch_size:
+        raise ConfigError(f"--mini_batch_size must be from 1 to --batch_size ({batch_size}), got {mini_batch_size}")
     if not os.path.isdir(model):  # transformers would take it for a hub id and fail in a traceback
         raise MissingFileError(f"--model {model} is not a folder; give an encoder folder written by "
                                "`python -m cable_lightning export`")
@@ -84,7 +90,10 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     from safetensors.torch import save_file
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.base.sampler import BatchSamplers
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MultipleNegativesRankingLoss,
+    )
 
     check_replaceable(out, "export", overwrite, (model, triples))  # before any work
     st_model = encoder(model, max_seq_length, trust_remote_code=trust_remote_code)
@@ -96,7 +105,8 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
             logging_steps=max(1, max_steps // 20),
             batch_sampler=BatchSamplers.NO_DUPLICATES, use_cpu=not _cuda())
         trainer = SentenceTransformerTrainer(model=st_model, args=args, train_dataset=dataset,
-                                             loss=MultipleNegativesRankingLoss(st_model))
+                                             loss=MultipleNegativesRankingLoss(st_model) if mini_batch_size is None
+                                             else CachedMultipleNegativesRankingLoss(st_model, mini_batch_size))
         trainer.train()
     weights = {k: v.detach().contiguous().cpu() for k, v in st_model[0].auto_model.state_dict().items()}
     staged = staging_folder(out, "export")
@@ -139,20 +149,26 @@ def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
     return docs, questions, relevant
 
 
-def ndcg_local(st_model, docs: dict, questions: dict, relevant: dict, batch_size: int = 16) -> float:
+METRICS = {"ndcg": "nDCG@10", "mrr": "MRR@10", "recall": "Recall@100"}
+
+
+def scores_local(st_model, docs: dict, questions: dict, relevant: dict, batch_size: int = 16) -> dict[str, float]:
+    """``{"ndcg", "mrr", "recall"}``: nDCG@10, MRR@10 and Recall@100 of the model's cosine ranking."""
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    evaluator = InformationRetrievalEvaluator(questions, docs, relevant, ndcg_at_k=[10], name="local",
-                                              batch_size=batch_size, show_progress_bar=False)
-    return float(evaluator(st_model)[evaluator.primary_metric])
+    evaluator = InformationRetrievalEvaluator(questions, docs, relevant, ndcg_at_k=[10], mrr_at_k=[10],
+                                              precision_recall_at_k=[100], accuracy_at_k=[1], map_at_k=[10],
+                                              name="local", batch_size=batch_size, show_progress_bar=False)
+    found = evaluator(st_model)
+    return {key: float(found[f"local_cosine_{metric.lower()}"]) for key, metric in METRICS.items()}
 
 
-def ndcg_bm25(docs: dict, questions: dict, relevant: dict, length: int, tokenizer) -> float:
-    """nDCG@10 of BM25 (bm25s, English stopwords) over each document cut to its first ``length`` tokens of
-    ``tokenizer``, as the encoders see it: the lexical baseline at that length, for scale."""
+def scores_bm25(docs: dict, questions: dict, relevant: dict, length: int, tokenizer) -> dict[str, float]:
+    """nDCG@10, MRR@10 and Recall@100 (as :func:`scores_local`) of BM25 (bm25s, English stopwords) over each
+    document cut to its first ``length`` tokens of ``tokenizer``, as the encoders see it: the lexical baseline at that
+    length, for scale."""
     import bm25s
     import numpy as np
-    from sklearn.metrics import ndcg_score
 
     doc_ids = list(docs)
     cut = [tokenizer.decode(ids[:length]) for ids in tokenizer([docs[i] for i in doc_ids],
@@ -163,7 +179,14 @@ def ndcg_bm25(docs: dict, questions: dict, relevant: dict, length: int, tokenize
     words = bm25s.tokenize([questions[q] for q in query_ids], stopwords="en", return_ids=False, show_progress=False)
     scores = np.stack([retriever.get_scores(w) for w in words])
     truth = np.array([[doc in relevant[q] for doc in doc_ids] for q in query_ids], dtype=float)
-    return float(ndcg_score(truth, scores, k=10))
+    shuffled = np.random.default_rng(0).permutation(len(doc_ids))  # ties (no query word in view): a fixed random
+    truth, scores = truth[:, shuffled], scores[:, shuffled]        # order, not the corpus's
+    ranked = np.take_along_axis(truth, np.argsort(-scores, axis=1, kind="stable"), axis=1)
+    gains = 1 / np.log2(np.arange(2, 2 + min(10, len(doc_ids))))
+    ideal = np.array([gains[: min(int(count), 10)].sum() for count in truth.sum(axis=1)])
+    first = np.where(ranked[:, :10].any(axis=1), ranked[:, :10].argmax(axis=1) + 1, np.inf)
+    return {"ndcg": float(np.mean((ranked[:, :10] * gains).sum(axis=1) / ideal)), "mrr": float(np.mean(1 / first)),
+            "recall": float(np.mean(ranked[:, :100].sum(axis=1) / truth.sum(axis=1)))}
 
 
 def ndcg_mldr(st_model, batch_size: int = 16) -> float:
@@ -182,10 +205,10 @@ def ndcg_mldr(st_model, batch_size: int = 16) -> float:
 
 
 def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, str] | None = None,
-             batch_size: int = 16, trust_remote_code: bool = False, bm25: bool = False) -> dict[int, dict[str, float]]:
-    """``{length: {model name: nDCG@10}}``: each model truncates queries and documents to each length (None past
-    the longest a model can serve: a learned table's size); ``bm25`` adds BM25 on the same local set, its documents
-    cut with the first model's tokenizer."""
+             batch_size: int = 16, trust_remote_code: bool = False, bm25: bool = False) -> dict[int, dict[str, dict]]:
+    """``{length: {model name: {"ndcg", "mrr", "recall"}}}``: each model truncates queries and documents to each
+    length (None past the longest a model can serve: a learned table's size); ``bm25`` adds BM25 on the same local
+    set, its documents cut with the first model's tokenizer. MLDR gives nDCG@10 only."""
     data = read_beir(*local) if local else None
     scores: dict[int, dict[str, float]] = {length: {} for length in lengths}
     if bm25:
@@ -193,7 +216,7 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(next(iter(models.values())))
         for length in lengths:
-            scores[length]["bm25"] = ndcg_bm25(*data, length, tokenizer)
+            scores[length]["bm25"] = scores_bm25(*data, length, tokenizer)
     for name, folder in models.items():
         longest = longest_length(folder)
         for length in lengths:
@@ -202,8 +225,8 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
                 scores[length][name] = None
                 continue
             st_model = encoder(folder, length, trust_remote_code=trust_remote_code)
-            scores[length][name] = (ndcg_local(st_model, *data, batch_size=batch_size) if data
-                                    else ndcg_mldr(st_model, batch_size))
+            scores[length][name] = (scores_local(st_model, *data, batch_size=batch_size) if data
+                                    else {"ndcg": ndcg_mldr(st_model, batch_size)})
     return scores
 
 
@@ -222,10 +245,12 @@ def passage_ends(local: tuple[str, str, str] | None) -> tuple[str, list]:
     if not local:
         return MLDR, []
     ends = [row.get("end") for row in read_jsonl(local[1], ("_id", "text"))]
-    return os.path.basename(os.path.dirname(os.path.abspath(local[0]))), ends
+    folder = os.path.dirname(os.path.abspath(local[0]))
+    name = os.path.basename(folder)  # a code set's short-document check is <set>-short
+    return (f"{os.path.basename(os.path.dirname(folder))}-short" if name == "short" else name), ends
 
 
-def retrieval_records(folder: str, scores: dict[int, float], dataset: str, ends: list) -> list:
+def retrieval_records(folder: str, scores: dict[int, dict | None], dataset: str, ends: list) -> list:
     """One :class:`RetrievalRecord` per length for the export ``folder``: its encoding and training length from its
     config, the step and run seed of the checkpoint it came from (``provenance``), and where the set records where
     its passages end (:func:`passage_ends`), the share of queries whose passage fits the length."""
@@ -238,31 +263,57 @@ def retrieval_records(folder: str, scores: dict[int, float], dataset: str, ends:
     return [RetrievalRecord(pe=backbone.pos_encoding.label(), model=backbone.shape(),
                             train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
                             run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),
-                            dataset=dataset, length=length, ndcg=ndcg, queries=len(ends),
-                            visible=(sum(end <= length for end in ends) / len(ends)
-                                     if ends and None not in ends else None))
-            for length, ndcg in scores.items() if ndcg is not None]
+                            dataset=dataset, length=length, ndcg=found["ndcg"], mrr=found.get("mrr"),
+                            recall=found.get("recall"), queries=len(ends), visible=in_view(ends, length))
+            for length, found in scores.items() if found is not None]
 
 
-def cell(ndcg: float | None) -> str:
-    """nDCG@10 x 100, or "-" where the model cannot serve the length."""
-    return "-" if ndcg is None else f"{100 * ndcg:.2f}"
+def in_view(ends: list, length: int) -> float | None:
+    """The share of queries whose passage (or function) ends within ``length`` tokens; None where the set does not
+    record where they end."""
+    return sum(end <= length for end in ends) / len(ends) if ends and None not in ends else None
 
 
-def write_table(scores: dict[int, dict[str, float]], out: str) -> str:
-    """The paper's Table 3 layout: rows length, columns model, nDCG@10 x 100, best per row in bold."""
+def cell(value: float | None) -> str:
+    """A metric x 100, or "-" where the model cannot serve the length (or the set does not give the metric)."""
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def write_table(scores: dict[int, dict[str, dict | None]], out: str, ends: list = ()) -> str:
+    """The paper's Table 3 layout: rows length, columns model, nDCG@10 x 100, best per row in bold (``table.csv``),
+    then the same for MRR@10 and Recall@100 where measured; with ``ends`` (where each query's passage ends, in
+    tokens), an "in view" column: the share of queries whose passage lies within the length. ``metrics.csv`` has
+    every value, one row per length and model."""
     os.makedirs(out, exist_ok=True)
     names = list(next(iter(scores.values())))
+    shares = {length: in_view(list(ends), length) for length in scores}
+    view = [] if None in shares.values() else ["in view"]
+
+    def value(row, name, metric):
+        return None if row[name] is None else row[name].get(metric)
+
     with open(os.path.join(out, "table.csv"), "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["length", *names])
-        writer.writerows([length, *(cell(row[n]) for n in names)] for length, row in scores.items())
-    lines = ["| length | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for length, row in scores.items():
-        best = max((v for v in row.values() if v is not None), default=None)
-        cells = [f"**{cell(row[n])}**" if row[n] == best and len(names) > 1 else cell(row[n]) for n in names]
-        lines.append(f"| {length} | " + " | ".join(cells) + " |")
-    markdown = "nDCG@10 (x100)\n\n" + "\n".join(lines) + "\n"
+        writer.writerow(["length", *view, *names])
+        writer.writerows([length, *([cell(shares[length])] if view else []),
+                          *(cell(value(row, n, "ndcg")) for n in names)] for length, row in scores.items())
+    with open(os.path.join(out, "metrics.csv"), "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["length", "in_view", "model", *METRICS])
+        writer.writerows([length, shares[length], name, *(value(row, name, m) for m in METRICS)]
+                         for length, row in scores.items() for name in names)
+    sections = []
+    for metric, title in METRICS.items():
+        if all(value(row, n, metric) is None for row in scores.values() for n in names):
+            continue  # MLDR: nDCG@10 only
+        lines = ["| length | " + " | ".join([*view, *names]) + " |", "|---|" + "---|" * (len(view) + len(names))]
+        for length, row in scores.items():
+            values = [value(row, n, metric) for n in names]
+            best = max((v for v in values if v is not None), default=None)
+            cells = [f"**{cell(v)}**" if v == best and len(names) > 1 else cell(v) for v in values]
+            lines.append(f"| {length} | " + " | ".join([*([cell(shares[length])] if view else []), *cells]) + " |")
+        sections.append(f"{title} (x100)\n\n" + "\n".join(lines) + "\n")
+    markdown = "\n".join(sections)
     with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
         f.write(markdown)
     return markdown
@@ -291,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     tune.add_argument("--lr", type=float, default=2e-5)
     tune.add_argument("--warmup_ratio", type=float, default=0.1)
     tune.add_argument("--seed", type=int, default=42)
+    tune.add_argument("--mini_batch_size", type=int, help="CachedMultipleNegativesRankingLoss in mini-batches of this "
+                      "size (the same loss over the whole --batch_size, for a batch that would not fit at once)")
     tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input)")
     ev = commands.add_parser("evaluate", help="nDCG@10 at several maximum input lengths (Table 3)")
     ev.add_argument("--models", nargs="+", required=True, help="NAME=EXPORTED_FOLDER, one per table column")
@@ -312,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "finetune":
         out = finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
-                       args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite)
+                       args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite,
+                       args.mini_batch_size)
         print(f"saved {out}")
         return
     if min(args.lengths) < 1:
@@ -324,9 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--bm25 needs a local set (--corpus, --queries, --qrels); MLDR's own BM25 is in its paper")
     models = _named_models(args.models)
     scores = evaluate(models, args.lengths, local, args.batch_size, args.trust_remote_code, args.bm25)
-    print(write_table(scores, args.out), end="")
+    dataset, ends = passage_ends(local)  # read once for every model
+    print(write_table(scores, args.out, ends), end="")
     if args.records:
-        dataset, ends = passage_ends(local)  # read once for every model
         append_records(args.records, [record for name, folder in models.items()
                                       for record in retrieval_records(folder, {n: row[name] for n, row in
                                                                                scores.items()}, dataset, ends)])
