@@ -8,9 +8,15 @@ process. On CPU, peak memory is the peak RSS of a fresh spawned process that run
 MFU (model FLOPs utilisation) of each training step: its model FLOPs (``Backbone.training_flops_per_token``, 6 per
 parameter plus the attention matmuls) per second over a peak (:func:`cable_lightning.hardware.peak_flops`): on CUDA
 the device's datasheet dense bf16 peak (a GPU the project's table lacks: a bf16 matmul measured in this process), on
-CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype measured in this process with its threads, before
-and after the PEs (a CPU has no datasheet figure that its threads reach; on a machine
-shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s).
+CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype (``--dtype``: fp32, or bf16 under autocast) measured
+in this process with its threads, before and after the PEs (a CPU has no datasheet figure that its threads reach; on a
+machine shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s). Both the fp32
+and the bf16 peak are measured and printed, so the table shows what each precision can reach on this CPU.
+
+``--peers``: transformers' own models at the same shape (:mod:`cable_lightning.peers`: GPT-2 against ``learnable``,
+GPT-NeoX or Llama against ``rope``), each training step timed in turns with the project's in this process, and their
+ratio. ``--compile``: each encoding's training step with its blocks compiled (``compile: true``) against eager, the
+compile time apart from the steady steps, and the steps a fit needs to pay the compile back.
 
     python -m cable_lightning bench --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
 """
