@@ -39,7 +39,7 @@ from cable_lightning.hardware import cpu_matmul_peaks, peak_flops, sync
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.attention import FLEX_MIN_HEAD_DIM
 from cable_lightning.peers import DEFAULT_PEERS, PEERS, build_peer
-from cable_lightning.positional import available, from_label
+from cable_lightning.positional import ENCODING_FLAG, available, from_label
 
 
 def make_config(args, variant: str, block_size: int, causal: bool | None = None) -> BackboneConfig:
@@ -392,7 +392,7 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
     n_layer, n_head, n_embd = shape
     with tempfile.TemporaryDirectory() as runs:
         cli = cli_main(["fit", "--model", "cable_lightning.lit.CausalLM",
-                        "--model.init_args.backbone.pos_encoding", pe,
+                        ENCODING_FLAG, pe,
                         "--model.init_args.backbone.n_layer", str(n_layer),
                         "--model.init_args.backbone.n_head", str(n_head),
                         "--model.init_args.backbone.n_embd", str(n_embd),
