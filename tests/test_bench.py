@@ -94,11 +94,11 @@ def test_an_unknown_peer_is_a_one_line_error(capsys):
 
 
 def test_compile_times_the_compiled_step_against_eager_with_the_compile_apart(monkeypatch, capsys):
-    """``--compile``: each encoding's blocks compiled (Dynamo's aot_eager backend stands in for inductor here), a
+    """``--compile``: each encoding's blocks compiled (Dynamo's eager backend stands in for inductor here), a
     fresh compile per length, its time apart from the steady steps, and the steps a fit needs to pay it back."""
     compile_, compiled = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compiled.append(model) or compile_(
-        model, **{**kwargs, "backend": "aot_eager"}))
+        model, **{**kwargs, "backend": "eager"}))
     result = bench.main(TINY + ["--train-lengths", "16", "32", "--compile"])
     rows = result["compiled"]
     assert [(r["pe"], r["length"]) for r in rows] == [("nope", 16), ("nope", 32)]
