@@ -4,7 +4,8 @@
     #     hard negatives from the hub, or any local jsonl of {"query", "positive", "negative"} rows
     python -m cable_lightning retrieval finetune --model exports/bert-cable --triples msmarco \
         --out exports/bert-cable-msmarco --max_seq_length 512 --batch_size 32 --max_steps 20000 --trust_remote_code
-    # (c) nDCG@10 at several maximum input lengths: MLDR (English) through MTEB, or a local BEIR-style set
+    # (c) nDCG@10 (and, on a local set, MRR@10 and Recall@100) at several maximum input lengths: MLDR (English)
+    #     through MTEB, or a local BEIR-style set
     python -m cable_lightning retrieval evaluate --models cable=exports/bert-cable-msmarco \
         alibi=exports/bert-alibi-msmarco --lengths 512 1024 2048 4096 8192 --mldr --out results/mldr --trust_remote_code
     python -m cable_lightning retrieval evaluate --models cable=DIR --lengths 128 512 --corpus corpus.jsonl \
@@ -14,8 +15,12 @@
 mean pooling over the real tokens; ``max_seq_length`` truncates every input to the length being evaluated.
 A fine-tuned model is saved as an export again (the input folder with the new ``model.safetensors``).
 Local sets use the BEIR layout: ``corpus.jsonl`` and ``queries.jsonl`` rows ``{"_id", "text"}`` (corpus rows may
-have a ``title``), ``qrels.tsv`` with a header and ``query-id<TAB>corpus-id<TAB>score`` rows. Writes
-``<out>/table.md`` and ``table.csv`` (rows: length, columns: model, nDCG@10 x 100) and prints the table.
+have a ``title``), ``qrels.tsv`` with a header and ``query-id<TAB>corpus-id<TAB>score`` rows; a query row's
+``end`` (where its passage or function ends, in tokens: ``retrieval-set`` writes it) adds an "in view" column, the
+share of queries whose passage lies within the length. Writes ``<out>/table.md`` (nDCG@10, then MRR@10 and
+Recall@100, x 100), ``table.csv`` (rows: length, columns: model, nDCG@10 x 100) and ``metrics.csv`` (every value),
+and prints the tables. Training rows without a ``negative`` (the code set's) train on in-batch negatives alone;
+``--mini_batch_size`` uses CachedMultipleNegativesRankingLoss, the same loss for a batch too large to run at once.
 """
 
 from __future__ import annotations
