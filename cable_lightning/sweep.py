@@ -97,7 +97,8 @@ def set_settings(encoding: dict) -> dict:
 
 
 def commands(args) -> list[tuple[str, list[str]]]:
-    """Every run's command (for ``--stage retrieval``, every run's three); an unknown encoding label is an error
+    """Every run's command (for ``--stage retrieval``, every run's retrieval commands; for ``fit+retrieval``, its fit
+    and then those); an unknown encoding label is an error
     before any run starts."""
     encodings = {}
     for pe in args.pes:
@@ -116,9 +117,10 @@ def commands(args) -> list[tuple[str, list[str]]]:
         experiment = args.experiment + ("" if length is None else f"-T{length}") + ("" if lr is None else f"-lr{lr:g}")
         for seed in args.seeds or [None]:  # seed-major: a sweep stopped early has every encoding at its first seeds
             for pe in args.pes:
+                run = run_folder_of(args.runs_dir, experiment, from_label(pe).label(runtime=False), seed)
+                retrieval = retrieval_commands(run, pe, seed, args) if "retrieval" in args.stage else []
                 if args.stage == "retrieval":
-                    run = run_folder_of(args.runs_dir, experiment, from_label(pe).label(runtime=False), seed)
-                    runs += [(experiment, cmd) for cmd in retrieval_commands(run, pe, seed, args)]
+                    runs += [(experiment, cmd) for cmd in retrieval]
                     continue
                 cmd = [*COMMAND, "fit"]
                 for config in args.config:
@@ -133,6 +135,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
                 if lr is not None:
                     cmd += ["--model.init_args.lr", f"{lr:g}"]
                 runs.append((experiment, cmd + args.extra))
+                runs += [(experiment, cmd) for cmd in retrieval]  # fit+retrieval: each run whole, one after another
     return runs
 
 
@@ -150,9 +153,9 @@ def main(argv=None):
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")
     parser.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
-    parser.add_argument("--stage", choices=("fit", "retrieval"), default="fit",
+    parser.add_argument("--stage", choices=("fit", "retrieval", "fit+retrieval"), default="fit",
                         help="fit: train (or continue) every run; retrieval: export, fine-tune and evaluate every "
-                        "pre-trained encoder run on --retrieval-set")
+                        "pre-trained encoder run on --retrieval-set; fit+retrieval: both, run by run")
     parser.add_argument("--retrieval-set", help="a folder from python -m cable_lightning retrieval-set")
     parser.add_argument("--retrieval-lengths", type=int, nargs="+",
                         help="evaluation lengths; the first is the fine-tuning length (the training length)")
@@ -164,15 +167,16 @@ def main(argv=None):
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
     args = parser.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
-    if args.stage == "retrieval":
+    if "retrieval" in args.stage:
         if not args.retrieval_set or not os.path.isfile(os.path.join(args.retrieval_set, "train_pairs.jsonl")):
-            parser.error(f"--stage retrieval needs --retrieval-set, a folder from python -m "
+            parser.error(f"--stage {args.stage} needs --retrieval-set, a folder from python -m "
                          f"cable_lightning retrieval-set; got {args.retrieval_set!r}")
         if not args.retrieval_lengths or min(args.retrieval_lengths) < 1:
-            parser.error(f"--stage retrieval needs positive --retrieval-lengths, got {args.retrieval_lengths}")
-        if args.train_lengths or args.lrs or args.extra:
-            parser.error("--stage retrieval takes the runs as they were trained: no --train-lengths, --lrs or "
-                         "overrides")
+            parser.error(f"--stage {args.stage} needs positive --retrieval-lengths, got {args.retrieval_lengths}")
+        if args.train_lengths or args.lrs or (args.extra and args.stage == "retrieval"):
+            parser.error(f"--stage {args.stage} takes the runs as the config trains them (the first "
+                         "--retrieval-lengths is their training length): no --train-lengths or --lrs"
+                         + (", and no overrides: they train nothing" if args.stage == "retrieval" else ""))
     runs = commands(args)
     if args.print_only:
         print("\n".join(shlex.join(cmd) for _, cmd in runs))

@@ -310,5 +310,13 @@ def test_the_sweep_scores_a_code_set_and_its_short_check_and_can_cache_the_loss(
     assert len(lines) == 4 and "--mini_batch_size 16" in lines[1]
     assert f"--lengths 512 --corpus {folder}/short/corpus.jsonl" in lines[3]
     assert "--records runs/e/cable/seed0" in lines[3]
+    sweep.main(["--config", "configs/encoder/mlm_code.yaml", "--pes", "cable", "alibi", "--seeds", "0",
+                "--experiment", "e", "--stage", "fit+retrieval", "--retrieval-set", str(folder), "--retrieval-lengths",
+                "128", "2048", "--print-only", "--", "--trainer.max_steps", "5"])
+    lines = capsys.readouterr().out.splitlines()  # run by run: each fit, then its export, fine-tuning, evaluations
+    assert [line.split(" ")[3:5] for line in lines] == [["fit", "--config"], ["export", "--ckpt_path"],
+                                                        ["retrieval", "finetune"], ["retrieval", "evaluate"],
+                                                        ["retrieval", "evaluate"]] * 2
+    assert lines[0].endswith("--trainer.max_steps 5") and "alibi" in lines[5] and "runs/e/alibi/seed0" in lines[6]
     corpus = str(folder / "short" / "corpus.jsonl")
     assert passage_ends((corpus, str(folder / "short" / "queries.jsonl"), "")) == ("code-set-short", [3])
