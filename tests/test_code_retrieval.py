@@ -196,6 +196,9 @@ def test_a_query_document_is_its_file_without_that_docstring_and_the_pairs_are_t
     assert any(text in held for text in by_id.values())  # the distractor, as it is
     short = {d["_id"]: d["text"] for d in rows["short_corpus"]}
     assert [short[f] for _, f, _ in rows["short_qrels"]][0].startswith("def parse_words(text):\n    words =")
+    for query, function in zip(rows["short_queries"], rows["short_corpus"]):  # the function whole, from token 0
+        size = len(tokenizer.encode_batch([function["text"]])[0])
+        assert (query["doc"], query["depth"], query["end"]) == (function["_id"], 0, size)
 
 
 def test_training_pairs_come_from_training_distributions_without_duplicates_or_held_out_copies(environment,

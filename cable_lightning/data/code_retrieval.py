@@ -166,7 +166,8 @@ def files(source, split: str):
 
 
 def build(source, tokenizer, settings: CodeSettings) -> tuple[dict, dict]:
-    """The set's rows (``corpus``, ``queries``, ``qrels``, ``train_pairs``, ``short_corpus``, ``short_qrels``) and
+    """The set's rows (``corpus``, ``queries``, ``qrels``, ``train_pairs``, and ``short_`` ``corpus``, ``queries`` and
+    ``qrels``) and
     its counts, from a ``python-code`` source (see the module docstring)."""
     counts: dict = {"files": {}, "functions": {}, "dropped": {}}
     held: list[tuple[str, str, list[Function]]] = []
@@ -228,7 +229,7 @@ def build(source, tokenizer, settings: CodeSettings) -> tuple[dict, dict]:
     doc_ids = {file: f"d{n}" for n, file in enumerate(chosen)}
     picked = {file: eligible[file][int(rng.integers(len(eligible[file])))] for file in query_files}
 
-    corpus, queries, qrels, short_corpus, short_qrels = [], [], [], [], []
+    corpus, queries, qrels, short_corpus, short_queries, short_qrels = [], [], [], [], [], []
     for file in chosen:
         path, text, _ = held[file]
         function = picked.get(file)
@@ -245,6 +246,9 @@ def build(source, tokenizer, settings: CodeSettings) -> tuple[dict, dict]:
         qrels.append((query_id, doc_ids[file], 1))
         short_corpus.append({"_id": f"f{len(short_corpus)}", "text": function.code})
         short_qrels.append((query_id, short_corpus[-1]["_id"], 1))
+    for query, function, size in zip(queries, short_corpus, map(len, tokenizer.encode_batch(
+            [f["text"] for f in short_corpus]))):  # the short check's documents are the functions: whole from token 0
+        short_queries.append({**query, "doc": function["_id"], "depth": 0, "end": size, "tokens": size})
     ends = np.array([q["end"] for q in queries])
     counts.update(train_pairs=wanted, queries=len(queries), documents=len(corpus),
                   document_tokens_median=int(np.median([q["tokens"] for q in queries])),
@@ -252,7 +256,7 @@ def build(source, tokenizer, settings: CodeSettings) -> tuple[dict, dict]:
                   in_view={length: round(float(np.mean(ends <= length)), 4) for length in IN_VIEW_LENGTHS})
     train_pairs = [pairs[i] for i in rng.permutation(len(pairs))[:wanted]]
     return {"corpus": corpus, "queries": queries, "qrels": qrels, "train_pairs": train_pairs,
-            "short_corpus": short_corpus, "short_qrels": short_qrels}, counts
+            "short_corpus": short_corpus, "short_queries": short_queries, "short_qrels": short_qrels}, counts
 
 
 def write(rows: dict, out: str, manifest: dict, overwrite: bool = False, inputs: tuple = ()) -> str:
@@ -275,7 +279,7 @@ def write(rows: dict, out: str, manifest: dict, overwrite: bool = False, inputs:
             jsonl(os.path.join(staged, f"{name}.jsonl"), rows[name])
         tsv(os.path.join(staged, "qrels.tsv"), rows["qrels"])
         jsonl(os.path.join(staged, "short", "corpus.jsonl"), rows["short_corpus"])
-        jsonl(os.path.join(staged, "short", "queries.jsonl"), rows["queries"])
+        jsonl(os.path.join(staged, "short", "queries.jsonl"), rows["short_queries"])
         tsv(os.path.join(staged, "short", "qrels.tsv"), rows["short_qrels"])
         with open(os.path.join(staged, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
