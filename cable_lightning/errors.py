@@ -129,19 +129,19 @@ class KeepsWriteErrors:
 
 class ArgumentParser(KeepsWriteErrors, argparse.ArgumentParser):
     """The parser of every argparse verb: a usage error is one ``error:`` line with exit status 2, like every other
-    user error (argparse would print the usage text first); ``--help`` still prints it. An option spelt with the
-    other separator (``--runs_dir`` for ``--runs-dir``) is named with the right spelling: argparse took it as unknown
-    and, before a positional remainder (sweep's), the rest of the line as that remainder, then reported an option
-    given after it as missing."""
+    user error (argparse would print the usage text first); ``--help`` still prints it. Every verb spells its options
+    as Lightning's do, with underscores (``--runs_dir``); one spelt with dashes (``--runs-dir``, an earlier spelling)
+    is taken as the underscore one, with a note naming it: argparse took it as unknown and, before a positional
+    remainder (sweep's), the rest of the line as that remainder."""
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
-        for arg in args[:args.index("--")] if "--" in args else args:  # after --: another command's settings
-            name = arg.split("=", 1)[0]
-            if name.startswith("--") and name not in self._option_string_actions:
-                for other in ("--" + name[2:].replace("_", "-"), "--" + name[2:].replace("-", "_")):
-                    if other != name and other in self._option_string_actions:
-                        self.error(f"unrecognized argument {name}: did you mean {other}?")
+        for i, arg in enumerate(args[:args.index("--")] if "--" in args else args):  # after --: another command's
+            name, equals, value = arg.partition("=")
+            spelt, known = "--" + name[2:].replace("-", "_"), self._option_string_actions
+            if name.startswith("--") and name not in known and spelt in known:
+                print(f"note: {name} is spelt {spelt}; the dashed spelling still works", file=sys.stderr, flush=True)
+                args[i] = spelt + equals + value
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):

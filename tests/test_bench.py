@@ -6,9 +6,9 @@ from cable_lightning import bench
 
 
 def test_bench_reports_mfu_against_a_matmul_peak_measured_in_the_process(capsys):
-    result = bench.main(["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--vocab-size", "512", "--pes", "nope",
-                         "cable", "--train-lengths", "64", "--eval-lengths", "128", "--tokens-per-step", "256",
-                         "--repeats", "1", "--skip-memory", "--device", "cpu"])
+    result = bench.main(["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--vocab_size", "512", "--pes", "nope",
+                         "cable", "--train_lengths", "64", "--eval_lengths", "128", "--tokens_per_step", "256",
+                         "--repeats", "1", "--skip_memory", "--device", "cpu"])
     meta, rows = result["meta"], result["rows"]
     assert "matmul measured in this process" in meta["peak_source"] and meta["peak_flops"] > 1e8
     for row in rows:

@@ -172,8 +172,8 @@ def test_unfinished_output_is_not_mistaken_for_data(small_txt_dir, tmp_path):
 def test_cli_with_spawned_workers(small_txt_dir, tmp_path, capsys):
     """The real start method (spawn): the mapped function must be importable by fresh worker processes."""
     out = str(tmp_path / "cli")
-    assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val-tokens", "50",
-                         "--num-workers", "1", "--quiet"]) == 0
+    assert prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val_tokens", "50",
+                         "--num_workers", "1", "--quiet"]) == 0
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
     with pytest.raises(SystemExit) as exit_info:
         prepare_main(["--source", small_txt_dir, "--tokenizer", "bpe:400", "--out", out, "--quiet"])
@@ -191,7 +191,7 @@ def test_bad_requests_are_one_line_errors(small_txt_dir, tmp_path):
         (dict(source=small_txt_dir, tokenizer="bpe:100"), ValueError, "N >= 258"),
         (dict(source=small_txt_dir, val_fraction=1.5), ValueError, "(0, 1)"),
         (dict(source=small_txt_dir, val_fraction=0.1, val_tokens=5), ValueError, "not both"),
-        (dict(source="fineweb-edu", val_fraction=0.1), ValueError, "--val-tokens"),
+        (dict(source="fineweb-edu", val_fraction=0.1), ValueError, "--val_tokens"),
         (dict(source="wikitext-103", val_tokens=1000), ValueError, "own validation split"),
         (dict(source=small_txt_dir, tokenizer="bpe:300", val_fraction=0.99), ValueError, "too small"),
     ]
@@ -251,8 +251,8 @@ def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir,
     import sys
 
     out = str(tmp_path / "out")
-    args = ["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val-tokens", "50",
-            "--num-workers", "2", "--quiet"]
+    args = ["--source", small_txt_dir, "--tokenizer", "bpe:300", "--out", out, "--val_tokens", "50",
+            "--num_workers", "2", "--quiet"]
     proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "flag"), *args],
                           capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 1, proc.stderr  # a run that failed, as fit's
@@ -585,7 +585,7 @@ def test_python_code_bad_environments_are_one_line_errors(tmp_path, monkeypatch,
     message = error(f"python-code:{held}")
     assert "has no train files" in message and trained in message.partition("e.g. one of ")[2]
     assert f"held/b.py of {held} 2.0 cannot be read (IsADirectoryError" in error("python-code")
-    assert "own validation split" in error(f"python-code:{held},{trained}", "--val-tokens", "100")
+    assert "own validation split" in error(f"python-code:{held},{trained}", "--val_tokens", "100")
     fake_distribution(site, "no-record", "1.0", {"nr/a.py": code("nr").encode()}, record=False)
     assert "distribution no-record 1.0 lists no files (its RECORD" in error("python-code")
 
@@ -1006,7 +1006,7 @@ def test_concurrent_prepares_of_one_folder_both_succeed_with_one_result(small_tx
 
     out = str(tmp_path / "shared")
     cmd = [sys.executable, "-m", "cable_lightning", "prepare", "--source", small_txt_dir, "--tokenizer", "bpe:300",
-           "--out", out, "--val-tokens", "50", "--num-workers", "1"]
+           "--out", out, "--val_tokens", "50", "--num_workers", "1"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [proc.communicate(timeout=300) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], results
@@ -1036,7 +1036,7 @@ def test_a_held_out_document_far_longer_than_the_budget_is_warned_in_one_line(tm
     manifest = fast_prepare(source=str(source), tokenizer="bpe:300", out=str(tmp_path / "out"), val_fraction=0.05)
     warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     budget = 0.05 * sum(map(len, docs))
-    assert len(warning) == 1 and f"x the {budget:.0f} asked for" in warning[0] and "--val-tokens" in warning[0]
+    assert len(warning) == 1 and f"x the {budget:.0f} asked for" in warning[0] and "--val_tokens" in warning[0]
     assert manifest["splits"]["val"]["tokens"] > 0
     fast_prepare(source=str(source), tokenizer="bpe:300", out=str(tmp_path / "even"), val_fraction=0.5)
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]

@@ -132,7 +132,7 @@ def test_every_encodings_sweep_command_parses_to_that_encoding(pe, capsys):
 
 
 def test_sweep_prints_one_command_per_encoding_and_seed(capsys):
-    sweep.main(["--config", "c.yaml", "--pes", "cable", "alibi", "--seeds", "0", "1", "2", "--print-only"])
+    sweep.main(["--config", "c.yaml", "--pes", "cable", "alibi", "--seeds", "0", "1", "2", "--print_only"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6
     assert sum("--seed_everything 2 --folder_per_seed true" in line for line in lines) == 2
@@ -209,9 +209,9 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
 
 def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval-set", str(tmp_path),
-                    "--retrieval-lengths", "64", "--print-only"])
-    assert f"--stage retrieval needs --retrieval-set, a folder from python -m cable_lightning retrieval-set; " \
+        sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval_set", str(tmp_path),
+                    "--retrieval_lengths", "64", "--print_only"])
+    assert f"--stage retrieval needs --retrieval_set, a folder from python -m cable_lightning retrieval-set; " \
            f"got '{tmp_path}'" in capsys.readouterr().err
 
 

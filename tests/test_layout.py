@@ -158,6 +158,6 @@ def test_report_sweep_and_bench_run_from_a_folder_outside_the_clone(tmp_path):
 
     assert "| 32 | **9.50** |" in verb("report", "runs/exp", "--out", "runs/exp/report")
     assert (tmp_path / "runs" / "exp" / "report_nonoverlap.md").exists()
-    printed = verb("sweep", "--config", "base.yaml", "--pes", "cable", "alibi", "--print-only").splitlines()
+    printed = verb("sweep", "--config", "base.yaml", "--pes", "cable", "alibi", "--print_only").splitlines()
     assert len(printed) == 2 and all(" -m cable_lightning fit --config base.yaml " in line for line in printed)
     assert "--pes" in verb("bench", "--help")

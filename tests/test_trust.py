@@ -244,7 +244,7 @@ def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write
     corpus.mkdir()
     for i in range(2):
         (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
-    base = ["--source", str(corpus), "--tokenizer", "bpe:300", "--val-tokens", "20", "--num-workers", "1", "--quiet"]
+    base = ["--source", str(corpus), "--tokenizer", "bpe:300", "--val_tokens", "20", "--num_workers", "1", "--quiet"]
     for extra in ([], ["--overwrite"]):
         line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(corpus), *extra]))
         assert line.startswith(f"error: --out {corpus} holds this command's input {corpus / 'doc0.txt'}"), line
@@ -323,7 +323,7 @@ def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
 
 def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable(tmp_path):
     line = error_lines(tool("-m", "cable_lightning", "sweep", "--config", "configs/quickstart.yaml", "--pes", "cable",
-                            "dape_v2+nonesuch", "--print-only"))
+                            "dape_v2+nonesuch", "--print_only"))
     assert line == ["error: --pes dape_v2+nonesuch: unknown positional encoding 'nonesuch'; valid names: "
                     f"{', '.join(available())}"]
     env = {**os.environ, "PYTHONPATH": ROOT, "CABLE_LIGHTNING_DEBUG": "1"}
@@ -338,7 +338,7 @@ def test_an_endpoint_that_is_not_an_http_url_is_one_line_before_any_connection(t
     line = one_error_line(capsys, lambda: run(["fit", *args("s3://bucket/prefix", str(tmp_path / "runs")),
                                                "--data.endpoint_url", endpoint]))
     assert line == (f"error: endpoint URL {endpoint!r} is not an http(s) URL with a host; give the store's endpoint "
-                    "(e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url or --endpoint-url")
+                    "(e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url or --endpoint_url")
 
 
 @pytest.mark.parametrize("stride", ["0", "-2"])
@@ -415,8 +415,8 @@ def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plu
     env = {**os.environ, "PYTHONPATH": ROOT, "STARTED_FLAG": flag}
     (tmp_path / "slow_prepare.py").write_text(SIGTERM_SCRIPT)
     child = subprocess.Popen([sys.executable, str(tmp_path / "slow_prepare.py"), start_method, "--source",
-                              str(corpus), "--tokenizer", "bpe:300", "--out", str(out), "--val-tokens", "20",
-                              "--num-workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
+                              str(corpus), "--tokenizer", "bpe:300", "--out", str(out), "--val_tokens", "20",
+                              "--num_workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
     def started() -> int:
         return len(open(flag + ".workers").read().split()) if os.path.exists(flag + ".workers") else 0
 

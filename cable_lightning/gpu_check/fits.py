@@ -179,9 +179,9 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
 
 
 def shape_data(run, shape: str) -> list[str]:
-    """A fit's data arguments: the prepared folder (``--data-path``, else the offline python-docs corpus, prepared on
+    """A fit's data arguments: the prepared folder (``--data_path``, else the offline python-docs corpus, prepared on
     first use), or for the paper's shape that folder widened to GPT-2's vocabulary (:func:`targets.widened`, made once
-    a run under ``--runs-dir``)."""
+    a run under ``--runs_dir``)."""
     args = run.args
     prepared = args.data_path or "data/pydocs-bpe4096"
     data = (["--data.path", args.data_path] if args.data_path else

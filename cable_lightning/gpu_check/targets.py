@@ -56,7 +56,7 @@ def widened(prepared: str, out: str, vocab: int = GPT2_VOCAB) -> str:
     manifest = read_manifest(prepared)
     if int(manifest["vocab_size"]) > vocab:
         raise ValueError(f"{prepared} has {manifest['vocab_size']} token ids, more than the {vocab} to widen to")
-    shutil.rmtree(out, ignore_errors=True)  # gpu-check's own folder under --runs-dir, remade each run
+    shutil.rmtree(out, ignore_errors=True)  # gpu-check's own folder under --runs_dir, remade each run
     os.makedirs(out)
     for name in os.listdir(prepared):
         if name != MANIFEST:
