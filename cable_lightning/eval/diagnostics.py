@@ -18,7 +18,7 @@ Shares and distances are averaged over the rows that put weight anywhere, over e
 computed one block at a time, so memory is O(rows x length), never O(length^2) per head; each layer's per-row values
 are reduced once and every length's read back to the host once (docs/diagnostics.md#cost).
 
-Context-aware increments (issue 53; docs/diagnostics.md#increments): for an encoding built on per-token quantities
+Context-aware increments (docs/diagnostics.md#increments): for an encoding built on per-token quantities
 (CABLE's increment b and weight g, FoX's -log f; each encoding names its own through
 ``PositionalEncoding.token_increments``, none for the others), per layer, head, quantity and set of tokens (all, the
 mask token, a task's answer positions, its markers, symbols and filler): the share of tokens whose value is exactly 0,

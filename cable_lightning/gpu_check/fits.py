@@ -23,7 +23,7 @@ from .targets import GPT2_VOCAB, LLMC_RATE, PAPER_RATE, target_of, widened
 
 FIT_HEAD = ["part", "encoding", "backend", "vocab", "steady steps", "step ms (median)", "bare step ms",
             "fit / bare step", "tokens/s", "x NoPE", "MFU",
-            "x paper 238k / llm.c 460k", "target (issue 68)", "compile s (warm-up) / budget", "steady s / budget",
+            "x paper 238k / llm.c 460k", "target", "compile s (warm-up) / budget", "steady s / budget",
             "fit s (all)", "train peak GiB", "estimate GiB: state + activations + logits + tables",
             "Dynamo compiles: warm-up / steady / validations", "graph breaks", "first validation s", "evaluation s",
             "diagnostics s (x evaluation)", "checkpoint s", "note"]

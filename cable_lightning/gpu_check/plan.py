@@ -9,7 +9,7 @@ import torch
 
 from ..callbacks.throughput import WARMUP_STEPS
 
-# The issue's choice (issue 47): three encodings per backend where there are three, NoPE (the baseline) first.
+# Three encodings per backend where there are three, NoPE (the baseline) first.
 ENCODINGS = ["nope", "rope", "cable", "alibi", "fox", "kerple_log", "fire", "t5", "cope", "dape_v2+cable",
              "stick_breaking"]
 # The plan's budgets (seconds on one H100 or H200; two runs on H100s measured what is noted), all times --budget_scale:

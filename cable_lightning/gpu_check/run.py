@@ -18,7 +18,7 @@ without a GPU. SIGTERM or Ctrl-C ends it in one line saying what ``--out`` holds
    recompiles) and the validations, and graph breaks. A fit that timed no steady step says why. Each part runs at
    each of ``--shapes``, the paper's first: ``gpt2-vocab fit <backend>``, GPT-2's 50257-entry vocabulary over the
    prepared ids (``targets.widened``: which ids appear changes no step's work), its tokens/s beside the paper's 238k a
-   GPU and llm.c's 460k and its target of issue 68 met or missed (``targets.TARGETS``, NoPE's ratio at the same
+   GPU and llm.c's 460k and its target (docs/speed.md) met or missed (``targets.TARGETS``, NoPE's ratio at the same
    shape); then ``fit <backend>``, the prepared data's own vocabulary (4096 for the default corpus).
    After each fit that timed a steady step, the bare step (``bare``): the fit's own compiled model trained on one
    batch without Lightning (forward, backward, clipping, fused AdamW), its median step and the fit's over it
@@ -173,7 +173,7 @@ def run_parts(args, parts: dict[str, list[str]], sizes: Sizes, cuda: bool, repor
         report.line()
         report.line(f"{SHAPES['gpt2-vocab']}: GPT-2's {GPT2_VOCAB}-entry vocabulary over the prepared ids (the paper's "
                     f"shape: {PAPER_RATE / 1e3:.0f}k tokens/s a GPU in the paper, about {LLMC_RATE / 1e3:.0f}k in "
-                    "llm.c), with the issue's targets; fit: the prepared data's own vocabulary")
+                    "llm.c), with their targets; fit: the prepared data's own vocabulary")
         report.table(FIT_HEAD)
         for part, labels in parts.items():  # each backend's part at each shape, the paper's first
             for shape in args.shapes:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                         "4096-token BPE, prepared on first use into data/pydocs-bpe4096)")
     parser.add_argument("--encodings", nargs="+", default=ENCODINGS, help="encoding labels (default: %(default)s)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-                        help="the fits' shapes: GPT-2's vocabulary (the paper's, with the issue's targets) and the "
+                        help="the fits' shapes: GPT-2's vocabulary (the paper's, with their targets) and the "
                         "prepared data's own (default: %(default)s)")
     parser.add_argument("--budget_scale", type=float, default=1.0,
                         help="multiplies every time budget (a slower GPU, or a longer loan)")

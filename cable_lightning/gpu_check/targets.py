@@ -1,4 +1,4 @@
-"""The paper's shape and its targets (issue 68): fits with GPT-2's vocabulary, compared with the paper's and llm.c's
+"""The paper's shape and its targets: fits with GPT-2's vocabulary, compared with the paper's and llm.c's
 tokens/s, and each row's verdict on its target (one H100, steady steps of a real fit; on a CPU rehearsal the verdicts
 are of CPU figures, not GPU ones)."""
 
@@ -42,7 +42,7 @@ FLEX_TARGET = Target(">= 0.6x NoPE", x_nope=0.6)  # every encoding on the flex p
 
 
 def target_of(label: str, backend: str) -> Target | None:
-    """The issue's target for a paper-shape fit of ``label`` (None: the issue sets none, as for RoPE)."""
+    """The target for a paper-shape fit of ``label`` (None: none is set, as for RoPE)."""
     return TARGETS.get(label) or (FLEX_TARGET if backend == "flex" else None)
 
 
