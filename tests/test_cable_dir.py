@@ -6,7 +6,7 @@ and fold). Export, layouts, cached decoding and the backends run for it through 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_context_aware import randomised
+from conftest import randomised
 
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import build_positional

@@ -10,23 +10,11 @@ import sys
 import warnings
 
 import pytest
-from test_cli import args
-from test_reliability import one_error_line, user_error_line
-from test_trust import ROOT, ROW, tool
+from conftest import ROOT, ROW, args, one_error_line, only_line, tool, user_error_line
 
 from cable_lightning.__main__ import COMMANDS
 from cable_lightning.__main__ import main as verbs
 from cable_lightning.cli import main as fit
-
-
-def only_line(capsys, argv, status=2) -> str:
-    """Runs a verb; asserts the exit status and that stderr is one ``error:`` line (no usage text, no traceback)."""
-    with pytest.raises(SystemExit) as stop:
-        verbs(argv)
-    err = capsys.readouterr().err
-    assert stop.value.code == status and len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err.strip()
-
 
 # --- argparse verbs ---------------------------------------------------------------------------------------------------
 
@@ -131,7 +119,7 @@ def test_retrieval_refuses_a_missing_model_or_an_export_without_its_code(tmp_pat
 
 def test_a_torn_row_in_a_local_lm_eval_task_is_named_before_the_model_loads(tmp_path, capsys):
     pytest.importorskip("lm_eval")
-    from test_lm_eval import write_task
+    from conftest import write_task
 
     write_task(tmp_path)
     rows = (tmp_path / "docs.jsonl").read_text().splitlines()
@@ -145,7 +133,7 @@ def test_a_torn_row_in_a_local_lm_eval_task_is_named_before_the_model_loads(tmp_
 def test_a_local_lm_eval_row_without_its_label_is_named_before_the_model_loads(tmp_path, capsys):
     """The harness scored it (the target rendered as None), its warning among its log lines."""
     pytest.importorskip("lm_eval")
-    from test_lm_eval import DOCS, write_task
+    from conftest import DOCS, write_task
 
     write_task(tmp_path)
     rows = [{key: value for key, value in doc.items() if key != "label" or i != 1} for i, doc in enumerate(DOCS)]
@@ -160,7 +148,7 @@ def test_a_local_lm_eval_row_without_its_label_is_named_before_the_model_loads(t
 def test_a_missing_lm_eval_task_file_is_named_before_the_model_loads(tmp_path, capsys):
     """The harness's own report was a 57-line traceback from datasets, after the model had loaded."""
     pytest.importorskip("lm_eval")
-    from test_lm_eval import write_task
+    from conftest import write_task
 
     write_task(tmp_path)
     (tmp_path / "docs.jsonl").unlink()

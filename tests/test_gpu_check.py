@@ -234,7 +234,7 @@ def test_without_cuda_it_stops_in_one_line(monkeypatch, tmp_path, capsys):
 def test_out_replaces_only_a_file_gpu_check_wrote_and_only_with_overwrite(tmp_path, capsys):
     """A GPU run's rows cannot be made again without a GPU: a later run (a CPU rehearsal) does not truncate them
     unasked, nor a file gpu-check did not write even with --overwrite; the refusal comes before any work."""
-    from test_doors import only_line
+    from conftest import only_line
 
     quick = ["gpu-check", "--rehearse_on_cpu", "--budget_scale", "1e-9", "--encodings", "nope"]  # every part skipped
     notes, results = tmp_path / "notes.md", tmp_path / "gpu_check.md"

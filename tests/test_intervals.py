@@ -11,8 +11,8 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import args as tiny_args
 from scipy import stats
-from test_cli import args as tiny_args
 
 from cable_lightning import sweep
 from cable_lightning.callbacks import LengthEvalRecorder

@@ -16,8 +16,7 @@ import zipfile
 
 import pytest
 import torch
-from test_cli import args
-from test_reliability import one_error_line
+from conftest import ROOT, ROW, args, one_error_line, tool
 
 from cable_lightning.__main__ import main as verb_main
 from cable_lightning.checkpoints import resolve_ckpt_path
@@ -164,16 +163,6 @@ def test_a_checkpoint_with_flipped_bytes_is_named_by_every_reader(tiny_corpus_di
 
 
 # --- records: one reader that names the file and line of a bad row ---------------------------------------------------
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROW = {"pe": "cable", "train_length": 32, "stage": "fit", "step": 4, "length": 32, "mode": "nonoverlap", "ppl": 9.5}
-
-
-def tool(*argv: str) -> subprocess.CompletedProcess:
-    """A tool as its user runs it (this checkout's package first on the path, no debug variable)."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("CABLE_LIGHTNING_DEBUG", None)
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
 def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]:
