@@ -161,3 +161,15 @@ def test_report_sweep_and_bench_run_from_a_folder_outside_the_clone(tmp_path):
     printed = verb("sweep", "--config", "base.yaml", "--pes", "cable", "alibi", "--print_only").splitlines()
     assert len(printed) == 2 and all(" -m cable_lightning fit --config base.yaml " in line for line in printed)
     assert "--pes" in verb("bench", "--help")
+
+
+def test_the_design_document_draws_the_same_layers():
+    """docs/design.md's table of parts is the one a new maintainer reads first: it lists every part in its layer."""
+    import re
+
+    drawn = []
+    for line in open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8"):
+        row = re.match(r"\| (\d) \| ([^|]+) \|", line)
+        if row:
+            drawn.append({name.removesuffix(".py").rstrip("/") for name in re.findall(r"`([^`]+)`", row.group(2))})
+    assert drawn == [layer - {"__init__"} for layer in LAYERS]  # the package's own __init__ is no part
