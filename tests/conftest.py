@@ -264,6 +264,12 @@ def tool(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
+def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]:
+    """The ``error:`` lines of a finished tool, asserted to have exited with ``status`` and no traceback."""
+    assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
 def randomised(module, scale=0.3, seed=0):
     """``module`` with every parameter moved by scaled noise, so that no weight sits at its initial value."""
     import torch
@@ -301,6 +307,93 @@ def printed_backbone(capsys, *overrides) -> dict:
         main(["fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), *overrides, "--print_config"])
     assert done.value.code in (None, 0)
     return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["backbone"]
+
+
+# --- the data tests' corpora and checks (test_prepare, test_sources, test_tokenizers, test_datamodule) ---------------
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Refuses internet sockets: a test that would reach the network fails, naming the address."""
+    import socket
+
+    real_connect = socket.socket.connect
+
+    def guarded(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            raise AssertionError(f"test tried to open a network connection to {address}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+def read_split_tokens(path: str, split: str):
+    """Every token of a split in stream order: the held-out arrays as saved; train through litdata, in windows
+    whose length divides every chunk's token count, so none is lost at a chunk's end."""
+    import math
+
+    import numpy as np
+    from litdata import StreamingDataset, TokensLoader
+
+    from cable_lightning.data.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    if split != "train":
+        return np.load(os.path.join(path, manifest["splits"][split]["file"]))
+    chunks = json.loads(open(os.path.join(path, "train", "index.json")).read())["chunks"]
+    window = math.gcd(*[chunk["dim"] for chunk in chunks])
+    dataset = StreamingDataset(os.path.join(path, "train"), item_loader=TokensLoader(block_size=window), shuffle=False)
+    tokens = np.concatenate([np.asarray(dataset[i]) for i in range(len(dataset))])
+    assert len(tokens) == manifest["splits"]["train"]["tokens"]
+    return tokens
+
+
+def joined(docs: list[str]) -> str:
+    """Documents as prepare streams them: each followed by the end-of-text token."""
+    from cable_lightning.data.tokenizers import EOT_TOKEN
+
+    return "".join(doc + EOT_TOKEN for doc in docs)
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    """The error's message, asserted to be one line."""
+    message = str(exc.value)
+    assert "\n" not in message, message
+    return message
+
+
+SMALL_DOCS = [
+    "The quick brown fox jumps over the lazy dog. " * 40,
+    "Unicode survives: naïve café, 東京, emoji 🙂, tabs\tand\nnewlines.\n" * 30,
+    "A document that mentions <|endoftext|> literally must keep it as text. " * 30,
+    "def f(x):\n    return x * 2  # code is text too\n" * 40,
+]
+
+
+@pytest.fixture
+def small_txt_dir(tmp_path):
+    """A folder of four small .txt documents (and a .md file that is not corpus)."""
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, doc in enumerate(SMALL_DOCS):
+        (folder / f"doc{i}.txt").write_text(doc, encoding="utf-8")
+    (folder / "notes.md").write_text("ignored: not a corpus file")
+    return str(folder)
+
+
+def work_folders(out: str) -> list[str]:
+    """What a prepare of ``out`` builds or retires beside it (``.<out>.partial-*``, ``.<out>.old-*``)."""
+    parent, base = os.path.split(out)
+    return [name for name in os.listdir(parent) if name.startswith((f".{base}.partial-", f".{base}.old-"))]
+
+
+def fast_prepare(**kwargs):
+    """prepare() on one forked worker, quietly."""
+    from cable_lightning.data.prepare import prepare
+
+    kwargs.setdefault("num_workers", 1)
+    kwargs.setdefault("start_method", "fork")
+    kwargs.setdefault("verbose", False)
+    return prepare(**kwargs)
 
 
 # After the settings at the top of this file: torch is imported here, not before them.

@@ -1,4 +1,4 @@
-"""The package's layout: one command table whose verbs run from anywhere, and imports with no circle and no upward
+"""The package's parts: one command table whose verbs run from anywhere, and imports with no circle and no upward
 arrow (read from the source with ``ast``, imports inside functions included)."""
 
 import ast
