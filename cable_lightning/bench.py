@@ -494,7 +494,8 @@ def peaks_line(meta) -> str:
     peaks = meta["cpu_matmul_peaks"]
     if peaks is None:
         return line
-    return (f"CPU matmul peaks (1024x1024, {torch.get_num_threads()} threads, best of before and after): fp32 "
+    threads = torch.get_num_threads()
+    return (f"CPU matmul peaks (1024x1024, {threads} thread{'s' * (threads > 1)}, best of before and after): fp32 "
             f"{peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s "
             f"({peaks['bf16'] / peaks['fp32']:.2f}x fp32)\n{line}")
 
