@@ -26,7 +26,7 @@ LAYERS = [
     {"eval"},
     {"lit", "callbacks"},
     {"hf", "cli", "argument_errors", "run_setup", "run_failures"},
-    {"sweep", "bench", "gpu_check", "__main__"},
+    {"sweep", "bench", "peers", "gpu_check", "__main__"},
 ]
 # Copied into every export (hf/export.py, CORE_SOURCES): they may import only each other.
 CORE = {"errors", "models", "positional"}
