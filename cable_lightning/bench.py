@@ -24,6 +24,7 @@ compile time apart from the steady steps, and the steps a fit needs to pay the c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import platform
@@ -75,15 +76,8 @@ def out_of_memory(err: Exception) -> bool:
 
 
 def timed(fn, device, repeats):
-    fn()  # warm-up (and compilation on CUDA)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The median seconds of ``repeats`` calls of ``fn``, after a warm-up call (and compilation on CUDA)."""
+    return interleaved([fn], device, repeats)[0]
 
 
 def interleaved(fns, device, repeats) -> list[float]:
@@ -542,6 +536,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.peers == []:
         args.peers = list(DEFAULT_PEERS)
+    if args.peers and importlib.util.find_spec("transformers") is None:
+        parser.error("--peers needs transformers, which the hf extra installs: pip install 'cable_lightning[hf]'")
     if args.loop_overhead:
         result = loop_overhead(args.loop_overhead, compile=args.compile)
         print(f"loop overhead ({result['pe']}, layers/heads/width {result['shape']}, {result['batch']} x "

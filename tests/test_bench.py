@@ -110,3 +110,14 @@ def test_compile_times_the_compiled_step_against_eager_with_the_compile_apart(mo
         assert r["payback_steps"] == (pytest.approx(r["compile_s"] / gain) if gain > 0 else None)
     out = capsys.readouterr().out
     assert "| nope | 32 |" in out and "| 0 / 0 |" in out
+
+
+def test_peers_without_transformers_is_a_one_line_error_before_any_work(monkeypatch, capsys):
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else find_spec(name, *args))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(TINY + ["--peers", "neox"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --peers needs transformers") and "pip install 'cable_lightning[hf]'" in err
