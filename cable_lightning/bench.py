@@ -24,6 +24,7 @@ compile time apart from the steady steps, and the steps a fit needs to pay the c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import platform
@@ -75,15 +76,8 @@ def out_of_memory(err: Exception) -> bool:
 
 
 def timed(fn, device, repeats):
-    fn()  # warm-up (and compilation on CUDA)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The median seconds of ``repeats`` calls of ``fn``, after a warm-up call (and compilation on CUDA)."""
+    return interleaved([fn], device, repeats)[0]
 
 
 def interleaved(fns, device, repeats) -> list[float]:
@@ -168,6 +162,24 @@ def peer_rows(args, device, dtype) -> list[dict]:
             row["tok_s"][t], row["peer_tok_s"][t], row["ratio"][t] = tokens / ours, tokens / theirs, theirs / ours
         rows.append(row)
         print(f"measured peer {name}", flush=True)
+    return rows
+
+
+def bf16_rows(pes, args, device) -> list[dict]:
+    """Each encoding's training step under bf16 autocast against the same weights in fp32, at each training length,
+    timed in turns in this process: ``speedup`` is the fp32 step's time over the bf16 one's. Whether bf16 pays at a
+    config's shape (tiny widths gain little) before its runs are switched."""
+    rows = []
+    for pe in pes:
+        torch.manual_seed(0)
+        model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
+        for t in args.train_lengths:
+            x = training_batch(model.config.vocab_size, t, args.tokens_per_step, device)
+            fp32_s, bf16_s = interleaved([train_step(model, x, device, torch.float32),
+                                          train_step(model, x, device, torch.bfloat16)], device, args.repeats)
+            rows.append({"pe": row_name(pe), "length": t, "fp32_step_s": fp32_s, "bf16_step_s": bf16_s,
+                         "speedup": fp32_s / bf16_s})
+        print(f"measured bf16 against fp32 {pe}", flush=True)
     return rows
 
 
@@ -341,6 +353,7 @@ def run(args) -> dict:
         print(f"measured {pe}", flush=True)
     peers = peer_rows(args, device, dtype) if args.peers else None
     compiled = compile_rows(pes, args, device, dtype) if args.compile else None
+    bf16 = bf16_rows(pes, args, device) if args.bf16_speedup else None
     if cpu_peaks is not None:
         after = cpu_matmul_peaks()
         cpu_peaks = {name: max(flops, after[name]) for name, flops in cpu_peaks.items()}
@@ -367,6 +380,8 @@ def run(args) -> dict:
         result["peers"] = peers
     if compiled is not None:
         result["compiled"] = compiled
+    if bf16 is not None:
+        result["bf16"] = bf16
     return result
 
 
@@ -488,6 +503,13 @@ def compile_table(rows) -> str:
     return markdown(head, body)
 
 
+def bf16_table(rows) -> str:
+    head = ["pe", "length", "fp32 step s", "bf16 step s", "bf16's speedup"]
+    body = [[r["pe"], str(r["length"]), f"{r['fp32_step_s']:.3f}", f"{r['bf16_step_s']:.3f}", f"{r['speedup']:.2f}x"]
+            for r in rows]
+    return markdown(head, body)
+
+
 def peaks_line(meta) -> str:
     """Both CPU matmul peaks, so a user sees what bf16 offers on this CPU, and the one MFU divides by."""
     line = f"MFU against {meta['peak_source']}: {meta['peak_flops'] / 1e9:.1f} GFLOP/s"
@@ -539,9 +561,14 @@ def main(argv=None):
                         help="also time each encoding's training step with its blocks compiled (compile: true) "
                         "against eager: the compile time, the steady steps, the steps to pay back; with "
                         "--loop_overhead: compile the blocks of its fit and bare step")
+    parser.add_argument("--bf16_speedup", action="store_true",
+                        help="also time each encoding's training step under bf16 autocast against fp32, same weights, "
+                        "in turns: bf16's speedup at this shape")
     args = parser.parse_args(argv)
     if args.peers == []:
         args.peers = list(DEFAULT_PEERS)
+    if args.peers and importlib.util.find_spec("transformers") is None:
+        parser.error("--peers needs transformers, which the hf extra installs: pip install 'cable_lightning[hf]'")
     if args.loop_overhead:
         result = loop_overhead(args.loop_overhead, compile=args.compile)
         print(f"loop overhead ({result['pe']}, layers/heads/width {result['shape']}, {result['batch']} x "
@@ -562,6 +589,9 @@ def main(argv=None):
     if "compiled" in result:
         print("\nCompiled blocks (compile: true) against eager, same weights, steady steps timed in turns:")
         print(compile_table(result["compiled"]))
+    if "bf16" in result:
+        print("\nbf16 autocast against fp32, same weights, steps timed in turns:")
+        print(bf16_table(result["bf16"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
