@@ -217,7 +217,9 @@ def test_the_cli_prepares_first_from_source_and_tokenizer(small_txt_dir, tmp_pat
     import cable_lightning.data.prepare as prep
     from cable_lightning.run_setup import prepare_first
 
-    monkeypatch.setattr(prep, "prepare", lambda **kw: fast_prepare(**kw, val_tokens=50))
+    real = prep.prepare  # not fast_prepare, which would call this stand-in
+    monkeypatch.setattr(prep, "prepare", lambda **kw: real(**kw, val_tokens=50, num_workers=1, start_method="fork",
+                                                            verbose=False))
     path = str(tmp_path / "auto")
     dm = TokenDataModule(path, source=small_txt_dir, tokenizer="bpe:300")
     with pytest.raises(FileNotFoundError):
