@@ -80,7 +80,13 @@ from .errors import (
 )
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_settings
-from .lit.resume import RunCheckpoint, evaluated_as_trained, finished_run, unkeepable_batch
+from .lit.resume import (
+    RunCheckpoint,
+    check_before_building,
+    evaluated_as_trained,
+    finished_run,
+    unkeepable_batch,
+)
 from .models.config import BackboneConfig, moved_setting
 from .positional import available, encoding_class
 from .tasks.generation import TaskMix
@@ -439,6 +445,9 @@ class CableCLI(LightningCLI):
             layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
                                           config.data.get("tasks"), subcommand, shown_name(path))
             config.data.layout = Namespace(**layout.as_dict())
+        if model is not None:  # the same model, length and data, before anything is built or prepared
+            check_before_building(read_checkpoint(path, mmap=True), configured_backbone(config), config.get("data"),
+                                  subcommand, shown_name(path))
         config.ckpt_path = path
 
     def add_arguments_to_parser(self, parser):

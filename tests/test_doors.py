@@ -304,6 +304,21 @@ def test_validate_refuses_another_layout_or_task_than_the_checkpoint_was_trained
     assert sorted(os.listdir(run_folder)) == folders  # refused before anything was built: no version folder
 
 
+def test_a_resume_under_another_task_is_refused_before_anything_is_built(reverse_string_run, capsys):
+    """A reverse-string run at step 1 resumed with duplicate string trained steps 2-3 on it without a word, recorded
+    a duplicate-string score for weights trained on reverse string and rewrote last.ckpt to say so."""
+    run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
+    ckpt, folders = os.path.join(run_folder, "checkpoints", "last.ckpt"), sorted(os.listdir(run_folder))
+    line = user_error_line(capsys, ["fit", *CHOMSKY, "--runs_dir", reverse_string_run, "--trainer.max_steps", "3",
+                                    "--checkpoint.every_n_train_steps", "1", "--ckpt_path", "last",
+                                    "--data.tasks", '{"duplicate_string": {}}'])
+    assert line.startswith(f'error: {ckpt} was trained on {{"reverse_string": {{')
+    assert 'this resume asks data.tasks {"duplicate_string": {' in line
+    assert line.endswith("""resume with --data.tasks '{"reverse_string": {}}' (the run's configs), or start a new run """
+                         f"from its weights (--model.init_args.init_weights {ckpt}, another --experiment)")
+    assert sorted(os.listdir(run_folder)) == folders
+
+
 def test_validate_with_a_checkpoint_alone_names_the_config_the_run_saved(reverse_string_run, capsys):
     """It said ``validate.model`` was required, with no word of the run's configs; the advice given works."""
     run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
