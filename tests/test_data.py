@@ -554,6 +554,24 @@ def test_python_code_hash_does_not_depend_on_where_an_editable_project_lives(fak
     assert source.describe()["dropped"]["editable"] == 1
 
 
+def test_every_prepared_source_has_a_corpus_hash_of_its_text_wherever_it_lies(tiny_corpus_dir, tmp_path):
+    """python-docs (its cache's jsonl parts) and local files had no corpus hash, so report mixed their runs with
+    python-code runs without a word: the hash is over the files' contents in order, not their paths."""
+    from cable_lightning.data.sources import local_files
+
+    assert read_manifest(tiny_corpus_dir)["source"]["corpus_hash"]
+    hashes = []
+    for folder in ("one", "elsewhere/two"):
+        parts = tmp_path / folder
+        parts.mkdir(parents=True)
+        for i in range(2):
+            (parts / f"part-{i:02d}.jsonl").write_text(json.dumps({"text": f"document {i}"}) + "\n")
+        hashes.append(local_files(str(parts), name="python-docs").describe()["corpus_hash"])
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 64
+    (tmp_path / "one" / "part-01.jsonl").write_text(json.dumps({"text": "document 2"}) + "\n")
+    assert local_files(str(tmp_path / "one"), name="python-docs").describe()["corpus_hash"] != hashes[0]
+
+
 def test_python_code_bad_environments_are_one_line_errors(tmp_path, monkeypatch, capsys):
     """An empty environment, an unknown or one-sided selection, a distribution whose file cannot be read or whose
     RECORD is missing: one line, exit 2, before any output is written."""

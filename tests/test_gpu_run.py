@@ -90,3 +90,36 @@ def test_gpu_run_script_rehearsed_on_cpu(tmp_path):
     assert "| cable seed 1337 | cpu" in (out / "report.md").read_text()  # the speed table's row
     assert sorted(os.listdir(out)) == ["manifest.json", "records.tar.gz", "report.md", "results.jsonl",
                                        "run-log.txt"]  # the device tool returns at most 8 files
+
+
+@pytest.mark.parametrize("second, named", [
+    (("2" * 64, RECIPE), "different corpora, which one table cannot compare: corpus 111111111111: cable@1024 seed 0; "
+                         "corpus 222222222222: cable@1024 seed 0"),
+    (("1" * 64, {**RECIPE, "steps": 500}), "steps 1000 (cable@1024 seed 0) vs 500 (cable@1024 seed 0)"),
+    ((None, None), "cable (training length 1024, seed 0) is 2 runs that differ in corpus 111111111111 vs none "
+                   "recorded; recipe (recorded vs none recorded): one table would show one of them as that run"),
+], ids=["corpus", "recipe", "unrecorded"])
+def test_report_never_drops_one_of_two_runs_that_share_encoding_length_and_seed(tmp_path, second, named):
+    """Two lends' results joined: both start with cable, seed 0. Their rows were merged by a run key of encoding,
+    training length and seed before the corpus check looked, so the table showed the later-written run alone. Now
+    each run keeps its key (corpus and recipe in it) and the report refuses in one line naming what differs."""
+    runs = tmp_path / "runs"
+    write_run(runs / "lend1", "cable", "1" * 64, RECIPE, "NVIDIA H100 80GB HBM3")
+    write_run(runs / "lend2", "cable", *second, "NVIDIA H200")
+    with pytest.raises(ConfigError) as refused:
+        report.report([str(runs)], str(tmp_path / "joined"))
+    line = str(refused.value)
+    assert "\n" not in line and named in line, line
+    assert not list(tmp_path.glob("joined*"))
+
+
+def test_two_lends_of_one_run_key_are_two_runs():
+    """The run key is typed and holds the corpus and the recipe."""
+    from cable_lightning.records import LengthRecord, RunKey
+
+    row = dict(pe="cable", train_length=1024, step=1000, run_seed=0, lr=6e-4, model="decoder L12", length=1024,
+               mode="nonoverlap", ppl=20.0)
+    one, two = LengthRecord(**row, corpus_hash="1" * 64, recipe=RECIPE), LengthRecord(**row, corpus_hash="2" * 64,
+                                                                                       recipe=RECIPE)
+    assert isinstance(one.run_key(), RunKey) and one.run_key() != two.run_key()
+    assert one.run_key().corpus == "1" * 64 and json.loads(one.run_key().recipe) == RECIPE

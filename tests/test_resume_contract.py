@@ -143,7 +143,7 @@ def test_dropout_draws_depend_on_the_micro_batch_alone_not_on_evaluations_or_a_r
         torch.testing.assert_close(r, p, atol=0, rtol=0, msg=f"resumed: {name}")
 
 
-# --- a resume is the same experiment: its data folder, corpus and tasks ------------------------------------------------
+# --- a resume is the same experiment: its data folder, corpus and tasks -----------------------------------------------
 
 def with_corpus_hash(source: str, folder, corpus: str) -> str:
     """A copy of the prepared ``source`` whose manifest names ``corpus`` as its content hash."""
@@ -213,8 +213,8 @@ def test_a_resume_under_another_task_is_refused_before_anything_is_built(stopped
     assert line.startswith(f"error: {ckpt} was trained on no tasks and this resume asks data.tasks "
                            '{"passkey": {')
     assert line.endswith("a resume continues its run on the same tasks (a score on another would be recorded as that "
-                         "task's); resume with no --data.tasks (the run's configs), or start a new run from its weights "
-                         f"(--model.init_args.init_weights {ckpt}, another --experiment)")
+                         "task's); resume with no --data.tasks (the run's configs), or start a new run from its "
+                         f"weights (--model.init_args.init_weights {ckpt}, another --experiment)")
     assert sorted(os.listdir(run)) == listed
 
 
