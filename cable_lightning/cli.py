@@ -106,6 +106,11 @@ def prepare_first(data: TokenDataModule) -> None:
         try:
             prepare.prepare(source=data.source, tokenizer=data.tokenizer_spec, out=data.path,
                             endpoint_url=data.endpoint_url)
+        except prepare.PrepareStopped as stop:  # as prepare alone: one line, 128 + the signal (see run)
+            stopped = SIGTERMException(f"the workers were stopped and nothing was written to {data.path}; run the "
+                                       "same command again")
+            stopped.signum = stop.signum
+            raise stopped from None
         except ConfigError:
             raise
         except (ValueError, OSError) as exc:  # prepare's own one-line errors (bad source, conflicting folder)
@@ -644,7 +649,7 @@ def run(args: list[str] | None = None) -> None:
         except SIGTERMException as exc:  # also a first Ctrl-C (SIGINT) during fit; see PreemptionCheckpoint
             signum = getattr(exc, "signum", signal.SIGTERM)
             saved, requeued = getattr(exc, "saved_checkpoint", None), getattr(exc, "requeued", None)
-            print(f"error: stopped by {signal.Signals(signum).name}"
+            print(f"error: stopped by {signal.Signals(signum).name}" + (f"; {exc}" if str(exc) else "")
                   + (f"; saved {saved}" if saved else "") + (f"; {requeued}" if requeued else "")
                   + ("; continue with --ckpt_path last" if saved else ""),
                   file=sys.stderr, flush=True)
