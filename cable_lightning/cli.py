@@ -451,8 +451,10 @@ class CableCLI(LightningCLI):
             super().parse_arguments(self.parser, self._args)
             config = self.config[subcommand]
         if subcommand in ("validate", "test") and config.get("data") is not None:  # as the weights were trained
+            given = self._args if self._args is not None else sys.argv[1:]
+            named = any(arg.partition("=")[0].startswith("--data.layout") for arg in given)
             layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
-                                          config.data.get("tasks"), subcommand, shown_name(path))
+                                          config.data.get("tasks"), subcommand, shown_name(path), named)
             config.data.layout = Namespace(**layout.as_dict())
         if model is not None:  # the same model, length and data, before anything is built or prepared
             check_before_building(read_checkpoint(path, mmap=True), configured_backbone(config), config.get("data"),

@@ -230,3 +230,22 @@ def test_validate_under_other_model_settings_is_refused_before_its_corpus_is_pre
                     "weights: n_layer (checkpoint 2, configured 3); remove them from the command line and the config "
                     "files to use the checkpoint's")
     assert not os.path.exists(fresh) and sorted(os.listdir(run)) == listed
+
+
+def test_validate_refuses_an_explicit_contiguous_layout_for_randomized_weights(tiny_corpus_dir, tmp_path, capsys):
+    """--data.layout.positions contiguous, given for weights trained at randomized positions, was dropped without a
+    word (the default layout stands for the trained one; named on the command line, it is a request)."""
+    runs = str(tmp_path)
+    randomized = ["--model.init_args.backbone.pos_encoding", "rope", "--data.layout.positions", "randomized",
+                  "--data.layout.position_range", "256"]
+    main(["fit", *args(tiny_corpus_dir, runs, steps=1, every=1), *RECORD, *randomized])
+    ckpt = os.path.join(runs, "test", "rope", "checkpoints", "last.ckpt")
+    listed = sorted(os.listdir(os.path.join(runs, "test", "rope")))
+    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs, pe="rope"), "--ckpt_path", ckpt,
+                                    "--data.layout.positions", "contiguous"])
+    assert line == (f"error: {ckpt} was trained with data.layout randomized256 and validate asks another: "
+                    "data.layout.positions (checkpoint 'randomized', configured 'contiguous'), "
+                    "data.layout.position_range (checkpoint 256, configured None); validate evaluates weights at the "
+                    "layout they were trained with (its records name that one): drop the --data.layout flags or give "
+                    "the checkpoint's (--data.layout.positions randomized --data.layout.position_range 256)")
+    assert sorted(os.listdir(os.path.join(runs, "test", "rope"))) == listed

@@ -248,17 +248,18 @@ def layout_differences(saved: TrainingLayout, configured: TrainingLayout) -> tup
 
 
 def evaluated_as_trained(saved_data: dict, layout: TrainingLayout, tasks: Optional[dict], verb: str,
-                         path: str) -> TrainingLayout:
+                         path: str, named: bool = False) -> TrainingLayout:
     """What ``validate`` and ``test`` may ask of a checkpoint (``saved_data``: its data description), checked before
     anything is built. Weights are evaluated at the data.layout they were trained with, which their records name:
     the default layout (no --data.layout flags) stands for it, and another one would be recorded as the trained one
     (randomized positions asked of contiguous weights changed nothing). Weights trained on tasks alone are scored only
     on those tasks (a reverse-string checkpoint would be recorded as a duplicate-string score). Returns the layout to
-    evaluate with; anything else is one line naming both and the flags that fit. Checkpoints written before the
-    layout or the tasks were recorded are not checked for them."""
+    evaluate with; anything else is one line naming both and the flags that fit, also the default layout when the
+    command line ``named`` it (``--data.layout.positions contiguous`` asked of randomized weights was dropped without
+    a word). Checkpoints written before the layout or the tasks were recorded are not checked for them."""
     trained = TrainingLayout.from_dict(saved_data["layout"]) if "layout" in saved_data else layout
     differ, flags = layout_differences(trained, layout)
-    if differ and layout.active:
+    if differ and (layout.active or named):
         described = trained.label(saved_data.get("block_size")) or "the default (packed blocks, contiguous positions)"
         raise ConfigError(f"{path} was trained with data.layout {described} and {verb} asks another: {differ}; "
                           f"{verb} evaluates weights at the layout they were trained with (its records name that "
