@@ -8,9 +8,15 @@ process. On CPU, peak memory is the peak RSS of a fresh spawned process that run
 MFU (model FLOPs utilisation) of each training step: its model FLOPs (``Backbone.training_flops_per_token``, 6 per
 parameter plus the attention matmuls) per second over a peak (:func:`cable_lightning.hardware.peak_flops`): on CUDA
 the device's datasheet dense bf16 peak (a GPU the project's table lacks: a bf16 matmul measured in this process), on
-CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype measured in this process with its threads, before
-and after the PEs (a CPU has no datasheet figure that its threads reach; on a machine
-shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s).
+CPU the best rate of a 1024 x 1024 matmul in the benchmark's dtype (``--dtype``: fp32, or bf16 under autocast) measured
+in this process with its threads, before and after the PEs (a CPU has no datasheet figure that its threads reach; on a
+machine shared with other jobs both measurements move with the load, so MFU is noisier than tokens/s). Both the fp32
+and the bf16 peak are measured and printed, so the table shows what each precision can reach on this CPU.
+
+``--peers``: transformers' own models at the same shape (:mod:`cable_lightning.peers`: GPT-2 against ``learnable``,
+GPT-NeoX or Llama against ``rope``), each training step timed in turns with the project's in this process, and their
+ratio. ``--compile``: each encoding's training step with its blocks compiled (``compile: true``) against eager, the
+compile time apart from the steady steps, and the steps a fit needs to pay the compile back.
 
     python -m cable_lightning bench --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
 """
@@ -26,12 +32,14 @@ import time
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 
 from cable_lightning.errors import ArgumentParser
-from cable_lightning.hardware import measured_matmul_peak, peak_flops, sync
+from cable_lightning.hardware import cpu_matmul_peaks, peak_flops, sync
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.attention import FLEX_MIN_HEAD_DIM
-from cable_lightning.positional import available, from_label
+from cable_lightning.peers import DEFAULT_PEERS, PEERS, build_peer
+from cable_lightning.positional import ENCODING_FLAG, available, from_label
 
 
 def make_config(args, variant: str, block_size: int, causal: bool | None = None) -> BackboneConfig:
@@ -78,17 +86,121 @@ def timed(fn, device, repeats):
     return statistics.median(times)
 
 
-def train_tokens_per_second(model, t, tokens_per_step, device, dtype, repeats):
-    batch = max(1, tokens_per_step // t)
-    x = torch.randint(0, model.config.vocab_size, (batch, t + 1), device=device)
+def interleaved(fns, device, repeats) -> list[float]:
+    """The median seconds of each of ``fns``, run in turns (one call of each per round, after one warm-up call of
+    each): load that comes and goes on a shared machine falls on all of them alike, so their ratios hold."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, kept in zip(fns, times):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
 
+
+def training_batch(vocab_size, t, tokens_per_step, device):
+    """(batch, t + 1) token ids: ``tokens_per_step // t`` rows (at least one)."""
+    return torch.randint(0, vocab_size, (max(1, tokens_per_step // t), t + 1), device=device)
+
+
+def train_step(model, x, device, dtype):
+    """One training step of the backbone on ``x`` (forward and loss under autocast in ``dtype``, backward): a
+    callable."""
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = model.loss(x[:, :-1], x[:, 1:])
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return batch * t / timed(step, device, repeats)
+    return step
+
+
+def peer_train_step(peer, x, device, dtype):
+    """:func:`train_step` of a transformers causal LM: its logits, and the backbone's loss on them (fp32 cross
+    entropy of the next tokens), so both sides do the same work."""
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = peer(input_ids=x[:, :-1]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        peer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def train_tokens_per_second(model, t, tokens_per_step, device, dtype, repeats):
+    x = training_batch(model.config.vocab_size, t, tokens_per_step, device)
+    return x.shape[0] * t / timed(train_step(model, x, device, dtype), device, repeats)
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def peer_rows(args, device, dtype) -> list[dict]:
+    """Each peer (:data:`cable_lightning.peers.PEERS`) against the backbone with the encoding it matches, same shape,
+    at each training length: both steps timed in turns in this process (:func:`interleaved`); ``ratio`` is the
+    backbone's tokens/s over the peer's."""
+    rows = []
+    for name in args.peers:
+        against = PEERS[name].against
+        torch.manual_seed(0)
+        config = make_config(args, against, max(args.train_lengths))
+        model, peer = build_backbone(config).to(device), build_peer(name, config).to(device)
+        row = {"peer": name, "peer_model": type(peer).__name__, "against": row_name(against),
+               "params": parameter_count(model),
+               "peer_params": parameter_count(peer), "tok_s": {}, "peer_tok_s": {}, "ratio": {}}
+        for t in args.train_lengths:
+            x = training_batch(config.vocab_size, t, args.tokens_per_step, device)
+            ours, theirs = interleaved([train_step(model, x, device, dtype), peer_train_step(peer, x, device, dtype)],
+                                       device, args.repeats)
+            tokens = x.shape[0] * t
+            row["tok_s"][t], row["peer_tok_s"][t], row["ratio"][t] = tokens / ours, tokens / theirs, theirs / ours
+        rows.append(row)
+        print(f"measured peer {name}", flush=True)
+    return rows
+
+
+def compile_rows(pes, args, device, dtype) -> list[dict]:
+    """Each encoding's training step with its blocks compiled (``compile: true``) against the same weights eager, at
+    each training length: the first compiled step's time over the steady compiled step (``compile_s``, with a fresh
+    Dynamo, inductor's on-disk cache as this machine has it), both steady steps timed in turns, and the steps a fit
+    needs before the compiled steps have paid the compile back (None: never)."""
+    rows = []
+    for pe in pes:
+        torch.manual_seed(0)
+        config = make_config(args, pe, max(args.train_lengths))
+        eager, compiled = build_backbone(config).to(device), build_backbone(config).to(device)
+        compiled.load_state_dict(eager.state_dict())
+        for t in args.train_lengths:
+            torch._dynamo.reset()  # each length compiles from nothing, as a fit at that length would
+            compiled.compiled_blocks = None
+            compiled.compile_blocks()
+            x = training_batch(config.vocab_size, t, args.tokens_per_step, device)
+            compiled_step = train_step(compiled, x, device, dtype)
+            sync(device)
+            start = time.perf_counter()
+            compiled_step()
+            sync(device)
+            first = time.perf_counter() - start
+            eager_s, compiled_s = interleaved([train_step(eager, x, device, dtype), compiled_step], device,
+                                              args.repeats)
+            compile_s = max(0.0, first - compiled_s)
+            rows.append({"pe": row_name(pe), "length": t, "eager_step_s": eager_s, "compiled_step_s": compiled_s,
+                         "speedup": eager_s / compiled_s, "compile_s": compile_s,
+                         "payback_steps": compile_s / (eager_s - compiled_s) if compiled_s < eager_s else None})
+        print(f"measured compiled {pe}", flush=True)
+    return rows
 
 
 def eval_forward(model, t, device, dtype):
@@ -181,7 +293,12 @@ def run(args) -> dict:
     pes = args.pes or default_variants(device, make_config(args, "nope", max(args.train_lengths)).head_dim)
     if "nope" not in pes:
         pes = ["nope"] + pes
-    peak, peak_source = peak_flops(device, dtype)
+    cpu_peaks = None
+    if device.type == "cpu":  # both dtypes' peaks, before and after the PEs: the better of each (load lowers either)
+        cpu_peaks = cpu_matmul_peaks()
+        peak_source = f"{dtype} 1024x1024 matmul measured in this process"
+    else:
+        peak, peak_source = peak_flops(device, dtype)
     rows = []
     for pe in pes:
         torch._dynamo.reset()  # what one encoding compiled (FlexAttention) counts toward no other's recompile limit
@@ -215,8 +332,12 @@ def run(args) -> dict:
                     torch.cuda.empty_cache()
         rows.append(row)
         print(f"measured {pe}", flush=True)
-    if device.type == "cpu":  # the better of two measurements, before and after: other load lowers either
-        peak = max(peak, measured_matmul_peak(dtype))
+    peers = peer_rows(args, device, dtype) if args.peers else None
+    compiled = compile_rows(pes, args, device, dtype) if args.compile else None
+    if cpu_peaks is not None:
+        after = cpu_matmul_peaks()
+        cpu_peaks = {name: max(flops, after[name]) for name, flops in cpu_peaks.items()}
+        peak = cpu_peaks[args.dtype]
     for row in rows:
         row["train_mfu"] = {t: v * row["train_flops_per_token"][t] / peak for t, v in row["train_tok_s"].items()}
     base = next(r for r in rows if r["pe"] == "nope")
@@ -232,8 +353,14 @@ def run(args) -> dict:
         "torch": torch.__version__, "dtype": args.dtype,
         "shape": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
         "tokens_per_step": args.tokens_per_step, "peak_flops": peak, "peak_source": peak_source,
+        "cpu_matmul_peaks": cpu_peaks,
     }
-    return {"meta": meta, "rows": rows}
+    result = {"meta": meta, "rows": rows}
+    if peers is not None:
+        result["peers"] = peers
+    if compiled is not None:
+        result["compiled"] = compiled
+    return result
 
 
 class StepClock(L.Callback):
@@ -265,7 +392,7 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
     n_layer, n_head, n_embd = shape
     with tempfile.TemporaryDirectory() as runs:
         cli = cli_main(["fit", "--model", "cable_lightning.lit.CausalLM",
-                        "--model.init_args.backbone.pos_encoding", pe,
+                        ENCODING_FLAG, pe,
                         "--model.init_args.backbone.n_layer", str(n_layer),
                         "--model.init_args.backbone.n_head", str(n_head),
                         "--model.init_args.backbone.n_embd", str(n_embd),
@@ -330,6 +457,40 @@ def table(result) -> str:
     return "\n".join(lines)
 
 
+def markdown(head: list[str], body: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(cells) + " |" for cells in body])
+
+
+def peer_table(rows) -> str:
+    ts = list(rows[0]["tok_s"])
+    head = ["peer", "against", "parameters (peer / project)"] + [f"train tok/s @{t}: project / peer (x peer)"
+                                                                   for t in ts]
+    body = [[f"{r['peer']} ({r['peer_model']})", r["against"],
+             f"{r['peer_params']:,} / {r['params']:,}"]
+            + [f"{r['tok_s'][t]:.0f} / {r['peer_tok_s'][t]:.0f} ({r['ratio'][t]:.2f}x)" for t in ts] for r in rows]
+    return markdown(head, body)
+
+
+def compile_table(rows) -> str:
+    head = ["pe", "length", "eager step s", "compiled step s (x eager's speed)", "compile s", "steps to pay back"]
+    body = [[r["pe"], str(r["length"]), f"{r['eager_step_s']:.3f}", f"{r['compiled_step_s']:.3f} ({r['speedup']:.2f}x)",
+             f"{r['compile_s']:.1f}", "never" if r["payback_steps"] is None else f"{r['payback_steps']:.0f}"]
+            for r in rows]
+    return markdown(head, body)
+
+
+def peaks_line(meta) -> str:
+    """Both CPU matmul peaks, so a user sees what bf16 offers on this CPU, and the one MFU divides by."""
+    line = f"MFU against {meta['peak_source']}: {meta['peak_flops'] / 1e9:.1f} GFLOP/s"
+    peaks = meta["cpu_matmul_peaks"]
+    if peaks is None:
+        return line
+    return (f"CPU matmul peaks (1024x1024, {torch.get_num_threads()} threads, best of before and after): fp32 "
+            f"{peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s "
+            f"({peaks['bf16'] / peaks['fp32']:.2f}x fp32)\n{line}")
+
+
 def main(argv=None):
     parser = ArgumentParser(prog="python -m cable_lightning bench", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -361,8 +522,17 @@ def main(argv=None):
     parser.add_argument("--loop-overhead", metavar="DATA_PATH",
                         help="instead of the table: a tiny model's fit step (through the CLI, on this prepared data "
                         "folder) over its bare step, the loop's overhead (docs/speed.md)")
-    parser.add_argument("--compile", action="store_true", help="with --loop-overhead: compile the blocks")
+    parser.add_argument("--peers", nargs="*", choices=list(PEERS), metavar="PEER",
+                        help=f"also time transformers' models at the same shape, each in turns with the encoding it "
+                        f"matches: {', '.join(f'{n} (against {p.against})' for n, p in PEERS.items())}; "
+                        f"no names: {' '.join(DEFAULT_PEERS)}")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each encoding's training step with its blocks compiled (compile: true) "
+                        "against eager: the compile time, the steady steps, the steps to pay back; with "
+                        "--loop-overhead: compile the blocks of its fit and bare step")
     args = parser.parse_args(argv)
+    if args.peers == []:
+        args.peers = list(DEFAULT_PEERS)
     if args.loop_overhead:
         result = loop_overhead(args.loop_overhead, compile=args.compile)
         print(f"loop overhead ({result['pe']}, layers/heads/width {result['shape']}, {result['batch']} x "
@@ -375,8 +545,14 @@ def main(argv=None):
         return result
     result = run(args)
     print(json.dumps(result["meta"]))
-    print(f"MFU against {result['meta']['peak_source']}: {result['meta']['peak_flops'] / 1e9:.1f} GFLOP/s")
+    print(peaks_line(result["meta"]))
     print(table(result))
+    if "peers" in result:
+        print(f"\nPeers (transformers {transformers_version()}), each step timed in turns with the project's:")
+        print(peer_table(result["peers"]))
+    if "compiled" in result:
+        print("\nCompiled blocks (compile: true) against eager, same weights, steady steps timed in turns:")
+        print(compile_table(result["compiled"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

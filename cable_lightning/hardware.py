@@ -51,6 +51,17 @@ def measured_matmul_peak(dtype, device: torch.device = torch.device("cpu"), repe
     return 2 * size**3 / best
 
 
+# The dtypes a CPU's matmul peak is measured in, by the names bench's --dtype takes.
+CPU_PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_matmul_peaks(repeats: int = 20) -> dict[str, float]:
+    """This CPU's 1024 x 1024 matmul FLOP/s with this process's threads, in fp32 and in bf16 (keys of
+    :data:`CPU_PEAK_DTYPES`): what each precision can reach here (a CPU with AVX512-BF16 or AMX runs bf16 about twice
+    as fast as fp32; one without runs it slower)."""
+    return {name: measured_matmul_peak(dtype, torch.device("cpu"), repeats) for name, dtype in CPU_PEAK_DTYPES.items()}
+
+
 def peak_flops(device: torch.device, dtype=torch.bfloat16) -> tuple[float, str]:
     """(FLOP/s, where it comes from) that MFU divides by: on CUDA the dense bf16 peak whatever ``dtype`` (one scale
     for every precision), on CPU a matmul in ``dtype``."""

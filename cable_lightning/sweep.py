@@ -39,7 +39,8 @@ import sys
 
 from cable_lightning.errors import ArgumentParser, ConfigError, RunFailedError
 from cable_lightning.eval.report import report
-from cable_lightning.positional import from_label
+from cable_lightning.positional import ENCODING_FLAG, from_label
+from cable_lightning.run_setup import run_folder_of
 
 COMMAND = [sys.executable, "-m", "cable_lightning"]  # this interpreter's package, as the sweep itself runs
 MAX_SEED = 2**32 - 1  # seed_everything's largest seed (numpy's generators take 32 bits)
@@ -110,8 +111,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
         for seed in args.seeds or [None]:  # seed-major: a sweep stopped early has every encoding at its first seeds
             for pe in args.pes:
                 if args.stage == "retrieval":
-                    run = os.path.join(args.runs_dir, experiment, from_label(pe).label(runtime=False))
-                    run = run if seed is None else os.path.join(run, f"seed{seed}")
+                    run = run_folder_of(args.runs_dir, experiment, from_label(pe).label(runtime=False), seed)
                     runs += [(experiment, cmd) for cmd in retrieval_commands(run, pe, seed, args)]
                     continue
                 cmd = [*COMMAND, "fit"]
@@ -119,7 +119,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
                     cmd += ["--config", config]
                 # auto: running the sweep again continues interrupted runs (finished ones say so and do nothing)
                 cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
-                        "--model.init_args.backbone.pos_encoding", encodings[pe], "--ckpt_path", "auto"]
+                        ENCODING_FLAG, encodings[pe], "--ckpt_path", "auto"]
                 if seed is not None:
                     cmd += ["--seed_everything", str(seed), "--folder_per_seed", "true"]
                 if length is not None:

@@ -1,6 +1,7 @@
 """The bench verb's MFU."""
 
 import pytest
+import torch
 
 from cable_lightning import bench
 
@@ -30,3 +31,80 @@ def test_loop_overhead_times_a_fit_through_the_cli_against_the_bare_step(tiny_co
     result = bench.loop_overhead(tiny_corpus_dir, steps=6, warmup=2, repeats=2, block_size=32, batch=4)
     assert result["fit_steps_timed"] == 3 and result["fit_step_s"] > 0 and result["bare_step_s"] > 0
     assert result["ratio"] == pytest.approx(result["fit_step_s"] / result["bare_step_s"])
+
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--vocab-size", "500", "--pes", "nope", "--train-lengths",
+        "32", "--eval-lengths", "32", "--tokens-per-step", "64", "--repeats", "1", "--skip-memory", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cpu_mfu_divides_by_the_matmul_peak_of_the_runs_dtype_and_both_peaks_are_printed(dtype, monkeypatch, capsys):
+    """The CPU's fp32 and bf16 matmul peaks (here 100 and 300 GFLOP/s, monkeypatched) are both measured, before and
+    after the encodings (the better of each is kept), both printed, and MFU divides by the run's own."""
+    measured = iter([{"fp32": 100e9, "bf16": 250e9}, {"fp32": 90e9, "bf16": 300e9}])
+    monkeypatch.setattr(bench, "cpu_matmul_peaks", lambda: next(measured))
+    result = bench.main(TINY + ["--dtype", dtype])
+    meta, (row,) = result["meta"], result["rows"]
+    peak = {"fp32": 100e9, "bf16": 300e9}[dtype]
+    assert meta["peak_flops"] == peak and meta["cpu_matmul_peaks"] == {"fp32": 100e9, "bf16": 300e9}
+    assert row["train_mfu"][32] == pytest.approx(row["train_tok_s"][32] * row["train_flops_per_token"][32] / peak)
+    out = capsys.readouterr().out
+    assert "fp32 100.0 GFLOP/s, bf16 300.0 GFLOP/s (3.00x fp32)" in out
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    assert f"MFU against {torch_dtype} 1024x1024 matmul measured in this process: {peak / 1e9:.1f} GFLOP/s" in out
+
+
+def test_peers_match_the_backbones_parameter_count_and_get_their_rows(capsys):
+    """``--peers`` with no names: transformers' GPT-2 against ``learnable`` and GPT-NeoX against ``rope``, built from a
+    config (no download), with the backbone's parameter count (vocabulary 500 is padded to 512 on both sides), each
+    timed with the backbone in one process; the table prints each one's row."""
+    result = bench.main(TINY + ["--peers"])
+    rows = {row["peer"]: row for row in result["peers"]}
+    assert list(rows) == ["gpt2", "neox"]
+    assert rows["gpt2"]["against"] == "learnable" and rows["neox"]["against"] == "rope"
+    for row in rows.values():
+        assert row["peer_params"] == row["params"]
+        assert row["ratio"][32] == pytest.approx(row["tok_s"][32] / row["peer_tok_s"][32])
+    out = capsys.readouterr().out
+    params = 512 * 32 + 32 * 32 + (2 * 64 + 32 * 96 + 96 + 32 * 32 + 32 + 2 * 32 * 128 + 128 + 32) + 64
+    assert rows["gpt2"]["params"] == params, "tied embeddings, a 32-row position table, one block, the final norm"
+    assert f"| gpt2 (GPT2LMHeadModel) | learnable | {params:,} / {params:,} |" in out
+    assert "| neox (GPTNeoXForCausalLM) | rope |" in out
+
+
+def test_llama_peer_differs_only_where_its_block_does():
+    """Llama's block (RMSNorm, a SwiGLU MLP of 8/3 x width, no biases) cannot hold the backbone's parameters; its
+    embeddings, attention width and depth are the backbone's."""
+    config = bench.make_config(bench.argparse.Namespace(preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=48,
+                                                        vocab_size=500), "rope", 32)
+    llama = bench.build_peer("llama", config)
+    assert not bench.PEERS["llama"].same_parameters and llama.training
+    assert llama.get_input_embeddings().weight is llama.get_output_embeddings().weight
+    assert llama.get_input_embeddings().weight.shape == (512, 48) and len(llama.model.layers) == 2
+    assert llama.model.layers[0].mlp.up_proj.out_features == 128
+
+
+def test_an_unknown_peer_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(TINY + ["--peers", "gpt3"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and "'gpt3'" in err
+    assert all(name in err.split("'gpt3'")[1] for name in ("gpt2", "neox", "llama")), "the valid names follow"
+
+
+def test_compile_times_the_compiled_step_against_eager_with_the_compile_apart(monkeypatch, capsys):
+    """``--compile``: each encoding's blocks compiled (Dynamo's eager backend stands in for inductor here), a
+    fresh compile per length, its time apart from the steady steps, and the steps a fit needs to pay it back."""
+    compile_, compiled = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compiled.append(model) or compile_(
+        model, **{**kwargs, "backend": "eager"}))
+    result = bench.main(TINY + ["--train-lengths", "16", "32", "--compile"])
+    rows = result["compiled"]
+    assert [(r["pe"], r["length"]) for r in rows] == [("nope", 16), ("nope", 32)]
+    assert len(compiled) == 2, "the one block compiled again for each length"
+    for r in rows:
+        assert r["compile_s"] >= 0 and r["speedup"] == pytest.approx(r["eager_step_s"] / r["compiled_step_s"])
+        gain = r["eager_step_s"] - r["compiled_step_s"]
+        assert r["payback_steps"] == (pytest.approx(r["compile_s"] / gain) if gain > 0 else None)
+    assert "| nope | 32 |" in capsys.readouterr().out

@@ -127,7 +127,7 @@ def test_global_batch_counts_the_built_trainers_world_size(monkeypatch):
     devices: an int, a digit string, a list, "0,1" on a node with more GPUs visible, times num_nodes."""
     import lightning as L
 
-    from cable_lightning.cli import apply_global_batch
+    from cable_lightning.run_setup import apply_global_batch
 
     def accumulation(**trainer_args):
         trainer = L.Trainer(logger=False, enable_checkpointing=False, strategy="ddp", **trainer_args)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import yaml
 
-from cable_lightning.cli import accumulation_steps, main
+from cable_lightning.cli import main
+from cable_lightning.run_setup import accumulation_steps
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 BASES = (sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml")))

@@ -870,7 +870,7 @@ def test_missing_or_corrupt_data_is_named(tiny_corpus_dir, tmp_path):
 def test_the_cli_prepares_first_from_source_and_tokenizer(small_txt_dir, tmp_path, monkeypatch):
     """The data module only reads; the CLI prepares the data section's path first when it names a source."""
     import cable_lightning.data.prepare as prep
-    from cable_lightning.cli import prepare_first
+    from cable_lightning.run_setup import prepare_first
 
     monkeypatch.setattr(prep, "prepare", lambda **kw: fast_prepare(**kw, val_tokens=50))
     path = str(tmp_path / "auto")

@@ -85,3 +85,9 @@ def test_the_fits_mfu_on_an_h200_divides_by_the_tables_peak(gpu_named, measured,
         throughput.update(time=float(step), batches=step, samples=step, flops=100e12)  # 100 TFLOP in each 1 s step
     assert throughput.compute()["device/mfu"] == pytest.approx(100e12 / 989.5e12)
     assert "MFU against datasheet dense bf16 peak of NVIDIA H200 as H200 SXM" in capsys.readouterr().out
+
+
+def test_the_cpu_peaks_are_measured_in_fp32_and_bf16(measured):
+    """bench prints both and divides MFU by the run's dtype's (tests/test_bench.py)."""
+    assert hardware.cpu_matmul_peaks() == {"fp32": 123e12, "bf16": 123e12}
+    assert measured == [(torch.float32, torch.device("cpu")), (torch.bfloat16, torch.device("cpu"))]

@@ -247,3 +247,35 @@ def test_folder_per_seed_needs_a_seed(tiny_corpus_dir, tmp_path):
         main(["fit", *tiny_args(tiny_corpus_dir, str(tmp_path)), "--folder_per_seed", "true",
               "--seed_everything", "false"])
     assert "\n" not in str(err.value)
+
+
+def test_ratio_against_tokens_is_each_encodings_mean_over_seeds_at_the_longest_length(monkeypatch, tmp_path):
+    """The figure's points, against a direct computation: x is the step times the recipe's tokens of a step, y the
+    mean over seeds of each run's ppl(longest) / ppl(training length), with the seeds' t-interval as the band."""
+    from cable_lightning.records import LengthRecord
+
+    drawn = {}
+    monkeypatch.setattr(report, "line_figure", lambda series, *a, bands=None: drawn.update(series=series,
+                                                                                           bands=bands, args=a))
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: None)
+    ppl = {(pe, seed, step, length): 100.0 + 7 * i + (length // 64) * (3 if pe == "rope" else -1) * step / 100
+           for i, (pe, seed, step, length) in enumerate((pe, seed, step, length) for pe in ("cable", "rope")
+                                                        for seed in (0, 1, 2) for step in (100, 200)
+                                                        for length in (64, 256, 1024))}
+    runs: dict = {}
+    for (pe, seed, step, length), value in ppl.items():
+        row = LengthRecord(pe=pe, train_length=64, step=step, run_seed=seed, length=length, mode="nonoverlap",
+                           ppl=value, recipe={"batch_tokens": 512})
+        runs.setdefault(row.run_key(), {}).setdefault(step, []).append(row)
+    assert report.ratio_tokens_figure(runs, "nonoverlap", str(tmp_path / "f.png"))
+    for pe in ("cable", "rope"):
+        expected = [(step * 512, sum(ppl[pe, s, step, 1024] / ppl[pe, s, step, 64] for s in (0, 1, 2)) / 3)
+                    for step in (100, 200)]
+        assert [x for x, _ in drawn["series"][pe]] == [x for x, _ in expected]
+        assert [y for _, y in drawn["series"][pe]] == pytest.approx([y for _, y in expected])
+        ratios = [ppl[pe, s, 200, 1024] / ppl[pe, s, 200, 64] for s in (0, 1, 2)]
+        low, high = stats.t.interval(0.95, 2, loc=sum(ratios) / 3, scale=stats.sem(ratios))
+        assert list(drawn["bands"][pe][-1]) == pytest.approx([200 * 512, low, high])
+    assert drawn["args"][2] == "tokens trained"
+    one_step = {key: {100: steps[100]} for key, steps in runs.items()}
+    assert not report.ratio_tokens_figure(one_step, "nonoverlap", str(tmp_path / "g.png"))

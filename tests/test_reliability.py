@@ -347,7 +347,7 @@ def test_a_full_logs_folder_is_one_line_naming_the_file(tiny_corpus_dir, tmp_pat
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr("cable_lightning.cli.TerseParser.save", disk_full)
+        monkeypatch.setattr("cable_lightning.argument_errors.TerseParser.save", disk_full)
     else:
         os.symlink("/dev/full", logs / full)  # every write to it: ENOSPC
     line = user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path), steps=2, every=2),

@@ -117,7 +117,7 @@ class TokenDataModule(L.LightningDataModule):
         eval_stride: also score each length longer than this with sliding windows advancing by ``eval_stride``
             tokens (ALiBi's appendix-B protocol); None scores non-overlapping windows only.
         source, tokenizer: what ``path`` is prepared from, when given: the CLI prepares it first (a no-op on a
-            finished folder, an error on one prepared from something else; :func:`cable_lightning.cli.prepare_first`).
+            finished folder, an error on one prepared from something else; :func:`..run_setup.prepare_first`).
             This class only reads a prepared folder.
         cache_dir: for an ``s3://bucket/prefix`` path, the local folder for streamed chunks and the fetched
             manifest, index and held-out arrays (default: LitData's, ``$LITDATA_CACHE_DIR`` or

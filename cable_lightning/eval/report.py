@@ -11,7 +11,8 @@ writes per window mode:
   interval;
 - ``<out>_<mode>.png``: perplexity against length, a band for each interval;
 - ``<out>_<mode>_training.png``: for each encoding, perplexity and the ratio at every evaluated length against the
-  training step, from the evaluations at every checkpoint.
+  training step, from the evaluations at every checkpoint;
+- ``<out>_<mode>_ratio_tokens.png``: every encoding's ratio at the longest length against the tokens trained.
 
 Intervals (cable_lightning.eval.intervals): with several seeds, a Student-t interval over them; with one seed, a
 percentile bootstrap over the evaluated windows. Bold: the best mean and every encoding a paired t-test does not
@@ -407,6 +408,40 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
     return True
 
 
+def ratio_tokens_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path: str) -> bool:
+    """ppl(longest length) / ppl(training length) against the tokens trained (the step times the recipe's tokens of
+    an optimizer step; the step where runs recorded no recipe), one line per encoding: the mean over seeds with its
+    t-interval band. How each encoding's extrapolation moves with training, all encodings on one axis; False when no
+    run was evaluated at two steps or more."""
+    rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.mode == mode]
+    longest = max((r.length for r in rows), default=None)
+    if len({r.step for r in rows}) < 2 or longest is None:
+        return False
+    batch_tokens = {(r.recipe or {}).get("batch_tokens") for r in rows}
+    per_step = batch_tokens.pop() if len(batch_tokens) == 1 and None not in batch_tokens else None
+    series: dict[str, list] = {}
+    bands: dict[str, list] = {}
+    for step in sorted({r.step for r in rows}):
+        columns, table = ratio_table([r for r in rows if r.step == step], mode)
+        for length, *cells in table:
+            if length != longest:
+                continue
+            for encoding, cell in zip(columns, cells):
+                values = list(cell.values.values()) if cell else []
+                e = seed_interval(values) if values and None not in values else None
+                if e is not None and math.isfinite(e.mean):
+                    x = step * per_step if per_step else step
+                    series.setdefault(encoding, []).append((x, e.mean))
+                    if e.low is not None:
+                        bands.setdefault(encoding, []).append((x, e.low, e.high))
+    train = sorted({r.train_length for r in rows})
+    title = f"ppl({longest}) / ppl({'/'.join(map(str, train))}) against training ({mode})"
+    xlabel = "tokens trained" if per_step else "training step"
+    save_figure(line_figure(series, title, None, xlabel, f"ppl({longest}) / ppl(train length)", False, bands=bands),
+                path)
+    return True
+
+
 def speed_table(rows: list[ThroughputRecord]) -> str:
     """Each run's training speed (its latest fit on each machine): the rows of a speed table, as the run measured
     them (:class:`ThroughputRecord`)."""
@@ -487,7 +522,8 @@ def loss_curves_figure(curves: dict[str, dict[str, dict[int, list[float]]]], pat
 
 
 def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> dict[str, str]:
-    """Writes <out>_<mode>.md/.csv/.png and <out>_<mode>_training.png for each window mode present, and
+    """Writes <out>_<mode>.md/.csv/.png, <out>_<mode>_training.png and <out>_<mode>_ratio_tokens.png for each window
+    mode present, and
     <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows, and
     <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's; returns
     {mode, "position", "task <name>", "effective length" or "runs behind their other seeds": markdown}."""
@@ -516,6 +552,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
         plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
         training_figure(runs, mode, f"{out}_{mode}_training.png")
+        ratio_tokens_figure(runs, mode, f"{out}_{mode}_ratio_tokens.png")
     found = find_records(paths, PositionRecord.FILE, required=False)
     if found:
         table = position_table(latest_rows(found, PositionRecord, lambda r: (r.length, r.first_position)))

@@ -13,6 +13,7 @@ import lightning as L
 import torch
 
 from ..callbacks import AttentionDiagnostics
+from ..positional import ENCODING_FLAG
 from .bare import bare_step, ratio_cell
 from .dynamo import dynamo_counts
 from .memory import memory_estimate
@@ -189,8 +190,8 @@ def shape_data(run, shape: str) -> list[str]:
         return data
     if run.widened is None:
         if not args.data_path:  # prepared here as the CLI would for a prepared-data fit
-            from ..cli import prepare_first
             from ..data.datamodule import TokenDataModule
+            from ..run_setup import prepare_first
 
             prepare_first(TokenDataModule(path=prepared, source="python-docs", tokenizer="bpe:4096"))
         run.widened = widened(prepared, os.path.join(args.runs_dir, f"data-vocab{GPT2_VOCAB}"))
@@ -216,7 +217,7 @@ def fit(run, part: str, label: str, shape: str = "prepared") -> None:
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
             experiment = run.stamp if shape == "prepared" else f"{run.stamp}-{shape}"  # a run folder per shape
             main([*fit_arguments(sizes, run.device.type, data, args.runs_dir, experiment),
-                  "--model.init_args.backbone.pos_encoding", encoding_argument(label)], extra_callbacks=[clock])
+                  ENCODING_FLAG, encoding_argument(label)], extra_callbacks=[clock])
     except Exception as exc:  # a fit that fails is a row; the other parts still run
         return run.failed([part, label, backend, vocab], exc, len(FIT_HEAD))
     finally:

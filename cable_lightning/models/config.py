@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..positional import Encoding, encoding_from
+from ..positional import ENCODING_FLAG, Encoding, encoding_from
 from ..positional.cable import cable
 from .attention import Backend, check_backend
 
@@ -120,7 +120,7 @@ _LEGACY_FIELDS = {old for renames in _LEGACY_SETTINGS.values() for old in rename
 def moved_setting(name: str) -> Optional[str]:
     """Where an earlier version's backbone setting ``name`` lives now, as the flags that set it (None: ``name`` was
     never a backbone setting). Checkpoints map these by themselves; a command line or YAML gets this pointer."""
-    flag = "--model.init_args.backbone.pos_encoding"
+    flag = ENCODING_FLAG
     if name in _LEGACY_DAPE:
         wraps = " (the encoding it wraps)" if name == "dape" else ""
         return f"it moved into the dape_v2 encoding: {flag} dape_v2 {flag}.{_LEGACY_DAPE[name]} VALUE{wraps}"

@@ -6,7 +6,7 @@ Every module of this package is imported here, so an encoding's file registers i
 import importlib
 import pkgutil
 
-from .base import Encoding, LogitScores, PositionalEncoding, ScoreBias, UnsupportedLengthError
+from .base import ENCODING_FLAG, Encoding, LogitScores, PositionalEncoding, ScoreBias, UnsupportedLengthError
 from .registry import (
     available,
     build_positional,
@@ -20,5 +20,6 @@ from .registry import (
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Encoding", "LogitScores", "PositionalEncoding", "ScoreBias", "UnsupportedLengthError", "available",
-           "build_positional", "encoding_class", "encoding_from", "from_label", "score_bias_encodings", "wrappers"]
+__all__ = ["ENCODING_FLAG", "Encoding", "LogitScores", "PositionalEncoding", "ScoreBias", "UnsupportedLengthError",
+           "available", "build_positional", "encoding_class", "encoding_from", "from_label", "score_bias_encodings",
+           "wrappers"]

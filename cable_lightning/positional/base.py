@@ -43,6 +43,9 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .layout import Layout, with_layout
 
+# The command-line flag that picks the backbone's encoding (its settings are ENCODING_FLAG.NAME VALUE).
+ENCODING_FLAG = "--model.init_args.backbone.pos_encoding"
+
 # What an encoding adds to the q.k logits, which decides the attention backends that can run it:
 # nothing; a pointwise ScoreBias; a ScoreBias that also factorises when causal (the fold); LogitScores.
 ScoreKind = Literal["none", "bias", "foldable_bias", "logits"]
