@@ -3,9 +3,11 @@ records that let the runs of several lends join one table, or refuse to."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -123,3 +125,61 @@ def test_two_lends_of_one_run_key_are_two_runs():
                                                                                        recipe=RECIPE)
     assert isinstance(one.run_key(), RunKey) and one.run_key() != two.run_key()
     assert one.run_key().corpus == "1" * 64 and json.loads(one.run_key().recipe) == RECIPE
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# the real Python, but a fit that waits to be stopped and a prepare that only says it was started
+if [ "$1 $2 $3" = "-m cable_lightning fit" ]; then echo $$ > "$MARKS/fit.pid"; exec sleep 600; fi
+if [ "$1 $2 $3" = "-m cable_lightning prepare" ]; then touch "$MARKS/prepare.started"; exit 1; fi
+exec {python} "$@"
+"""
+
+
+def rehearsal(tmp_path, **env) -> tuple[subprocess.Popen, dict]:
+    """tools/gpu/run.sh rehearsed with a fake Python (FAKE_PYTHON); its work folder under tmp_path/tmp."""
+    marks, tmp, fake = tmp_path / "marks", tmp_path / "tmp", tmp_path / "python"
+    marks.mkdir(), tmp.mkdir()
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "REHEARSE": "1", "OUT": str(tmp_path / "out"), "PY": str(fake), "ENCODINGS": "cable",
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "MARKS": str(marks), **env}
+    return subprocess.Popen(["bash", "tools/gpu/run.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True), {"marks": marks, "tmp": tmp}
+
+
+def test_gpu_run_script_stopped_by_sigterm_stops_its_fit_and_removes_its_work_folder(tiny_corpus_dir, tmp_path):
+    """The fit ran on in a process group of its own (timeout's) after the script was stopped, and the work folder
+    stayed."""
+    script, where = rehearsal(tmp_path, DATA=tiny_corpus_dir)
+    pid_file = where["marks"] / "fit.pid"
+    for _ in range(2400):  # the env part imports every package first: at most 240 s
+        if pid_file.exists() or script.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert pid_file.exists(), script.communicate()[0][-3000:]
+    fit = int(pid_file.read_text())
+    script.send_signal(signal.SIGTERM)
+    out, _ = script.communicate(timeout=60)
+    assert script.returncode == 128 + signal.SIGTERM, out[-3000:]
+    for _ in range(100):
+        try:
+            os.kill(fit, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(fit, signal.SIGKILL)
+        pytest.fail("the fit ran on after the script was stopped")
+    assert not list(where["tmp"].glob("gpu-run-work.*"))  # the work folder is gone
+    assert "stopped by signal 15" in (tmp_path / "out" / "run-log.txt").read_text()
+
+
+def test_gpu_run_script_never_starts_a_part_with_timeout_0(tmp_path):
+    """With no second left of the cap, prepare got `timeout 0`: no limit at all."""
+    script, where = rehearsal(tmp_path, TOTAL_S="20", DATA=str(tmp_path / "absent"))
+    out, _ = script.communicate(timeout=300)
+    assert script.returncode == 1, out[-3000:]
+    assert not (where["marks"] / "prepare.started").exists()
+    lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"part": "prepare", "status": "skipped", "note": "no second left of the 20s cap"}
+    assert not list(where["tmp"].glob("gpu-run-work.*"))
