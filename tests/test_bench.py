@@ -105,6 +105,44 @@ def test_compile_times_the_compiled_step_against_eager_with_the_compile_apart(mo
     assert len(compiled) == 2, "the one block compiled again for each length"
     for r in rows:
         assert r["compile_s"] >= 0 and r["speedup"] == pytest.approx(r["eager_step_s"] / r["compiled_step_s"])
+        assert r["inductor_cache"] == {"hits": 0, "misses": 0}, "Dynamo's eager backend runs no inductor"
         gain = r["eager_step_s"] - r["compiled_step_s"]
         assert r["payback_steps"] == (pytest.approx(r["compile_s"] / gain) if gain > 0 else None)
-    assert "| nope | 32 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| nope | 32 |" in out and "| 0 / 0 |" in out
+
+
+def test_peers_without_transformers_is_a_one_line_error_before_any_work(monkeypatch, capsys):
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else find_spec(name, *args))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(TINY + ["--peers", "neox"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --peers needs transformers") and "pip install 'cable_lightning[hf]'" in err
+
+
+def test_bf16_speedup_times_each_step_in_both_dtypes_in_turns(monkeypatch, capsys):
+    """``--bf16-speedup``: per encoding and length, one interleaved timing of the fp32 step and the bf16-autocast
+    step of the same model on the same batch, and a table row for each."""
+    dtypes, timed_together = [], []
+    train_step, interleaved = bench.train_step, bench.interleaved
+
+    def recording_step(model, x, device, dtype):
+        dtypes.append(dtype)
+        return train_step(model, x, device, dtype)
+
+    def recording_interleaved(fns, device, repeats):
+        timed_together.append(len(fns))
+        return interleaved(fns, device, repeats)
+
+    monkeypatch.setattr(bench, "train_step", recording_step)
+    monkeypatch.setattr(bench, "interleaved", recording_interleaved)
+    result = bench.main(TINY + ["--pes", "nope", "cable", "--train-lengths", "16", "32", "--bf16-speedup"])
+    rows = result["bf16"]
+    assert [(r["pe"], r["length"]) for r in rows] == [(pe, t) for pe in ("nope", "cable") for t in (16, 32)]
+    assert dtypes[-8:] == [torch.float32, torch.bfloat16] * 4 and timed_together[-4:] == [2] * 4
+    assert all(r["fp32_step_s"] > 0 and r["bf16_step_s"] > 0 for r in rows)
+    table = capsys.readouterr().out.split("bf16 autocast against fp32")[1]
+    assert len([line for line in table.splitlines() if line.startswith("| nope") or line.startswith("| cable")]) == 4
