@@ -42,7 +42,13 @@ from .data.layouts import check_configured_layout, configured_layout
 from .errors import ConfigError, error_boundary
 from .lit import LanguageModel
 from .lit.checkpoint_format import checkpoint_settings
-from .lit.resume import RunCheckpoint, evaluated_as_trained, finished_run, unkeepable_batch
+from .lit.resume import (
+    RunCheckpoint,
+    check_before_building,
+    evaluated_as_trained,
+    finished_run,
+    unkeepable_batch,
+)
 from .run_failures import SavedConfig, failed_run, quiet_writer_thread, stopped
 from .run_setup import (
     apply_global_batch,
@@ -96,9 +102,14 @@ class CableCLI(LightningCLI):
             super().parse_arguments(self.parser, self._args)
             config = self.config[subcommand]
         if subcommand in ("validate", "test") and config.get("data") is not None:  # as the weights were trained
+            given = self._args if self._args is not None else sys.argv[1:]
+            named = any(arg.partition("=")[0].startswith("--data.layout") for arg in given)
             layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
-                                          config.data.get("tasks"), subcommand, shown_name(path))
+                                          config.data.get("tasks"), subcommand, shown_name(path), named)
             config.data.layout = Namespace(**layout.as_dict())
+        if model is not None:  # the same model, length and data, before anything is built or prepared
+            check_before_building(read_checkpoint(path, mmap=True), configured_backbone(config), config.get("data"),
+                                  subcommand, shown_name(path))
         config.ckpt_path = path
 
     def add_arguments_to_parser(self, parser):

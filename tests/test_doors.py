@@ -41,6 +41,18 @@ def test_an_option_spelt_with_dashes_is_taken_with_a_note_naming_its_underscores
     assert ("--runs_dir X " in out) if argv[0] == "sweep" else ("missing.ckpt does not exist" in err)
 
 
+@pytest.mark.parametrize("workers", ["0", "-1"])
+def test_prepare_refuses_a_number_of_workers_below_one_before_any_work(tmp_path, capsys, workers):
+    """0 silently meant all cores and -1 silently meant one worker."""
+    (tmp_path / "doc.txt").write_text("a document")
+    out = tmp_path / "out"
+    assert only_line(capsys, ["prepare", "--source", str(tmp_path / "doc.txt"), "--out", str(out), "--num_workers",
+                              workers]) == (
+        f"error: --num_workers must be a positive number of tokenizing processes, got {workers}; leave it out to use "
+        "every core")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("verb, default", [("prepare", "python-docs corpus"), ("bench", "full benchmark")])
 def test_help_says_what_a_verb_without_arguments_does(capsys, verb, default):
     with pytest.raises(SystemExit):
@@ -145,6 +157,24 @@ def test_a_local_lm_eval_row_without_its_label_is_named_before_the_model_loads(t
                     "label or remove that line")
 
 
+@pytest.mark.parametrize("label", [9, -1])
+def test_a_local_lm_eval_row_whose_label_is_outside_its_choices_is_named_before_the_model_loads(tmp_path, capsys,
+                                                                                               label):
+    """A label of 9 among 3 choices was scored, the harness's warning buried among its log lines."""
+    pytest.importorskip("lm_eval")
+    from conftest import DOCS, write_task
+
+    write_task(tmp_path)
+    rows = [{**doc, "label": label} if i == 2 else doc for i, doc in enumerate(DOCS)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = only_line(capsys, ["lm-eval", "--model", str(tmp_path / "never-loaded"), "--tasks", "tiny_mc",
+                              "--include_path", str(tmp_path), "--only_include_path", "--out", str(tmp_path / "out")])
+    shown = repr(label) if label >= 0 else repr(str(label))  # "-1" is not a digit: the harness reads it as text
+    assert line == (f"error: {tmp_path / 'docs.jsonl'}:3: label {shown} is not one of the row's 2 choices (an index "
+                    "from 0 to 1 or a choice's text); task tiny_mc would score the row against no answer: fix its "
+                    "label or remove that line")
+
+
 def test_a_missing_lm_eval_task_file_is_named_before_the_model_loads(tmp_path, capsys):
     """The harness's own report was a 57-line traceback from datasets, after the model had loaded."""
     pytest.importorskip("lm_eval")
@@ -208,7 +238,8 @@ def test_a_misspelt_precision_is_one_line_and_lightning_is_not_given_argv_twice(
     ("--data.tasks", '{"needle": 3}', "error: task needle: settings must be a mapping ({setting: value}), got 3; its "
                                       "settings: keys, value_tokens"),
     ("--data.tasks", "[1,2]", "error: invalid value '[1, 2]' for data.tasks; expected a mapping or null"),
-], ids=["negative-seed", "word-seed", "task-settings", "tasks-not-a-mapping"])
+    ("--throughput.warmup", "one", "error: invalid value 'one' for throughput.warmup; expected int"),
+], ids=["negative-seed", "word-seed", "task-settings", "tasks-not-a-mapping", "word-for-an-int"])
 def test_a_bad_seed_or_task_setting_is_one_line_before_anything_runs(tiny_corpus_dir, tmp_path, capsys, setting, value,
                                                                       expected):
     assert user_error_line(capsys, ["fit", *args(tiny_corpus_dir, str(tmp_path)), setting, value]) == expected
@@ -294,6 +325,21 @@ def test_validate_refuses_another_layout_or_task_than_the_checkpoint_was_trained
                                     *asked])
     assert line == f"error: {ckpt} {expected}"
     assert sorted(os.listdir(run_folder)) == folders  # refused before anything was built: no version folder
+
+
+def test_a_resume_under_another_task_is_refused_before_anything_is_built(reverse_string_run, capsys):
+    """A reverse-string run at step 1 resumed with duplicate string trained steps 2-3 on it without a word, recorded
+    a duplicate-string score for weights trained on reverse string and rewrote last.ckpt to say so."""
+    run_folder = os.path.join(reverse_string_run, "chomsky-reverse_string", "rope")
+    ckpt, folders = os.path.join(run_folder, "checkpoints", "last.ckpt"), sorted(os.listdir(run_folder))
+    line = user_error_line(capsys, ["fit", *CHOMSKY, "--runs_dir", reverse_string_run, "--trainer.max_steps", "3",
+                                    "--checkpoint.every_n_train_steps", "1", "--ckpt_path", "last",
+                                    "--data.tasks", '{"duplicate_string": {}}'])
+    assert line.startswith(f'error: {ckpt} was trained on {{"reverse_string": {{')
+    assert 'this resume asks data.tasks {"duplicate_string": {' in line
+    assert line.endswith("""resume with --data.tasks '{"reverse_string": {}}' (the run's configs), or start a new """
+                         f"run from its weights (--model.init_args.init_weights {ckpt}, another --experiment)")
+    assert sorted(os.listdir(run_folder)) == folders
 
 
 def test_validate_with_a_checkpoint_alone_names_the_config_the_run_saved(reverse_string_run, capsys):

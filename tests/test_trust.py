@@ -367,3 +367,43 @@ def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plu
             time.sleep(0.1)
         else:
             pytest.fail(f"worker {pid} still runs after prepare stopped")
+
+
+FIT_PREPARE_SCRIPT = """
+import os, sys, time
+import cable_lightning.data.prepare as prep
+
+def slow(*args, **kwargs):  # the preparation, stopped while it runs (its handler is set by then)
+    open(os.environ["STARTED_FLAG"], "w").close()
+    time.sleep(600)
+
+prep._prepare = slow
+from cable_lightning.cli import run
+argv, sys.argv = sys.argv[1:], sys.argv[:1]
+run(argv)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stop_during_fits_own_first_use_preparation_is_one_line_and_128_plus_the_signal(tmp_path, stop):
+    """prepare alone said one line and exited 143/130; fit, preparing its data first, printed an 87-90-line
+    traceback and exited 1."""
+    (tmp_path / "doc.txt").write_text("a document to prepare")
+    out, flag = tmp_path / "data", str(tmp_path / "started")
+    (tmp_path / "fit_prepare.py").write_text(FIT_PREPARE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": ROOT, "STARTED_FLAG": flag, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, str(tmp_path / "fit_prepare.py"), "fit",
+                              *args(str(out), str(tmp_path / "runs")), "--data.source", str(tmp_path / "doc.txt"),
+                              "--data.tokenizer", "bpe:300"], env=env, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):  # at most 120 s to start
+        if os.path.exists(flag) or child.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert os.path.exists(flag), child.stderr.read()
+    child.send_signal(stop)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + stop, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"error: stopped by {stop.name}; the workers were stopped and nothing was "
+                                            f"written to {out}; run the same command again")
+    assert not out.exists() and not os.path.exists(tmp_path / "runs" / "test")

@@ -161,6 +161,9 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
                              "(the paper held out 100000000)")
     if val_tokens is not None and val_tokens < 1:
         raise ValueError(f"--val_tokens must be positive, got {val_tokens}")
+    if num_workers is not None and num_workers < 1:  # 0 meant all cores and -1 one worker, without a word
+        raise ValueError(f"--num_workers must be a positive number of tokenizing processes, got {num_workers}; leave "
+                         "it out to use every core")
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
                **({"bpe_train_chars": bpe_train_chars} if bpe_size else {})}
     log = functools.partial(print, "[prepare]", flush=True) if verbose else None
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                    "AWS_ENDPOINT_URL or profile)")
     p.add_argument("--val_fraction", type=float, help=f"share of characters held out (default {DEFAULT_VAL_FRACTION})")
     p.add_argument("--val_tokens", type=int, help="tokens held out for validation (the paper: 100000000)")
-    p.add_argument("--num_workers", type=int, help="tokenizing processes (default: all cores)")
+    p.add_argument("--num_workers", type=int, help="tokenizing processes, at least 1 (default: all cores)")
     p.add_argument("--bpe_train_chars", type=int, default=200_000_000, help="characters used to train bpe:N")
     p.add_argument("--overwrite", action="store_true", help="replace an output prepared for a different request")
     p.add_argument("--quiet", action="store_true")

@@ -464,10 +464,10 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         loss_curves_figure(curves, f"{out}_loss_curves.png")
     tables.update(diagnostics_report(paths, out))  # attention.jsonl, long_context.jsonl: docs/diagnostics.md
     behind = behind_their_seeds(task_runs)  # an algorithmic run's key names its task; its length rows' key does not
-    behind |= {run: steps for run, steps in behind_their_seeds(runs).items() if not any(k[:5] == run for k in behind)}
+    behind |= {run: steps for run, steps in behind_their_seeds(runs).items()
+               if not any(k._replace(task=None) == run for k in behind)}
     if behind:
-        lines = [f"- {run[0]} (training length {run[1]}{''.join(f', {part}' for part in run[5:])}, seed {run[2]}) "
-                 f"at step {step}, another seed at {furthest}"
+        lines = [f"- {run.describe()} at step {step}, another seed at {furthest}"
                  for run, (step, furthest) in sorted(behind.items(), key=str)]
         tables["runs behind their other seeds"] = ("Counted at their latest evaluation; in flight or stopped early, "
                                                    "so the means above mix steps:\n\n" + "\n".join(lines))
