@@ -40,6 +40,10 @@ def setting_error(message: str) -> Optional[str]:
     union = union_error(message)
     if union:
         return union
+    simple = re.findall(r'Parser key "([\w.]+)":\s+Expected a <class \'(\w+)\'>\. Got value: (.*)', message)
+    if simple and simple[-1][1] in SIMPLE_TYPES:  # a word for a number (--throughput.warmup one)
+        key, kind, value = simple[-1]
+        return f"invalid value {value.strip()!r} for {key}; expected {SIMPLE_TYPES[kind]}"
     setting = re.search(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted", message)
     if not setting:
         return None

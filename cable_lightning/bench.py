@@ -18,12 +18,13 @@ GPT-NeoX or Llama against ``rope``), each training step timed in turns with the 
 ratio. ``--compile``: each encoding's training step with its blocks compiled (``compile: true``) against eager, the
 compile time apart from the steady steps, and the steps a fit needs to pay the compile back.
 
-    python -m cable_lightning bench --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
+    python -m cable_lightning bench --preset gpt2-tiny --n_layer 2 --pes cable alibi nope --json bench.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import platform
@@ -75,15 +76,8 @@ def out_of_memory(err: Exception) -> bool:
 
 
 def timed(fn, device, repeats):
-    fn()  # warm-up (and compilation on CUDA)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The median seconds of ``repeats`` calls of ``fn``, after a warm-up call (and compilation on CUDA)."""
+    return interleaved([fn], device, repeats)[0]
 
 
 def interleaved(fns, device, repeats) -> list[float]:
@@ -171,11 +165,32 @@ def peer_rows(args, device, dtype) -> list[dict]:
     return rows
 
 
+def bf16_rows(pes, args, device) -> list[dict]:
+    """Each encoding's training step under bf16 autocast against the same weights in fp32, at each training length,
+    timed in turns in this process: ``speedup`` is the fp32 step's time over the bf16 one's. Whether bf16 pays at a
+    config's shape (tiny widths gain little) before its runs are switched."""
+    rows = []
+    for pe in pes:
+        torch.manual_seed(0)
+        model = build_backbone(make_config(args, pe, max(args.train_lengths))).to(device)
+        for t in args.train_lengths:
+            x = training_batch(model.config.vocab_size, t, args.tokens_per_step, device)
+            fp32_s, bf16_s = interleaved([train_step(model, x, device, torch.float32),
+                                          train_step(model, x, device, torch.bfloat16)], device, args.repeats)
+            rows.append({"pe": row_name(pe), "length": t, "fp32_step_s": fp32_s, "bf16_step_s": bf16_s,
+                         "speedup": fp32_s / bf16_s})
+        print(f"measured bf16 against fp32 {pe}", flush=True)
+    return rows
+
+
 def compile_rows(pes, args, device, dtype) -> list[dict]:
     """Each encoding's training step with its blocks compiled (``compile: true``) against the same weights eager, at
     each training length: the first compiled step's time over the steady compiled step (``compile_s``, with a fresh
-    Dynamo, inductor's on-disk cache as this machine has it), both steady steps timed in turns, and the steps a fit
-    needs before the compiled steps have paid the compile back (None: never)."""
+    Dynamo, inductor's on-disk cache as this machine has it: ``inductor_cache`` counts the graphs it held and those
+    compiled anew), both steady steps timed in turns, and the steps a fit needs before the compiled steps have paid the
+    compile back (None: never)."""
+    from torch._dynamo.utils import counters
+
     rows = []
     for pe in pes:
         torch.manual_seed(0)
@@ -188,16 +203,20 @@ def compile_rows(pes, args, device, dtype) -> list[dict]:
             compiled.compile_blocks()
             x = training_batch(config.vocab_size, t, args.tokens_per_step, device)
             compiled_step = train_step(compiled, x, device, dtype)
+            cache = counters["inductor"]
+            hits, misses = cache["fxgraph_cache_hit"], cache["fxgraph_cache_miss"]
             sync(device)
             start = time.perf_counter()
             compiled_step()
             sync(device)
             first = time.perf_counter() - start
+            hits, misses = cache["fxgraph_cache_hit"] - hits, cache["fxgraph_cache_miss"] - misses
             eager_s, compiled_s = interleaved([train_step(eager, x, device, dtype), compiled_step], device,
                                               args.repeats)
             compile_s = max(0.0, first - compiled_s)
             rows.append({"pe": row_name(pe), "length": t, "eager_step_s": eager_s, "compiled_step_s": compiled_s,
                          "speedup": eager_s / compiled_s, "compile_s": compile_s,
+                         "inductor_cache": {"hits": hits, "misses": misses},
                          "payback_steps": compile_s / (eager_s - compiled_s) if compiled_s < eager_s else None})
         print(f"measured compiled {pe}", flush=True)
     return rows
@@ -334,6 +353,7 @@ def run(args) -> dict:
         print(f"measured {pe}", flush=True)
     peers = peer_rows(args, device, dtype) if args.peers else None
     compiled = compile_rows(pes, args, device, dtype) if args.compile else None
+    bf16 = bf16_rows(pes, args, device) if args.bf16_speedup else None
     if cpu_peaks is not None:
         after = cpu_matmul_peaks()
         cpu_peaks = {name: max(flops, after[name]) for name, flops in cpu_peaks.items()}
@@ -360,6 +380,8 @@ def run(args) -> dict:
         result["peers"] = peers
     if compiled is not None:
         result["compiled"] = compiled
+    if bf16 is not None:
+        result["bf16"] = bf16
     return result
 
 
@@ -473,9 +495,17 @@ def peer_table(rows) -> str:
 
 
 def compile_table(rows) -> str:
-    head = ["pe", "length", "eager step s", "compiled step s (x eager's speed)", "compile s", "steps to pay back"]
+    head = ["pe", "length", "eager step s", "compiled step s (x eager's speed)", "compile s",
+            "inductor's cache: graphs held / compiled", "steps to pay back"]
     body = [[r["pe"], str(r["length"]), f"{r['eager_step_s']:.3f}", f"{r['compiled_step_s']:.3f} ({r['speedup']:.2f}x)",
-             f"{r['compile_s']:.1f}", "never" if r["payback_steps"] is None else f"{r['payback_steps']:.0f}"]
+             f"{r['compile_s']:.1f}", f"{r['inductor_cache']['hits']} / {r['inductor_cache']['misses']}",
+             "never" if r["payback_steps"] is None else f"{r['payback_steps']:.0f}"] for r in rows]
+    return markdown(head, body)
+
+
+def bf16_table(rows) -> str:
+    head = ["pe", "length", "fp32 step s", "bf16 step s", "bf16's speedup"]
+    body = [[r["pe"], str(r["length"]), f"{r['fp32_step_s']:.3f}", f"{r['bf16_step_s']:.3f}", f"{r['speedup']:.2f}x"]
             for r in rows]
     return markdown(head, body)
 
@@ -486,7 +516,8 @@ def peaks_line(meta) -> str:
     peaks = meta["cpu_matmul_peaks"]
     if peaks is None:
         return line
-    return (f"CPU matmul peaks (1024x1024, {torch.get_num_threads()} threads, best of before and after): fp32 "
+    threads = torch.get_num_threads()
+    return (f"CPU matmul peaks (1024x1024, {threads} thread{'s' * (threads > 1)}, best of before and after): fp32 "
             f"{peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s "
             f"({peaks['bf16'] / peaks['fp32']:.2f}x fp32)\n{line}")
 
@@ -497,29 +528,29 @@ def main(argv=None):
                             epilog="With no arguments it runs the full benchmark: every encoding at the defaults "
                             "above (on a CPU, it takes long).")
     parser.add_argument("--preset", default="gpt2-tiny")
-    parser.add_argument("--n-layer", dest="n_layer", type=int)
-    parser.add_argument("--n-head", dest="n_head", type=int)
-    parser.add_argument("--n-embd", dest="n_embd", type=int)
-    parser.add_argument("--vocab-size", dest="vocab_size", type=int)
+    parser.add_argument("--n_layer", dest="n_layer", type=int)
+    parser.add_argument("--n_head", dest="n_head", type=int)
+    parser.add_argument("--n_embd", dest="n_embd", type=int)
+    parser.add_argument("--vocab_size", dest="vocab_size", type=int)
     parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
                         "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
                         "pe:backend forces a backend; dape_v2+pe is DAPEv2 over pe")
-    parser.add_argument("--naive-max-length", type=int, default=8192,
+    parser.add_argument("--naive_max_length", type=int, default=8192,
                         help="skip the naive CABLE beyond this eval length")
-    parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--tokens-per-step", type=int, default=4096, help="batch = this // length")
+    parser.add_argument("--train_lengths", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--eval_lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--tokens_per_step", type=int, default=4096, help="batch = this // length")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--padded-batch", type=int, default=0,
+    parser.add_argument("--skip_memory", action="store_true")
+    parser.add_argument("--padded_batch", type=int, default=0,
                         help="also time a fine-tuning step of a bidirectional encoder on this many right-padded rows "
                         "of mixed lengths: one call per span, one call padded to the longest, one call as the backbone "
                         "groups the rows (0: skip)")
-    parser.add_argument("--padded-longest", type=int, default=512, help="the padded rows' longest length")
+    parser.add_argument("--padded_longest", type=int, default=512, help="the padded rows' longest length")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--loop-overhead", metavar="DATA_PATH",
+    parser.add_argument("--loop_overhead", metavar="DATA_PATH",
                         help="instead of the table: a tiny model's fit step (through the CLI, on this prepared data "
                         "folder) over its bare step, the loop's overhead (docs/speed.md)")
     parser.add_argument("--peers", nargs="*", choices=list(PEERS), metavar="PEER",
@@ -529,10 +560,15 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="also time each encoding's training step with its blocks compiled (compile: true) "
                         "against eager: the compile time, the steady steps, the steps to pay back; with "
-                        "--loop-overhead: compile the blocks of its fit and bare step")
+                        "--loop_overhead: compile the blocks of its fit and bare step")
+    parser.add_argument("--bf16_speedup", action="store_true",
+                        help="also time each encoding's training step under bf16 autocast against fp32, same weights, "
+                        "in turns: bf16's speedup at this shape")
     args = parser.parse_args(argv)
     if args.peers == []:
         args.peers = list(DEFAULT_PEERS)
+    if args.peers and importlib.util.find_spec("transformers") is None:
+        parser.error("--peers needs transformers, which the hf extra installs: pip install 'cable_lightning[hf]'")
     if args.loop_overhead:
         result = loop_overhead(args.loop_overhead, compile=args.compile)
         print(f"loop overhead ({result['pe']}, layers/heads/width {result['shape']}, {result['batch']} x "
@@ -553,6 +589,9 @@ def main(argv=None):
     if "compiled" in result:
         print("\nCompiled blocks (compile: true) against eager, same weights, steady steps timed in turns:")
         print(compile_table(result["compiled"]))
+    if "bf16" in result:
+        print("\nbf16 autocast against fp32, same weights, steps timed in turns:")
+        print(bf16_table(result["bf16"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

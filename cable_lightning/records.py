@@ -19,9 +19,31 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional
 
 from .errors import ConfigError, MissingFileError, RunFailedError, space_left
+
+
+class RunKey(NamedTuple):
+    """What makes a run, as its records name it (:meth:`Record.run_key`): the encoding's label (with its training
+    layout and extension), training length, seed, peak learning rate, backbone, the corpus it measured and the recipe
+    it was trained by (sorted JSON), and for an algorithmic task, the task. Two runs that differ in any of these never
+    share a key, so a report keeps both (and refuses to put runs of different corpora or recipes in one table:
+    :func:`incomparable`)."""
+
+    name: str
+    train_length: int
+    seed: Optional[int]
+    lr: Optional[float]
+    model: Optional[str]
+    corpus: Optional[str]
+    recipe: Optional[str]
+    task: Optional[str] = None
+
+    def describe(self) -> str:
+        """The run as a line of text names it."""
+        task = f", {self.task}" if self.task else ""
+        return f"{self.name} (training length {self.train_length}{task}, seed {self.seed})"
 
 
 @dataclass(kw_only=True)
@@ -59,10 +81,10 @@ class Record:
         extended = f" >{self.extended_to}" if self.extended_to else ""
         return f"{self.pe}{layout}{extended}"
 
-    def run_key(self) -> tuple:
-        """What makes a run: its encoding (with its training layout and extension), training length, seed, learning
-        rate and backbone."""
-        return self.run_name(), self.train_length, self.run_seed, self.lr, self.model
+    def run_key(self) -> RunKey:
+        """What makes a run (:class:`RunKey`)."""
+        recipe = None if self.recipe is None else json.dumps(self.recipe, sort_keys=True)
+        return RunKey(self.run_name(), self.train_length, self.run_seed, self.lr, self.model, self.corpus_hash, recipe)
 
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""
@@ -133,10 +155,11 @@ class TaskRecord(Record):
     seed: int = 0  # the evaluation examples' seed
     scoring: str = "exact_match"  # or per_token: accuracy is the mean share of each example's answer tokens right
 
-    def run_key(self) -> tuple:
+    def run_key(self) -> RunKey:
         """An algorithmic task (per-token scoring) trains a model of its own, so the task is part of its run: a report
         over several tasks keeps each task's runs, not only the one evaluated last."""
-        return super().run_key() + ((self.task,) if self.scoring == "per_token" else ())
+        key = super().run_key()
+        return key._replace(task=self.task) if self.scoring == "per_token" else key
 
 
 @dataclass(kw_only=True)
@@ -290,6 +313,24 @@ class ThroughputRecord(Record):
     precision: Optional[str] = None
 
 
+@dataclass
+class LossPoint:
+    """One point of a fine-tuning's contrastive loss curve, in a fine-tuned export's ``finetune_loss.jsonl``: the
+    export's ``config.json`` (``provenance``) names the run, so the point names none of its own."""
+
+    FILE: ClassVar[str] = "finetune_loss.jsonl"
+
+    step: int
+    loss: float
+
+    def out_of_range(self) -> Optional[str]:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            return f"step {self.step!r} is not a number in [0, inf]"
+        if isinstance(self.loss, bool) or not isinstance(self.loss, (int, float)):
+            return f"loss {self.loss!r} is not a number"
+        return None
+
+
 def run_label(row: Record) -> str:
     """A run as a line of text names it: its encoding's label, training length and seed."""
     return f"{row.run_name()}@{row.train_length}" + ("" if row.run_seed is None else f" seed {row.run_seed}")
@@ -299,8 +340,11 @@ def incomparable(rows: Iterable[Record]) -> Optional[str]:
     """Why the rows' runs cannot share one table, or None: they measured different corpora (``corpus_hash``), or runs
     of one training length (and extension) were trained by different recipes; the line names each value with its runs
     and, for recipes, the settings that differ. Rows without a corpus hash (an earlier version's, or a corpus whose
-    manifest has none) are compared as before: by their columns only."""
-    rows = [r for r in rows if r.corpus_hash is not None]
+    manifest has none) are compared as before: by their columns only. Last, two runs that differ only in what one of
+    them does not record (a corpus hash, a recipe) would share a column and seed: one of them would be dropped, so
+    that is refused too (:func:`one_column`)."""
+    every = list(rows)
+    rows = [r for r in every if r.corpus_hash is not None]
 
     def runs(group: Iterable[Record]) -> str:
         return ", ".join(sorted({run_label(r) for r in group}))
@@ -329,6 +373,32 @@ def incomparable(rows: Iterable[Record]) -> Optional[str]:
             at = f"training length {length}" + (f" extended to {extended}" if extended else "")
             return (f"these runs ({at}) were trained by different recipes, which one table cannot compare: "
                     + "; ".join(differ) + "; report them apart, or train them alike")
+    return one_column(every)
+
+
+def one_column(rows: Iterable[Record]) -> Optional[str]:
+    """Why the rows' runs cannot share one table because two of them would be one column and seed (their keys differ
+    only in the corpus or recipe, which one of them does not record), naming the run and what differs; else None."""
+    found: dict[RunKey, set[RunKey]] = {}
+    for r in rows:
+        key = r.run_key()
+        found.setdefault(key._replace(corpus=None, recipe=None), set()).add(key)
+    for shared, keys in sorted(found.items(), key=str):
+        if len(keys) < 2:
+            continue
+        differ = []
+        corpora = sorted({key.corpus for key in keys}, key=str)
+        if len(corpora) > 1:
+            differ.append("corpus " + " vs ".join(corpus[:12] if corpus else "none recorded" for corpus in corpora))
+        recipes = [json.loads(recipe) if recipe else None for recipe in sorted({key.recipe for key in keys}, key=str)]
+        if len(recipes) > 1:
+            settings = sorted({name for recipe in recipes if recipe for name in recipe})
+            named = [f"{name} " + " vs ".join(json.dumps((recipe or {}).get(name)) for recipe in recipes)
+                     for name in settings if len({json.dumps((recipe or {}).get(name)) for recipe in recipes}) > 1]
+            differ.append("recipe (" + ", ".join(named) + ")" if None not in recipes
+                          else "recipe (recorded vs none recorded)")
+        return (f"{shared.describe()} is {len(keys)} runs that differ in {'; '.join(differ)}: one table would show one "
+                "of them as that run; report them apart")
     return None
 
 
@@ -371,6 +441,16 @@ def append_records(folder: str, records: list[Record]) -> None:
                                  f"{space_left(path)}); the checkpoints written before it are intact") from exc
 
 
+def write_records(path: str, records: list) -> None:
+    """Write ``path`` anew, one record a line (an export's own records, written once into its staging folder)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(dataclasses.asdict(record)) + "\n" for record in records)
+    except OSError as exc:
+        raise RunFailedError(f"could not write the records {path} ({type(exc).__name__}: {exc}; "
+                             f"{space_left(path)})") from exc
+
+
 def skip_torn(path: str, number: int, text: str) -> None:
     print(f"{path}:{number}: skipping a truncated last line", file=sys.stderr, flush=True)
 
@@ -410,7 +490,7 @@ def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], A
     return rows
 
 
-def read_records(path: str, kind: type[Record], torn: Callable[[str, int, str], None] = skip_torn) -> list[Record]:
+def read_records(path: str, kind: type, torn: Callable[[str, int, str], None] = skip_torn) -> list:
     """The records of one file (through :func:`read_jsonl`); keys an earlier version wrote and this one does not
     know are ignored, and a row without a field that has no default is an error naming its line."""
     fields = dataclasses.fields(kind)
@@ -485,12 +565,12 @@ def latest_step(runs: dict[tuple, dict[int, list[Record]]]) -> list[Record]:
     return [row for steps in runs.values() for row in steps[max(steps)]]
 
 
-def behind_their_seeds(runs: dict[tuple, dict[int, list[Record]]]) -> dict[tuple, tuple[int, int]]:
+def behind_their_seeds(runs: dict[RunKey, dict[int, list[Record]]]) -> dict[RunKey, tuple[int, int]]:
     """{run: (its latest step, the furthest of its seeds)} for the runs, out of :func:`rows_by_step`'s
     {run: {step: rows}}, whose latest evaluation is at an earlier step than another seed's of the same run (encoding,
     training length, learning rate, backbone, task): in flight or stopped early, so a mean over seeds mixes steps."""
-    def seeds_of(run: tuple) -> tuple:  # the run key without its seed
-        return run[:2] + run[3:]
+    def seeds_of(run: RunKey) -> RunKey:  # the run key without its seed
+        return run._replace(seed=None)
 
     latest = {run: max(steps) for run, steps in runs.items()}
     furthest: dict[tuple, int] = {}

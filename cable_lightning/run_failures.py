@@ -113,7 +113,7 @@ def stopped(exc: SIGTERMException) -> None:
     line naming the signal and the checkpoint saved, then exit with 128 + the signal's number."""
     signum = getattr(exc, "signum", signal.SIGTERM)
     saved, requeued = getattr(exc, "saved_checkpoint", None), getattr(exc, "requeued", None)
-    print(f"error: stopped by {signal.Signals(signum).name}"
+    print(f"error: stopped by {signal.Signals(signum).name}" + (f"; {exc}" if str(exc) else "")
           + (f"; saved {saved}" if saved else "") + (f"; {requeued}" if requeued else "")
           + ("; continue with --ckpt_path last" if saved else ""),
           file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError
@@ -31,6 +32,11 @@ def prepare_first(data: TokenDataModule) -> None:
         try:
             prepare.prepare(source=data.source, tokenizer=data.tokenizer_spec, out=data.path,
                             endpoint_url=data.endpoint_url)
+        except prepare.PrepareStopped as stop:  # as prepare alone: one line, 128 + the signal (run_failures.stopped)
+            stopped = SIGTERMException(f"the workers were stopped and nothing was written to {data.path}; run the "
+                                       "same command again")
+            stopped.signum = stop.signum
+            raise stopped from None
         except ConfigError:
             raise
         except (ValueError, OSError) as exc:  # prepare's own one-line errors (bad source, conflicting folder)

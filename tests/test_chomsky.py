@@ -27,7 +27,7 @@ from cable_lightning.eval.report import (
 from cable_lightning.lit import MaskedLM
 from cable_lightning.models import BackboneConfig
 from cable_lightning.positional import available, encoding_class
-from cable_lightning.records import LengthRecord, TaskRecord, append_records, rows_by_step
+from cable_lightning.records import LengthRecord, RunKey, TaskRecord, append_records, rows_by_step
 from cable_lightning.sweep import main as sweep_main
 from cable_lightning.tasks.chomsky import OUTPUT_OFFSET, AlgorithmicTask
 from cable_lightning.tasks.generation import EVAL, TRAIN, Task, TaskMix, TaskVocabulary
@@ -233,7 +233,8 @@ def test_the_report_scores_the_lengths_above_training_with_mean_interval_and_max
             for pe, base in (("rope", 0.6), ("nope", 0.5)) for lr in (1e-4, 5e-4) for seed in (0, 1, 2)
             for length, accuracy in ((40, 1.0), (41, base + 0.1 * seed), (80, base + 0.1 * seed - 0.1 * (lr > 2e-4)))]
     scores = algorithmic_scores(rows)
-    assert scores["rope", 40, 2, 1e-4, None, "parity_check"] == pytest.approx(0.8)  # 40: not a test length
+    key = RunKey("rope", 40, 2, 1e-4, None, corpus=None, recipe=None, task="parity_check")
+    assert scores[key] == pytest.approx(0.8)  # 40: not a test length
     table = algorithmic_table(rows).splitlines()
     assert table[0] == ("| task | nope lr=0.0001 | nope lr=0.0005 | rope lr=0.0001 | rope lr=0.0005 | "
                         "nope max over seeds and lrs | rope max over seeds and lrs |")
@@ -327,13 +328,13 @@ def test_the_report_shows_the_accuracies_at_every_evaluated_step(tmp_path):
 def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):
     sweep_main(["--config", "configs/chomsky/base.yaml", "--config", "configs/chomsky/parity_check.yaml",
                 "--pes", "nope", "rope", "--seeds", "0", "1", "--lrs", "1e-4", "5e-4", "--experiment", "ch",
-                "--print-only"])
+                "--print_only"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 8
     assert sum("--experiment ch-lr0.0001 " in line and line.endswith("--model.init_args.lr 0.0001")
                for line in lines) == 4
     with pytest.raises(SystemExit):
-        sweep_main(["--config", "a.yaml", "--pes", "nope", "--lrs", "fast", "--print-only"])
+        sweep_main(["--config", "a.yaml", "--pes", "nope", "--lrs", "fast", "--print_only"])
     assert "a learning rate is a positive number, got 'fast'" in capsys.readouterr().err
 
 

@@ -298,7 +298,7 @@ def test_the_manifest_names_the_in_view_share(environment, tokenizer):
 
 def test_the_sweep_scores_a_code_set_and_its_short_check_and_can_cache_the_loss(tmp_path, capsys):
     """One command a run: --stage retrieval on a set with short/ adds the short-document check at the first length
-    (recorded as <set>-short), and --finetune-mini-batch fine-tunes with the cached loss."""
+    (recorded as <set>-short), and --finetune_mini_batch fine-tunes with the cached loss."""
     from cable_lightning import sweep
     from cable_lightning.hf.retrieval import passage_ends
 
@@ -307,15 +307,15 @@ def test_the_sweep_scores_a_code_set_and_its_short_check_and_can_cache_the_loss(
     for name in ("train_pairs.jsonl", "short/queries.jsonl"):
         (folder / name).write_text(json.dumps({"_id": "q0", "text": "query", "end": 3}) + "\n")
     sweep.main(["--config", "configs/paper/bert_base_code.yaml", "--pes", "cable", "--seeds", "0", "--experiment",
-                "e", "--stage", "retrieval", "--retrieval-set", str(folder), "--retrieval-lengths", "512", "1024",
-                "--finetune-mini-batch", "16", "--print-only"])
+                "e", "--stage", "retrieval", "--retrieval_set", str(folder), "--retrieval_lengths", "512", "1024",
+                "--finetune_mini_batch", "16", "--print_only"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and "--mini_batch_size 16" in lines[1]
     assert f"--lengths 512 --corpus {folder}/short/corpus.jsonl" in lines[3]
     assert "--records runs/e/cable/seed0" in lines[3]
     sweep.main(["--config", "configs/encoder/mlm_code.yaml", "--pes", "cable", "alibi", "--seeds", "0",
-                "--experiment", "e", "--stage", "fit+retrieval", "--retrieval-set", str(folder), "--retrieval-lengths",
-                "128", "2048", "--print-only", "--", "--trainer.max_steps", "5"])
+                "--experiment", "e", "--stage", "fit+retrieval", "--retrieval_set", str(folder), "--retrieval_lengths",
+                "128", "2048", "--print_only", "--", "--trainer.max_steps", "5"])
     lines = capsys.readouterr().out.splitlines()  # run by run: each fit, then its export, fine-tuning, evaluations
     assert [line.split(" ")[3:5] for line in lines] == [["fit", "--config"], ["export", "--ckpt_path"],
                                                         ["retrieval", "finetune"], ["retrieval", "evaluate"],

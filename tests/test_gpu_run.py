@@ -3,9 +3,11 @@ records that let the runs of several lends join one table, or refuse to."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -90,3 +92,94 @@ def test_gpu_run_script_rehearsed_on_cpu(tmp_path):
     assert "| cable seed 1337 | cpu" in (out / "report.md").read_text()  # the speed table's row
     assert sorted(os.listdir(out)) == ["manifest.json", "records.tar.gz", "report.md", "results.jsonl",
                                        "run-log.txt"]  # the device tool returns at most 8 files
+
+
+@pytest.mark.parametrize("second, named", [
+    (("2" * 64, RECIPE), "different corpora, which one table cannot compare: corpus 111111111111: cable@1024 seed 0; "
+                         "corpus 222222222222: cable@1024 seed 0"),
+    (("1" * 64, {**RECIPE, "steps": 500}), "steps 1000 (cable@1024 seed 0) vs 500 (cable@1024 seed 0)"),
+    ((None, None), "cable (training length 1024, seed 0) is 2 runs that differ in corpus 111111111111 vs none "
+                   "recorded; recipe (recorded vs none recorded): one table would show one of them as that run"),
+], ids=["corpus", "recipe", "unrecorded"])
+def test_report_never_drops_one_of_two_runs_that_share_encoding_length_and_seed(tmp_path, second, named):
+    """Two lends' results joined: both start with cable, seed 0. Their rows were merged by a run key of encoding,
+    training length and seed before the corpus check looked, so the table showed the later-written run alone. Now
+    each run keeps its key (corpus and recipe in it) and the report refuses in one line naming what differs."""
+    runs = tmp_path / "runs"
+    write_run(runs / "lend1", "cable", "1" * 64, RECIPE, "NVIDIA H100 80GB HBM3")
+    write_run(runs / "lend2", "cable", *second, "NVIDIA H200")
+    with pytest.raises(ConfigError) as refused:
+        report.report([str(runs)], str(tmp_path / "joined"))
+    line = str(refused.value)
+    assert "\n" not in line and named in line, line
+    assert not list(tmp_path.glob("joined*"))
+
+
+def test_two_lends_of_one_run_key_are_two_runs():
+    """The run key is typed and holds the corpus and the recipe."""
+    from cable_lightning.records import LengthRecord, RunKey
+
+    row = dict(pe="cable", train_length=1024, step=1000, run_seed=0, lr=6e-4, model="decoder L12", length=1024,
+               mode="nonoverlap", ppl=20.0)
+    one, two = LengthRecord(**row, corpus_hash="1" * 64, recipe=RECIPE), LengthRecord(**row, corpus_hash="2" * 64,
+                                                                                       recipe=RECIPE)
+    assert isinstance(one.run_key(), RunKey) and one.run_key() != two.run_key()
+    assert one.run_key().corpus == "1" * 64 and json.loads(one.run_key().recipe) == RECIPE
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# the real Python, but a fit that waits to be stopped and a prepare that only says it was started
+if [ "$1 $2 $3" = "-m cable_lightning fit" ]; then echo $$ > "$MARKS/fit.pid"; exec sleep 600; fi
+if [ "$1 $2 $3" = "-m cable_lightning prepare" ]; then touch "$MARKS/prepare.started"; exit 1; fi
+exec {python} "$@"
+"""
+
+
+def rehearsal(tmp_path, **env) -> tuple[subprocess.Popen, dict]:
+    """tools/gpu/run.sh rehearsed with a fake Python (FAKE_PYTHON); its work folder under tmp_path/tmp."""
+    marks, tmp, fake = tmp_path / "marks", tmp_path / "tmp", tmp_path / "python"
+    marks.mkdir(), tmp.mkdir()
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "REHEARSE": "1", "OUT": str(tmp_path / "out"), "PY": str(fake), "ENCODINGS": "cable",
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "MARKS": str(marks), **env}
+    return subprocess.Popen(["bash", "tools/gpu/run.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True), {"marks": marks, "tmp": tmp}
+
+
+def test_gpu_run_script_stopped_by_sigterm_stops_its_fit_and_removes_its_work_folder(tiny_corpus_dir, tmp_path):
+    """The fit ran on in a process group of its own (timeout's) after the script was stopped, and the work folder
+    stayed."""
+    script, where = rehearsal(tmp_path, DATA=tiny_corpus_dir)
+    pid_file = where["marks"] / "fit.pid"
+    for _ in range(2400):  # the env part imports every package first: at most 240 s
+        if pid_file.exists() or script.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert pid_file.exists(), script.communicate()[0][-3000:]
+    fit = int(pid_file.read_text())
+    script.send_signal(signal.SIGTERM)
+    out, _ = script.communicate(timeout=60)
+    assert script.returncode == 128 + signal.SIGTERM, out[-3000:]
+    for _ in range(100):
+        try:
+            os.kill(fit, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(fit, signal.SIGKILL)
+        pytest.fail("the fit ran on after the script was stopped")
+    assert not list(where["tmp"].glob("gpu-run-work.*"))  # the work folder is gone
+    assert "stopped by signal 15" in (tmp_path / "out" / "run-log.txt").read_text()
+
+
+def test_gpu_run_script_never_starts_a_part_with_timeout_0(tmp_path):
+    """With no second left of the cap, prepare got `timeout 0`: no limit at all."""
+    script, where = rehearsal(tmp_path, TOTAL_S="20", DATA=str(tmp_path / "absent"))
+    out, _ = script.communicate(timeout=300)
+    assert script.returncode == 1, out[-3000:]
+    assert not (where["marks"] / "prepare.started").exists()
+    lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"part": "prepare", "status": "skipped", "note": "no second left of the 20s cap"}
+    assert not list(where["tmp"].glob("gpu-run-work.*"))

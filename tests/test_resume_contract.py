@@ -3,15 +3,16 @@ state, a requeue after a kill mid-accumulation trains the uninterrupted run bitw
 saved, and a resume of a finished run does nothing. (World-size changes: tests/test_fsdp.py.)"""
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import recorders
 import torch
-from test_cli import args
-from test_reliability import ROOT, TESTS, checkpoints, jsonl_rows
+from conftest import ROOT, TESTS, args, checkpoints, jsonl_rows, user_error_line
 
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError
@@ -139,3 +140,111 @@ def test_dropout_draws_depend_on_the_micro_batch_alone_not_on_evaluations_or_a_r
     for (name, p), q, r in zip(often.model.named_parameters(), once.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(q, p, atol=0, rtol=0, msg=f"validated once: {name}")
         torch.testing.assert_close(r, p, atol=0, rtol=0, msg=f"resumed: {name}")
+
+
+# --- a resume is the same experiment: its data folder, corpus and tasks -----------------------------------------------
+
+def with_corpus_hash(source: str, folder, corpus: str) -> str:
+    """A copy of the prepared ``source`` whose manifest names ``corpus`` as its content hash."""
+    shutil.copytree(source, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["source"]["corpus_hash"] = corpus
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return str(folder)
+
+
+@pytest.fixture
+def stopped_run(tiny_corpus_dir, tmp_path):
+    """One step of a run on its own copy of the tiny corpus (corpus hash a...), the folder holding the run's files
+    listed."""
+    data = with_corpus_hash(tiny_corpus_dir, tmp_path / "data", "a" * 64)
+    runs = str(tmp_path / "runs")
+    main(["fit", *args(data, runs, steps=1, every=1), *RECORD])
+    run = os.path.join(runs, "test", "cable")
+    return data, runs, run, sorted(os.listdir(run))
+
+
+def test_the_checkpoint_keeps_its_data_folder_corpus_and_tasks(stopped_run):
+    data, _, run, _ = stopped_run
+    saved = torch.load(os.path.join(run, "checkpoints", "last.ckpt"), weights_only=True)
+    assert saved["run_data"] == {"path": os.path.abspath(data), "corpus_hash": "a" * 64, "tasks": None}
+
+
+def test_a_resume_on_another_data_folder_is_one_line_before_anything_is_built(stopped_run, tiny_corpus_dir, tmp_path,
+                                                                              capsys):
+    """It was litdata's 99-line ValueError, after TensorBoard had made a stray version folder."""
+    data, runs, run, listed = stopped_run
+    other = with_corpus_hash(tiny_corpus_dir, tmp_path / "other", "a" * 64)
+    ckpt = os.path.join(run, "checkpoints", "last.ckpt")
+    line = user_error_line(capsys, ["fit", *args(other, runs, steps=2, every=1), "--ckpt_path", "last"])
+    assert line == (f"error: {ckpt} was trained on data.path {os.path.abspath(data)} and this resume reads {other}: a "
+                    "resume continues its run on the same data (its stream position is that folder's); resume with "
+                    f"--data.path {os.path.abspath(data)}, or start a new run from its weights "
+                    f"(--model.init_args.init_weights {ckpt}, another --experiment)")
+    assert sorted(os.listdir(run)) == listed
+
+
+def test_a_resume_on_a_folder_prepared_again_from_another_corpus_is_refused(stopped_run, capsys):
+    """The same path, prepared again: it trained on the new text from the old stream position and recorded the new
+    corpus hash for the whole run."""
+    data, runs, run, listed = stopped_run
+    manifest = json.loads(open(os.path.join(data, "manifest.json")).read())
+    manifest["source"]["corpus_hash"] = "b" * 64
+    open(os.path.join(data, "manifest.json"), "w").write(json.dumps(manifest))
+    ckpt = os.path.join(run, "checkpoints", "last.ckpt")
+    line = user_error_line(capsys, ["fit", *args(data, runs, steps=2, every=1), "--ckpt_path", "last"])
+    assert line == (f"error: {ckpt} was trained on corpus aaaaaaaaaaaa and {os.path.abspath(data)} holds corpus "
+                    "bbbbbbbbbbbb (prepared again from another source?); resume on the corpus it was trained on, or "
+                    f"start a new run from its weights (--model.init_args.init_weights {ckpt}, another --experiment)")
+    assert sorted(os.listdir(run)) == listed
+    line = user_error_line(capsys, ["validate", *args(data, runs), "--ckpt_path", "last"])
+    assert "validate measures weights on the corpus they were trained on" in line
+    assert sorted(os.listdir(run)) == listed
+
+
+def test_a_resume_under_another_task_is_refused_before_anything_is_built(stopped_run, capsys):
+    """A reverse-string run resumed with duplicate string trained on without a word, and rewrote last.ckpt to say it
+    was trained on duplicate string alone; so does a corpus run resumed with a task added."""
+    data, runs, run, listed = stopped_run
+    ckpt = os.path.join(run, "checkpoints", "last.ckpt")
+    line = user_error_line(capsys, ["fit", *args(data, runs, steps=2, every=1), "--ckpt_path", "last",
+                                    "--data.tasks", '{"passkey": {}}', "--data.task_fraction", "0.25"])
+    assert line.startswith(f"error: {ckpt} was trained on no tasks and this resume asks data.tasks "
+                           '{"passkey": {')
+    assert line.endswith("a resume continues its run on the same tasks (a score on another would be recorded as that "
+                         "task's); resume with no --data.tasks (the run's configs), or start a new run from its "
+                         f"weights (--model.init_args.init_weights {ckpt}, another --experiment)")
+    assert sorted(os.listdir(run)) == listed
+
+
+def test_validate_under_other_model_settings_is_refused_before_its_corpus_is_prepared(stopped_run, tiny_corpus_docs,
+                                                                                      tmp_path, capsys):
+    """It prepared a whole corpus first, then refused, and left an empty run folder."""
+    _, runs, run, listed = stopped_run
+    fresh = str(tmp_path / "fresh")
+    line = user_error_line(capsys, ["validate", *args(fresh, runs), "--data.source", tiny_corpus_docs[0],
+                                    "--data.tokenizer", "bpe:512", "--model.init_args.backbone.n_layer", "3",
+                                    "--ckpt_path", "last"])
+    assert line == ("error: the checkpoint's model differs from the configured one in settings that define the "
+                    "weights: n_layer (checkpoint 2, configured 3); remove them from the command line and the config "
+                    "files to use the checkpoint's")
+    assert not os.path.exists(fresh) and sorted(os.listdir(run)) == listed
+
+
+def test_validate_refuses_an_explicit_contiguous_layout_for_randomized_weights(tiny_corpus_dir, tmp_path, capsys):
+    """--data.layout.positions contiguous, given for weights trained at randomized positions, was dropped without a
+    word (the default layout stands for the trained one; named on the command line, it is a request)."""
+    runs = str(tmp_path)
+    randomized = ["--model.init_args.backbone.pos_encoding", "rope", "--data.layout.positions", "randomized",
+                  "--data.layout.position_range", "256"]
+    main(["fit", *args(tiny_corpus_dir, runs, steps=1, every=1), *RECORD, *randomized])
+    ckpt = os.path.join(runs, "test", "rope", "checkpoints", "last.ckpt")
+    listed = sorted(os.listdir(os.path.join(runs, "test", "rope")))
+    line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs, pe="rope"), "--ckpt_path", ckpt,
+                                    "--data.layout.positions", "contiguous"])
+    assert line == (f"error: {ckpt} was trained with data.layout randomized256 and validate asks another: "
+                    "data.layout.positions (checkpoint 'randomized', configured 'contiguous'), "
+                    "data.layout.position_range (checkpoint 256, configured None); validate evaluates weights at the "
+                    "layout they were trained with (its records name that one): drop the --data.layout flags or give "
+                    "the checkpoint's (--data.layout.positions randomized --data.layout.position_range 256)")
+    assert sorted(os.listdir(os.path.join(runs, "test", "rope"))) == listed

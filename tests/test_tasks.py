@@ -11,7 +11,7 @@ import pytest
 import recorders
 import torch
 import yaml
-from test_reliability import one_error_line
+from conftest import one_error_line
 
 from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule
@@ -410,6 +410,15 @@ def test_tensorboard_hparams_hold_the_run_settings_with_its_perplexities_and_tas
             expected[f"tasks/{task}/len_{n}"] = sum(cells) / len(cells)
     assert sorted(m.name.tag for m in metrics) == sorted(expected) and len(expected) == 6
     assert {tag: events.Scalars(tag)[-1].value for tag in expected} == pytest.approx(expected, rel=1e-5)
+    assert (session["stage"].string_value, session["step"].number_value) == ("fit", 0)
+    # a validation of the run adds a row of the same settings: it says its stage and its checkpoint's step
+    ckpt = tmp_path / "tasks-recall_needle" / "rope" / "checkpoints" / "step0000002.ckpt"
+    main(["validate", *task_args(str(tmp_path), "--model.init_args.backbone.pos_encoding", "rope", "--ckpt_path",
+                                 str(ckpt))])
+    events = EventAccumulator(str(run_dir.parent / "version_1")).Reload()
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+    session = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG]).hparams
+    assert (session["stage"].string_value, session["step"].number_value) == ("validate", 2)
 
 
 @pytest.mark.parametrize("settings, message", [

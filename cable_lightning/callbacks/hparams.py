@@ -3,7 +3,9 @@ length, learning rate, seed, layout, tasks, experiment) with its perplexity at e
 scores as the metrics.
 
 Written once, at the run's first evaluation, from the same context its records carry (a validated checkpoint's
-seed and layout are known only once it is loaded). The metrics are the tags of the scalars every evaluation logs
+seed and layout are known only once it is loaded), with the stage that wrote it (fit, validate, test) and the step its
+weights start at (a fit's: 0, or the step it resumed from; a validation's: its checkpoint's), so that the rows a resume
+or a validation adds beside the first are told apart. The metrics are the tags of the scalars every evaluation logs
 (``val_ppl/len_<L>``, ``tasks/<task>/len_<L>``): the tab shows the last value of each, so it follows the run.
 """
 
@@ -37,7 +39,9 @@ class RunHParams(L.Callback):
                   "n_layer": config.n_layer, "n_embd": config.n_embd, "train_length": context["train_length"],
                   "block_size": config.block_size, "lr": context["lr"], "seed": context["run_seed"],
                   "layout": context["layout"] or "none",
-                  "tasks": "+".join(task.name for task in tasks.tasks) if tasks is not None else "none"}
+                  "tasks": "+".join(task.name for task in tasks.tasks) if tasks is not None else "none",
+                  # which row is which: a resume or a validation of the run adds a row with the same settings
+                  "stage": context["stage"], "step": pl_module.loaded_step or 0}
         metrics = [val_tag("ppl", r.length, r.mode) for r in rows if r.ppl is not None]
         scored = [cb.results for cb in trainer.callbacks if isinstance(cb, TaskAccuracy) and cb.active(trainer)]
         metrics += dict.fromkeys(task_tag(r.task, r.length) for results in scored for r in results)

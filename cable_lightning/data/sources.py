@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import importlib
 import inspect
 import io
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 VALID_SOURCES = ("python-docs, python-code[:dist,...], fineweb-edu[:config], wikitext-103, or a path/dir/glob of "
                  ".txt/.jsonl/.parquet files")
@@ -135,8 +136,9 @@ def python_docs_files(parts: int = 16) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- through `datasets`
 
-def check_hub(repo: str) -> None:
-    """Fail fast, in one line, when the hub is unreachable (``datasets`` alone retries for ~25 s first)."""
+def check_hub(repo: str) -> Optional[str]:
+    """Fail fast, in one line, when the hub is unreachable (``datasets`` alone retries for ~25 s first); the
+    dataset's current commit (what the corpus hash of a hub source names)."""
     fix = "use --source python-docs or local files, or run on a machine with internet"
     if any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"}
            for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
@@ -144,7 +146,7 @@ def check_hub(repo: str) -> None:
     from huggingface_hub import HfApi
 
     try:
-        HfApi().dataset_info(repo, timeout=10)
+        return HfApi().dataset_info(repo, timeout=10).sha
     except Exception as exc:
         raise RuntimeError(f"cannot reach the Hugging Face hub to stream {repo} "
                            f"(offline? {type(exc).__name__}); {fix}") from None
@@ -161,6 +163,7 @@ class DatasetSource:
                  repo: str | None = None, files: list[str] | None = None):
         self.name, self.streams, self.splits, self.repo, self.files = name, streams, splits, repo, files
         self.streamed = repo is not None  # a hub stream's size is unknown until it is all read
+        self.revision: Optional[str] = None  # a hub dataset's commit, once checked
         self._open: dict[str, Any] = {}
 
     def __getstate__(self) -> dict:
@@ -180,7 +183,7 @@ class DatasetSource:
 
     def check(self) -> None:
         if self.repo:
-            check_hub(self.repo)
+            self.revision = check_hub(self.repo)
 
     def work_items(self, split: str | None = None) -> list[Any]:
         if self.files is not None:  # one item per file, in sorted path order across the file types
@@ -215,12 +218,32 @@ class DatasetSource:
             yield from self.read(item)
 
     def describe(self) -> dict[str, Any]:
+        """The source as the manifest records it, with ``corpus_hash``: what tells whether two prepared folders hold
+        the same text, wherever they were prepared (records of runs on several machines carry it). Over local files,
+        their contents in order (not their paths: the python-docs corpus's cache folder is a machine's own); for a hub
+        dataset, its repository, config and the commit it was read at (None when the commit is not known)."""
         if self.files is None:
-            return {"spec": self.name, "repo": self.repo,
-                    "config": self.streams[next(iter(self.streams))][1].get("name")}
+            config = self.streams[next(iter(self.streams))][1].get("name")
+            corpus = (hashlib.sha256(f"{self.repo} {config} {self.revision}".encode()).hexdigest()
+                      if self.revision else None)
+            return {"spec": self.name, "repo": self.repo, "config": config, "revision": self.revision,
+                    "corpus_hash": corpus}
         python = {"python": sys.version.split()[0]} if self.name == "python-docs" else {}
         return {"spec": self.name, "files": len(self.files), "bytes": sum(os.path.getsize(f) for f in self.files),
-                **python}
+                **python, "corpus_hash": files_hash(self.files)}
+
+
+def files_hash(files: list[str]) -> str:
+    """sha256 over the files' contents in order (each file's own sha256 and size), whatever their paths."""
+    corpus = hashlib.sha256()
+    for path in files:
+        digest, size = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+                size += len(block)
+        corpus.update(f"{digest.hexdigest()} {size}\n".encode())
+    return corpus.hexdigest()
 
 
 def _folder_files(folder: str) -> list[str]:

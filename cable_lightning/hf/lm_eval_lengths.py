@@ -16,6 +16,7 @@ adds a folder of task YAMLs (a local task over local files runs offline).
 
 from __future__ import annotations
 
+import ast
 import csv
 import glob
 import json
@@ -23,6 +24,7 @@ import math
 import os
 
 from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
+from cable_lightning.eval.tables import markdown_table, write_markdown
 
 
 def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_path: str | None = None,
@@ -107,6 +109,7 @@ def check_task_data(tasks: list[str], manager) -> None:
                             raise ConfigError(f"{path}:{number}: not a JSON row ({exc}); task {task} cannot read its "
                                               "data: fix or remove that line") from None
                 check_labels(task, config, path, rows)
+                check_choices(task, config, path, rows)
 
 
 def check_labels(task: str, config: dict, path: str, rows: list[tuple[int, object]]) -> None:
@@ -128,6 +131,39 @@ def check_labels(task: str, config: dict, path: str, rows: list[tuple[int, objec
             raise ConfigError(f"{path}:{number}: the row has no {missing[0]!r}; task {task} reads its label from it "
                               f"(doc_to_target {target!r}), and the harness would score the row without one: give the "
                               "row its label or remove that line")
+
+
+def check_choices(task: str, config: dict, path: str, rows: list[tuple[int, object]]) -> None:
+    """A multiple-choice row's label names one of its choices: an index from 0 to the number of choices less one, or
+    the text of a choice. The harness scores a label outside them (9 of 4 choices) with a warning among its log
+    lines. Read as the harness reads them (a column, a template, a list); choices or a target made by code are the
+    harness's to check."""
+    choice, target = config.get("doc_to_choice"), config.get("doc_to_target")
+    if config.get("output_type") != "multiple_choice" or config.get("process_docs") or choice is None:
+        return
+    from lm_eval.utils import apply_template
+
+    features = {key for _, row in rows if isinstance(row, dict) for key in row}
+    for number, row in rows:
+        if not isinstance(row, dict):
+            continue
+        try:
+            if isinstance(choice, str):
+                choices = row[choice] if choice in features else ast.literal_eval(apply_template(choice, row))
+            else:
+                choices = list(choice.values()) if isinstance(choice, dict) else choice
+            label = row[target] if isinstance(target, str) and target in features else target
+            if isinstance(label, str) and not (isinstance(target, str) and target in features):
+                label = apply_template(label, row)
+                label = int(label) if label.isdigit() else label
+        except Exception:  # noqa: BLE001 - not readable this way: the harness's to read (and report)
+            continue
+        if not isinstance(choices, list) or label is None or isinstance(label, (list, bool)):
+            continue
+        if isinstance(label, int) and not 0 <= label < len(choices) or isinstance(label, str) and label not in choices:
+            raise ConfigError(f"{path}:{number}: label {label!r} is not one of the row's {len(choices)} choices (an "
+                              f"index from 0 to {len(choices) - 1} or a choice's text); task {task} would score the "
+                              "row against no answer: fix its label or remove that line")
 
 
 def check_model(model: str, trust_remote_code: bool) -> None:
@@ -160,10 +196,8 @@ def write(scores: dict[int | None, dict], out: str) -> str:
     header, rows = table(scores)
     with open(os.path.join(out, "table.csv"), "w", newline="", encoding="utf-8") as f:
         csv.writer(f).writerows([header, *rows])
-    markdown = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
-                         ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
-    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
-        f.write(markdown)
+    markdown = markdown_table(header, rows) + "\n"
+    write_markdown(os.path.join(out, "table.md"), markdown[:-1])
     for length, per_task in scores.items():
         with open(os.path.join(out, f"len_{length or 'model'}.json"), "w", encoding="utf-8") as f:
             json.dump(per_task, f, indent=2)

@@ -26,18 +26,17 @@ and prints the tables. Training rows without a ``negative`` (the code set's) tra
 from __future__ import annotations
 
 import csv
-import json
 import os
 import shutil
 
 from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
+from cable_lightning.eval.tables import markdown_table, write_markdown
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
-from cable_lightning.records import RetrievalRecord, append_records, read_jsonl
+from cable_lightning.records import LossPoint, RetrievalRecord, append_records, read_jsonl, write_records
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
 MLDR = "MultiLongDocRetrieval"
 WEIGHTS = "model.safetensors"
-LOSS_LOG = "finetune_loss.jsonl"  # a fine-tuned export's training loss every max_steps / 20 steps
 
 
 def encoder(folder: str, max_seq_length: int, device: str | None = None, trust_remote_code: bool = False):
@@ -118,9 +117,9 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(staged, LOSS_LOG), "w", encoding="utf-8") as f:  # the contrastive loss curve
-            f.writelines(json.dumps({"step": row["step"], "loss": row["loss"]}) + "\n"
-                         for row in trainer.state.log_history if "loss" in row)
+        write_records(os.path.join(staged, LossPoint.FILE),  # the contrastive loss curve
+                      [LossPoint(step=row["step"], loss=row["loss"]) for row in trainer.state.log_history
+                       if "loss" in row])
         swap_in(staged, out, "export")
     finally:
         discard(staged)
@@ -311,17 +310,16 @@ def write_table(scores: dict[int, dict[str, dict | None]], out: str, ends: list 
     for metric, title in METRICS.items():
         if all(value(row, n, metric) is None for row in scores.values() for n in names):
             continue  # MLDR: nDCG@10 only
-        lines = ["| length | " + " | ".join([*view, *names]) + " |", "|---|" + "---|" * (len(view) + len(names))]
+        lines = []
         for length, row in scores.items():
             values = [value(row, n, metric) for n in names]
             best = max((v for v in values if v is not None), default=None)
             cells = [f"**{cell(v)}**" if v == best and len(names) > 1 else cell(v) for v in values]
-            lines.append(f"| {length} | " + " | ".join([*([cell(shares[length])] if view else []), *cells]) + " |")
-        sections.append(f"{title} (x100)\n\n" + "\n".join(lines) + "\n")
-    markdown = "\n".join(sections)
-    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
-        f.write(markdown)
-    return markdown
+            lines.append([length, *([cell(shares[length])] if view else []), *cells])
+        sections.append(f"{title} (x100)\n\n" + markdown_table(["length", *view, *names], lines))
+    markdown = "\n\n".join(sections)
+    write_markdown(os.path.join(out, "table.md"), markdown)
+    return markdown + "\n"
 
 
 def _named_models(pairs: list[str]) -> dict[str, str]:

@@ -33,13 +33,16 @@ from .checkpoint_format import saved_weights
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
 from .optim import build_optimizer
 from .resume import (
+    SAME_MODEL,
     carry_accumulation,
     check_lineage,
+    check_same_data,
     check_same_length,
     check_same_model,
     check_same_training,
     global_batch,
     record_run,
+    run_data,
 )
 
 MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
@@ -265,7 +268,8 @@ class LanguageModel(L.LightningModule):
             where = f"{bad[0]} and {len(bad) - 1} more" if bad else "on another rank"
             raise RunFailedError(f"weights at step {self.global_step} are not finite ({where}); "
                                  "not saving them; the checkpoints already written are finite")
-        record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size), self.recipe())
+        record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size), self.recipe(),
+                   run_data(getattr(self._trainer, "datamodule", None)))
 
     def configure_optimizers(self):
         h = self.hparams
@@ -374,7 +378,8 @@ class LanguageModel(L.LightningModule):
     def recipe(self) -> Optional[dict]:
         """The settings that define this fit's training besides those a record's run key holds (encoding, training
         length, layout, seed, peak learning rate, backbone): the steps, the tokens of an optimizer step, the schedule
-        and optimizer, clipping and the tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
+        and optimizer, clipping, the precision (bf16-mixed and fp32 runs round differently: two experiments) and the
+        tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
         validation records its weights' recipe; outside a fit, the last fit's of this process (None without one)."""
         trainer, h = self.trainer, self.hparams
         if trainer.state.fn == "fit":
@@ -383,6 +388,7 @@ class LanguageModel(L.LightningModule):
                 "steps": trainer.max_steps, "batch_tokens": batch["tokens"] if batch else None,
                 "warmup_steps": h.warmup_steps, "min_lr": h.min_lr, "betas": list(h.betas), "eps": h.eps,
                 "weight_decay": h.weight_decay, "gradient_clip": trainer.gradient_clip_val,
+                "precision": str(trainer.precision),
                 "tokenizer": self.data_info.tokenizer.get("hash") if self.data_info is not None else None}
         return self.fit_recipe
 
@@ -416,10 +422,13 @@ class LanguageModel(L.LightningModule):
         """Before the weights are loaded: the checkpoint must be of this model (same shapes, PE family, tokenizer,
         training length), so that a mismatch is one line naming the setting, not a state-dict error."""
         saved_data = (checkpoint.get("hyper_parameters") or {}).get("data") or {}
-        check_same_length(checkpoint, self.data_info)
+        check_same_length(checkpoint, self.data_info.block_size if self.data_info is not None else None)
         check_same_model(checkpoint, self.config, self.data_info, "the checkpoint's model differs from the configured "
-                         "one in settings that define the weights: ", "; remove them from the command line and the "
-                         "config files to use the checkpoint's")
+                         "one in settings that define the weights: ", SAME_MODEL)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None and (data := run_data(datamodule)) is not None:  # a corpus this run prepared first
+            check_same_data(checkpoint.get("run_data"), data, self._trainer.state.fn.value,
+                            shown_name(self._trainer.ckpt_path))
         if "state_dict" in checkpoint:  # FSDP2 (ModelParallelStrategy) has loaded the weights itself and taken them
             checkpoint["state_dict"] = saved_weights(checkpoint)
         self.loaded_step = int(checkpoint.get("global_step", 0))

@@ -1,15 +1,20 @@
 """The resume contract, in one file: what a fit checkpoint records about its run, what a run that loads it may change,
 what it refuses, what it carries over, and which checkpoints a run writes.
 
-- **Recorded** (:func:`record_run`): the run's seed, its recipe (what its records carry: ``LanguageModel.recipe``)
-  and its global batch (processes x micro-batch x block x accumulation), beside Lightning's weights, optimizer,
-  schedule, loop counters and stream position.
+- **Recorded** (:func:`record_run`): the run's seed, its recipe (what its records carry: ``LanguageModel.recipe``),
+  its global batch (processes x micro-batch x block x accumulation) and its data (:func:`run_data`: the data folder,
+  the corpus's content hash, the tasks), beside Lightning's weights, optimizer, schedule, loop counters and stream
+  position.
 - **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining
   settings, tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from
   another training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
-  (:func:`check_same_training`), a world size and micro-batch that cannot make the checkpoint's global batch
+  (:func:`check_same_training`), another data folder, corpus or task on resume and another corpus in validate and
+  test (:func:`check_same_data`), a world size and micro-batch that cannot make the checkpoint's global batch
   (:func:`unkeepable_batch`, before any step); in validate and test, another data.layout, or a task that weights
-  trained on tasks alone were not trained on (:func:`evaluated_as_trained`).
+  trained on tasks alone were not trained on (:func:`evaluated_as_trained`). What the parsed command line already
+  tells (the model, the training length, the data folder and tasks, the corpus of a folder prepared already) is
+  checked before anything is built or prepared (:func:`check_before_building`); the corpus of a folder prepared
+  first by this run, once it is prepared.
 - **May change**: evaluation settings, and the processes and micro-batch at the same global batch; the loop's
   micro-batch counters are then re-expressed in the new accumulation (:func:`carry_accumulation`), so the first
   resumed optimizer step trains on a whole global batch, and the run says so in one line.
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ..checkpoints import checkpoint_step
 from ..data.layouts import TrainingLayout
+from ..data.manifest import MANIFEST, read_manifest
+from ..data.remote import is_remote
 from ..errors import ConfigError
 from ..models import BackboneConfig
 from ..tasks.generation import TaskMix
@@ -53,14 +61,94 @@ def describe_batch(batch: dict) -> str:
             f"{batch['block_size']} tokens x accumulation {batch['accumulate_grad_batches']})")
 
 
-def record_run(checkpoint: dict, run_seed: Optional[int], batch: Optional[dict], recipe: Optional[dict] = None) -> None:
+def record_run(checkpoint: dict, run_seed: Optional[int], batch: Optional[dict], recipe: Optional[dict] = None,
+               data: Optional[dict] = None) -> None:
     """What a checkpoint carries beside Lightning's state: the run's seed and recipe (a validation of these weights
-    is recorded as the same run, trained the same way) and its global batch (a resume must keep it)."""
+    is recorded as the same run, trained the same way), its global batch and its data (:func:`run_data`; a resume
+    must keep both)."""
     checkpoint["run_seed"] = run_seed
     if batch is not None:
         checkpoint["global_batch"] = batch
     if recipe is not None:
         checkpoint["recipe"] = recipe
+    if data is not None:
+        checkpoint["run_data"] = data
+
+
+def data_folder(path: Optional[str]) -> Optional[str]:
+    """A data.path as a checkpoint keeps it: absolute (a resume from another working folder names the same one); a
+    URL as given; None for a run of tasks alone."""
+    return None if path is None or is_remote(path) else os.path.abspath(path)
+
+
+def run_data(datamodule) -> Optional[dict]:
+    """What a checkpoint keeps of the data its run trains on, which a resume must keep: the data folder (the stream
+    position belongs to it), the corpus's content hash (its manifest's ``corpus_hash``; None without one) and the
+    tasks with every setting (None without tasks). None without a token data module."""
+    if datamodule is None or not hasattr(datamodule, "corpus_hash"):
+        return None
+    return {"path": data_folder(datamodule.path), "corpus_hash": datamodule.corpus_hash(),
+            "tasks": datamodule.tasks.settings() if datamodule.tasks is not None else None}
+
+
+def configured_data(data) -> dict:
+    """:func:`run_data` of a parsed data section, before anything is built or prepared: the corpus hash only of a
+    local folder prepared already (a folder this run prepares first, or a URL, is checked once it is read)."""
+    path, tasks = data.get("path"), data.get("tasks")
+    folder, corpus = data_folder(path), None
+    if folder is not None and os.path.isfile(os.path.join(folder, MANIFEST)):
+        source = read_manifest(folder, check_files=False).get("source")
+        corpus = source.get("corpus_hash") if isinstance(source, dict) else None
+    tasks = tasks.as_dict() if hasattr(tasks, "as_dict") else tasks
+    return {"path": folder, "corpus_hash": corpus, "tasks": TaskMix(tasks).settings() if tasks else None}
+
+
+def described_tasks(tasks: Optional[dict]) -> str:
+    return json.dumps(tasks) if tasks else "no tasks"
+
+
+def check_same_data(saved: Optional[dict], configured: dict, verb: str, path: str) -> None:
+    """A resumed fit trains on the data its run trained on: the same data folder (its stream position is that
+    folder's), the same corpus (a folder prepared again from another corpus holds other text under the same name)
+    and the same tasks (a score on another task would be recorded as that task's, for weights trained on the
+    first), else one line naming both and how to go on. Validate and test measure weights on the corpus they were
+    trained on (their records name that corpus), from any folder; their tasks are :func:`evaluated_as_trained`'s.
+    A corpus hash unknown on either side is not compared; checkpoints written before the data was recorded are not
+    checked."""
+    if not saved:
+        return
+    new_run = new_run_from(path)
+    if verb == "fit" and saved.get("path") != configured["path"]:
+        raise ConfigError(f"{path} was trained on data.path {saved.get('path')} and this resume reads "
+                          f"{configured['path']}: a resume continues its run on the same data (its stream position "
+                          f"is that folder's); resume with --data.path {saved.get('path')}, or {new_run}")
+    old, new = saved.get("corpus_hash"), configured.get("corpus_hash")
+    if old and new and old != new:
+        advice = (f"resume on the corpus it was trained on, or {new_run}" if verb == "fit" else
+                  f"{verb} measures weights on the corpus they were trained on (its records name that one): point "
+                  "--data.path at a folder prepared from it")
+        raise ConfigError(f"{path} was trained on corpus {old[:12]} and {configured['path']} holds corpus "
+                          f"{new[:12]} (prepared again from another source?); {advice}")
+    if verb == "fit" and (saved.get("tasks") or None) != (configured["tasks"] or None):
+        flag = (f"--data.tasks '{json.dumps(saved['tasks'])}'" if saved.get("tasks") else
+                "no --data.tasks")
+        raise ConfigError(f"{path} was trained on {described_tasks(saved.get('tasks'))} and this resume asks "
+                          f"data.tasks {described_tasks(configured['tasks'])}: a resume continues its run on the same "
+                          f"tasks (a score on another would be recorded as that task's); resume with {flag} (the "
+                          f"run's configs), or {new_run}")
+
+
+def check_before_building(checkpoint: dict, backbone: BackboneConfig, data, verb: str, path: str) -> None:
+    """What a resume (``verb`` fit) or an evaluation of ``checkpoint`` can be refused for from the parsed command
+    line alone, before any class is built or any corpus prepared: another model, training length or data
+    (:func:`check_same_model`, :func:`check_same_length`, :func:`check_same_data`). ``data`` is the parsed data
+    section (None without one)."""
+    check_same_model(checkpoint, backbone, None, "the checkpoint's model differs from the configured one in settings "
+                     "that define the weights: ", SAME_MODEL)
+    if data is None:
+        return
+    check_same_length(checkpoint, data.get("block_size"))
+    check_same_data(checkpoint.get("run_data"), configured_data(data), verb, path)
 
 
 def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tuple[str, object, object]]:
@@ -71,6 +159,9 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
     differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
     # Another encoding altogether is one difference, not one per setting it has or lacks.
     return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]
+
+
+SAME_MODEL = "; remove them from the command line and the config files to use the checkpoint's"
 
 
 def check_same_model(checkpoint: dict, config: BackboneConfig, data_info, problem: str, advice: str) -> None:
@@ -87,12 +178,12 @@ def check_same_model(checkpoint: dict, config: BackboneConfig, data_info, proble
                                                   for name, old, new in differ) + advice)
 
 
-def check_same_length(checkpoint: dict, data_info) -> None:
+def check_same_length(checkpoint: dict, block_size: Optional[int]) -> None:
     """A checkpoint is loaded at the training length it was trained at (evaluation lengths are set apart)."""
     saved = ((checkpoint.get("hyper_parameters") or {}).get("data") or {}).get("block_size")
-    if data_info is not None and saved not in (None, data_info.block_size):
+    if block_size is not None and saved not in (None, block_size):
         raise ConfigError(f"the checkpoint was trained at block_size {saved} but data.block_size is "
-                          f"{data_info.block_size}; set --data.block_size {saved} (data.eval_lengths sets the "
+                          f"{block_size}; set --data.block_size {saved} (data.eval_lengths sets the "
                           "evaluation lengths)")
 
 
@@ -157,17 +248,18 @@ def layout_differences(saved: TrainingLayout, configured: TrainingLayout) -> tup
 
 
 def evaluated_as_trained(saved_data: dict, layout: TrainingLayout, tasks: Optional[dict], verb: str,
-                         path: str) -> TrainingLayout:
+                         path: str, named: bool = False) -> TrainingLayout:
     """What ``validate`` and ``test`` may ask of a checkpoint (``saved_data``: its data description), checked before
     anything is built. Weights are evaluated at the data.layout they were trained with, which their records name:
     the default layout (no --data.layout flags) stands for it, and another one would be recorded as the trained one
     (randomized positions asked of contiguous weights changed nothing). Weights trained on tasks alone are scored only
     on those tasks (a reverse-string checkpoint would be recorded as a duplicate-string score). Returns the layout to
-    evaluate with; anything else is one line naming both and the flags that fit. Checkpoints written before the
-    layout or the tasks were recorded are not checked for them."""
+    evaluate with; anything else is one line naming both and the flags that fit, also the default layout when the
+    command line ``named`` it (``--data.layout.positions contiguous`` asked of randomized weights was dropped without
+    a word). Checkpoints written before the layout or the tasks were recorded are not checked for them."""
     trained = TrainingLayout.from_dict(saved_data["layout"]) if "layout" in saved_data else layout
     differ, flags = layout_differences(trained, layout)
-    if differ and layout.active:
+    if differ and (layout.active or named):
         described = trained.label(saved_data.get("block_size")) or "the default (packed blocks, contiguous positions)"
         raise ConfigError(f"{path} was trained with data.layout {described} and {verb} asks another: {differ}; "
                           f"{verb} evaluates weights at the layout they were trained with (its records name that "

@@ -5,7 +5,7 @@
 # short keeps what finished before):
 #   env        the device, torch, and every package the runs import (the image's, or the carried wheels' in .whl/)
 #   gpu-check  (GPU_CHECK=1 only) `gpu-check` on GC_ENCODINGS
-#   prepare    `prepare --source python-code --tokenizer bpe:16384 --num-workers 16` into $DATA, unless it was carried
+#   prepare    `prepare --source python-code --tokenizer bpe:16384 --num_workers 16` into $DATA, unless it was carried
 #   fit X      for each of ENCODINGS: `fit --config configs/paper/gpt2_small_code.yaml --config
 #              configs/trainer/single.yaml --model.init_args.backbone.pos_encoding X`, started only when its planned
 #              seconds (PLAN_S) are left, its timeout the minutes left; then its line (perplexity at each length,
@@ -13,7 +13,10 @@
 #              again in $OUT/records.tar.gz (no checkpoints)
 #   report     `report` over the runs into $OUT/report.md (and the whole report in records.tar.gz)
 # $OUT gets at most 7 files (the device tool returns 8): results.jsonl, run-log.txt, manifest.json, records.tar.gz,
-# report.md, and with GPU_CHECK=1 gpu_check.md and gpu_check-console.txt.
+# report.md, and with GPU_CHECK=1 gpu_check.md and gpu_check-console.txt. A part with no second left of the cap is
+# not started (`timeout 0` would mean no limit). Stopped by SIGTERM or Ctrl-C, the script stops its running part
+# (`timeout` leads a process group of its own and passes SIGTERM to all of it: a fit saves last.ckpt and stops),
+# removes its work folder and exits with 128 + the signal; what $OUT holds by then stays.
 #
 # Device call (from the project root, the wheels fetched by ../shared/gpu/fetch_wheels.sh):
 #     run, carry [".whl"], timeout_s 600:   bash tools/gpu/run.sh
@@ -73,6 +76,23 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( TOTAL_S - $(elapsed) - REPORT_S )); }
 el() { echo "=== $1 at +$(elapsed)s"; }
 part() { "$PY" tools/gpu/parts.py --results "$RESULTS" "$@"; }
+RUNNING=$WORK/running.pgid  # the process group of the part running now (`timeout` leads one of its own)
+
+timed() {  # timed SECONDS KILL_AFTER COMMAND...: COMMAND under `timeout`, in a process group the script's stop ends
+    local seconds=$1 kill_after=$2 pid rc
+    shift 2
+    if [ "$seconds" -lt 1 ]; then  # `timeout 0` means no limit
+        echo "not started: no second left of the ${TOTAL_S}s cap"
+        return 124
+    fi
+    timeout -k "$kill_after" "$seconds" "$@" &
+    pid=$!
+    echo "$pid" > "$RUNNING"
+    wait "$pid"
+    rc=$?
+    rm -f "$RUNNING"
+    return "$rc"
+}
 
 records() {  # every run's records (no checkpoints) and the report so far, into one file that comes back
     tar -czf "$OUT/records.tar.gz.partial" -C "$WORK" --exclude='*.ckpt' --exclude='checkpoints' \
@@ -110,15 +130,17 @@ main() {
     el "env"
     command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi \
         --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-    timeout 120 "$PY" tools/gpu/parts.py --results "$RESULTS" env $([ "$REHEARSE" = 1 ] && echo --rehearse) \
+    timed 120 10 "$PY" tools/gpu/parts.py --results "$RESULTS" env $([ "$REHEARSE" = 1 ] && echo --rehearse) \
         || { echo "IMPORTS FAILED: nothing else can run"; return 1; }
 
     el "gpu-check"
-    if [ "$GPU_CHECK" = 1 ]; then
+    if [ "$GPU_CHECK" = 1 ] && [ "$(left)" -lt 1 ]; then
+        part line part=gpu-check status=skipped "note=no second left of the ${TOTAL_S}s cap"
+    elif [ "$GPU_CHECK" = 1 ]; then
         t=$(left); t0=$(date +%s)
         # shellcheck disable=SC2086
-        timeout -k 20 "$t" "$PY" -m cable_lightning gpu-check $([ "$REHEARSE" = 1 ] && echo --rehearse-on-cpu) \
-            --out "$OUT/gpu_check.md" --runs-dir "$WORK/gpu_check" --encodings $GC_ENCODINGS --shapes $GC_SHAPES \
+        timed "$t" 20 "$PY" -m cable_lightning gpu-check $([ "$REHEARSE" = 1 ] && echo --rehearse_on_cpu) \
+            --out "$OUT/gpu_check.md" --runs_dir "$WORK/gpu_check" --encodings $GC_ENCODINGS --shapes $GC_SHAPES \
             > "$OUT/gpu_check-console.txt" 2>&1
         rc=$?
         grep -E '^\[gpu-check\] \||^error' "$OUT/gpu_check-console.txt" | cut -c1-300
@@ -132,9 +154,12 @@ main() {
     if [ -f "$DATA/manifest.json" ]; then
         echo "$DATA is here (carried, or prepared by an earlier call on this machine): not prepared again"
         part prepared "$DATA" --status found --seconds 0
+    elif [ "$(left)" -lt 1 ]; then
+        part line part=prepare status=skipped "note=no second left of the ${TOTAL_S}s cap"
+        return 1
     else
-        timeout -k 20 "$(left)" "$PY" -m cable_lightning prepare --source "$SOURCE" --tokenizer "$TOKENIZER" \
-            --num-workers 16 --out "$DATA" 2>&1 | grep -v -E '^source python-code: skipping'
+        timed "$(left)" 20 "$PY" -m cable_lightning prepare --source "$SOURCE" --tokenizer "$TOKENIZER" \
+            --num_workers 16 --out "$DATA" 2>&1 | grep -v -E '^source python-code: skipping'
         rc=${PIPESTATUS[0]}
         if [ "$rc" != 0 ] || [ ! -f "$DATA/manifest.json" ]; then
             part line part=prepare "status=failed rc $rc" "wall_s=$(( $(date +%s) - t0 ))"
@@ -155,7 +180,7 @@ main() {
             continue
         fi
         t0=$(date +%s)
-        timeout -k 10 "$t" "$PY" -m cable_lightning fit "${CONFIG[@]}" --model.init_args.backbone.pos_encoding "$pe" \
+        timed "$t" 10 "$PY" -m cable_lightning fit "${CONFIG[@]}" --model.init_args.backbone.pos_encoding "$pe" \
             --data.path "$DATA" --runs_dir "$RUNS/$pe" --trainer.default_root_dir "$RUNS/$pe" "${FIT_ARGS[@]}" 2>&1 \
             | grep -v -E 'UserWarning|warnings.warn|^\s*$'
         rc=${PIPESTATUS[0]}
@@ -171,7 +196,7 @@ main() {
     el "report"
     t0=$(date +%s)
     mkdir -p "$WORK/report"
-    timeout -k 10 $(( REPORT_S - 5 )) "$PY" -m cable_lightning report "$RUNS" --out "$WORK/report/report" \
+    timed $(( REPORT_S - 5 )) 10 "$PY" -m cable_lightning report "$RUNS" --out "$WORK/report/report" \
         > "$WORK/report/console.txt" 2>&1
     rc=$?
     tail -n 3 "$WORK/report/console.txt"
@@ -186,7 +211,33 @@ main() {
     ls -la "$OUT"
 }
 
-main 2>&1 | tee -a "$OUT/run-log.txt"
-rc=${PIPESTATUS[0]}
+stop() {  # SIGTERM or Ctrl-C: no next part, the running one's process group stopped, the work folder removed
+    local signum=$1 group i
+    trap '' TERM INT
+    echo "=== stopped by signal $signum at +$(elapsed)s: stopping the running part" >> "$OUT/run-log.txt"
+    kill -TERM "$MAIN" 2>/dev/null  # main's shell: it starts nothing more
+    group=$(cat "$RUNNING" 2>/dev/null)
+    if [ -n "$group" ]; then
+        kill -TERM "$group" 2>/dev/null  # timeout passes it to its whole group, as when its time is up
+        for i in $(seq 1 100); do  # a fit saves last.ckpt first: at most 20 s, then it is killed
+            kill -0 -- "-$group" 2>/dev/null || break
+            [ "$i" = 100 ] && kill -KILL -- "-$group" 2>/dev/null
+            sleep 0.2
+        done
+    fi
+    wait
+    rm -rf "$WORK"
+    exit $(( 128 + signum ))
+}
+
+# main runs in the background, so that a signal is taken at once (bash runs a trap only after a foreground job ends)
+main > >(tee -a "$OUT/run-log.txt") 2>&1 &
+MAIN=$!
+trap 'stop 15' TERM
+trap 'stop 2' INT
+wait "$MAIN"
+rc=$?
+trap - TERM INT
+wait  # tee's last lines
 rm -rf "$WORK"
 exit "$rc"
