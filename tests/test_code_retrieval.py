@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from test_data import fake_distribution
+from test_sources import fake_distribution
 
 from cable_lightning.__main__ import main as run
 from cable_lightning.data import code_retrieval, python_code
