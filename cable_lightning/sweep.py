@@ -15,6 +15,9 @@ nDCG@10 at every length, recorded as the run's (``retrieval.jsonl``), then repor
     python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
         --experiment enc --stage retrieval --retrieval_set data/retrieval-1024 --retrieval_lengths 64 128 256 512 1024
 
+``--stage fit+retrieval`` runs both, run by run (each encoder run whole: its fit, export, fine-tuning and evaluations;
+a set with a short-document check, the code set's, adds its evaluation), so one run is one command.
+
 The Chomsky-hierarchy grid (docs/chomsky.md) adds learning rates: one experiment per rate, <experiment>-lr<rate>,
 and the report's algorithmic table gives, per task and encoding, the mean, interval and maximum over seeds:
 
