@@ -351,8 +351,13 @@ def incomparable(rows: Iterable[Record]) -> Optional[str]:
                 differ.append(f"{key} " + " vs ".join(f"{value} ({runs(by)})" for value, by in sorted(values.items())))
         if differ:
             at = f"training length {length}" + (f" extended to {extended}" if extended else "")
+            keys = {r.run_key() for r in group}
+            twice = len({key._replace(recipe=None) for key in keys}) < len(keys)  # one run under two recipes
             return (f"these runs ({at}) were trained by different recipes, which one table cannot compare: "
-                    + "; ".join(differ) + "; report them apart, or train them alike")
+                    + "; ".join(differ) + "; report them apart, or train them alike"
+                    + ("; a run named under two recipes was resumed with other settings (a longer "
+                       "trainer.max_steps): report the folder of its latest evaluation, or two lends' runs share "
+                       "its name: report each lend apart" if twice else ""))
     return one_column(every)
 
 
