@@ -18,7 +18,7 @@ GPT-NeoX or Llama against ``rope``), each training step timed in turns with the 
 ratio. ``--compile``: each encoding's training step with its blocks compiled (``compile: true``) against eager, the
 compile time apart from the steady steps, and the steps a fit needs to pay the compile back.
 
-    python -m cable_lightning bench --preset gpt2-tiny --n-layer 2 --pes cable alibi nope --json bench.json
+    python -m cable_lightning bench --preset gpt2-tiny --n_layer 2 --pes cable alibi nope --json bench.json
 """
 
 from __future__ import annotations
@@ -528,29 +528,29 @@ def main(argv=None):
                             epilog="With no arguments it runs the full benchmark: every encoding at the defaults "
                             "above (on a CPU, it takes long).")
     parser.add_argument("--preset", default="gpt2-tiny")
-    parser.add_argument("--n-layer", dest="n_layer", type=int)
-    parser.add_argument("--n-head", dest="n_head", type=int)
-    parser.add_argument("--n-embd", dest="n_embd", type=int)
-    parser.add_argument("--vocab-size", dest="vocab_size", type=int)
+    parser.add_argument("--n_layer", dest="n_layer", type=int)
+    parser.add_argument("--n_head", dest="n_head", type=int)
+    parser.add_argument("--n_embd", dest="n_embd", type=int)
+    parser.add_argument("--vocab_size", dest="vocab_size", type=int)
     parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
                         "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
                         "pe:backend forces a backend; dape_v2+pe is DAPEv2 over pe")
-    parser.add_argument("--naive-max-length", type=int, default=8192,
+    parser.add_argument("--naive_max_length", type=int, default=8192,
                         help="skip the naive CABLE beyond this eval length")
-    parser.add_argument("--train-lengths", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--tokens-per-step", type=int, default=4096, help="batch = this // length")
+    parser.add_argument("--train_lengths", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--eval_lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--tokens_per_step", type=int, default=4096, help="batch = this // length")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--padded-batch", type=int, default=0,
+    parser.add_argument("--skip_memory", action="store_true")
+    parser.add_argument("--padded_batch", type=int, default=0,
                         help="also time a fine-tuning step of a bidirectional encoder on this many right-padded rows "
                         "of mixed lengths: one call per span, one call padded to the longest, one call as the backbone "
                         "groups the rows (0: skip)")
-    parser.add_argument("--padded-longest", type=int, default=512, help="the padded rows' longest length")
+    parser.add_argument("--padded_longest", type=int, default=512, help="the padded rows' longest length")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--loop-overhead", metavar="DATA_PATH",
+    parser.add_argument("--loop_overhead", metavar="DATA_PATH",
                         help="instead of the table: a tiny model's fit step (through the CLI, on this prepared data "
                         "folder) over its bare step, the loop's overhead (docs/speed.md)")
     parser.add_argument("--peers", nargs="*", choices=list(PEERS), metavar="PEER",
@@ -560,8 +560,8 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="also time each encoding's training step with its blocks compiled (compile: true) "
                         "against eager: the compile time, the steady steps, the steps to pay back; with "
-                        "--loop-overhead: compile the blocks of its fit and bare step")
-    parser.add_argument("--bf16-speedup", action="store_true",
+                        "--loop_overhead: compile the blocks of its fit and bare step")
+    parser.add_argument("--bf16_speedup", action="store_true",
                         help="also time each encoding's training step under bf16 autocast against fp32, same weights, "
                         "in turns: bf16's speedup at this shape")
     args = parser.parse_args(argv)

@@ -1,31 +1,20 @@
 """``python -m cable_lightning {fit,validate,test}``: LightningCLI wired for length-extrapolation runs.
 
-What it adds to the stock CLI:
-- ``--global_batch_tokens``: the global batch in tokens (the paper's 524288), turned into gradient
-  accumulation from micro-batch x block x the built Trainer's world size; an error when it does not divide.
-- runs laid out as ``<runs_dir>/<experiment>/<pe>/version_N`` (TensorBoard) with checkpoints in
-  ``<runs_dir>/<experiment>/<pe>/checkpoints`` (``last.ckpt`` plus every N steps), so
-  ``--ckpt_path last`` finds the previous run's last checkpoint; with ``--folder_per_seed true``, one more level,
-  ``seed<N>`` (the run's seed_everything), so that seeds of one encoding are separate runs.
-- the data's description (vocabulary, ids, tokenizer identity, training and evaluation lengths) flows from
-  the data to the model, set once in the data section; the data is prepared first when it asks for that.
-- validation every checkpoint interval at every evaluation length (and window mode), recorded by
-  :class:`LengthEvalRecorder` (perplexity and loss by position) and :class:`AttentionDiagnostics` (attention per
-  layer and head, and the tokens that need the long context, at the first and last validations and others within
-  ``--diagnostics.budget`` of the evaluation's time; ``--diagnostics.enabled false`` turns them off); a last
-  one at the end of fit; with ``--data.tasks``
-  (the passkey among them), exact-match accuracy on the tasks after each (:class:`TaskAccuracy`).
-- checkpoints that survive kills and full disks (:class:`AtomicCheckpointIO`), ``last.ckpt`` saved on SIGTERM
-  (and on SLURM's SIGUSR1, then the job requeued), ``--ckpt_path last`` (the newest readable checkpoint, or an
-  error) and ``auto`` (resume if there is one).
-- ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set; what it does
-  set wins, and a setting that defines the weights must match the checkpoint (checked before loading); a resumed
-  fit also keeps the checkpoint's data.layout, global batch and data.seed (one line naming the flag otherwise), and
-  validate/test evaluate at its data.layout and, for weights trained on tasks alone, on those tasks only.
-- user errors as one line ``error: ...`` with exit status 2 (1 for a diverged or failed run or a lost peer process
-  (another node killed), 143 after SIGTERM,
-  130 after Ctrl-C, 138 after SLURM's SIGUSR1, the job requeued);
-  ``CABLE_LIGHTNING_DEBUG=1`` shows the traceback.
+This module is the wiring; each job has its own room: :mod:`.run_setup` (the data prepared first, every setting
+checked before anything is built, the run folder, the global batch), :mod:`.argument_errors` (jsonargparse's reports
+in one line) and :mod:`.run_failures` (a failed or stopped run in one line). What it adds to the stock CLI:
+- ``--global_batch_tokens``: the global batch in tokens, turned into gradient accumulation for the built Trainer;
+- runs in ``<runs_dir>/<experiment>/<pe>[/seed<N>]`` (TensorBoard versions and ``checkpoints/``), so
+  ``--ckpt_path last`` finds the previous run's last checkpoint and ``auto`` resumes if there is one;
+- the data's description flows from the data section to the model;
+- validation every checkpoint interval at every evaluation length, recorded by the callbacks (perplexity and loss by
+  position, attention diagnostics, task accuracy), and a last one at the end of fit;
+- checkpoints that survive kills and full disks, ``last.ckpt`` saved on SIGTERM and SLURM's SIGUSR1;
+- ``--ckpt_path FILE``: the checkpoint's model settings fill in what the command line does not set
+  (:mod:`.lit.resume` says what a resume may change);
+- user errors as one line ``error: ...``, with the exit statuses of :mod:`.errors`; ``CABLE_LIGHTNING_DEBUG=1``
+  shows the traceback.
+docs/training.md and docs/faults.md tell the whole story.
 """
 
 from __future__ import annotations
@@ -254,10 +243,8 @@ def main(args: list[str] | None = None, extra_callbacks: tuple = ()) -> CableCLI
 
 
 def run(args: list[str] | None = None) -> None:
-    """``python -m cable_lightning``: :func:`main` with user errors as one line and an exit status for schedulers:
-    2 for a bad setting, data or checkpoint, 1 for a run that failed (divergence, a checkpoint not written), 143
-    after SIGTERM, 130 after Ctrl-C and 138 after SLURM's SIGUSR1 (``last.ckpt`` saved; continue with ``--ckpt_path
-    last``; after SIGUSR1 the job is requeued). Bugs keep their traceback."""
+    """``python -m cable_lightning``: :func:`main` with user errors as one line and an exit status for schedulers
+    (:data:`.errors.EXIT_STATUSES`). Bugs keep their traceback."""
     quiet_library_chatter()  # other libraries' notes that say nothing about this run (see console.py)
     threading.excepthook = quiet_writer_thread
     with error_boundary():

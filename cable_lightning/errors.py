@@ -15,12 +15,21 @@ import sys
 import time
 from typing import Optional
 
-EXIT_USER_ERROR, EXIT_RUN_FAILED = 2, 1  # and 128 + the signal's number when stopped by one
+# The exit status of every verb, for schedulers and scripts; written here once.
+EXIT_USER_ERROR = 2  # a bad setting, data folder or checkpoint, or a usage error
+EXIT_RUN_FAILED = 1  # a run that failed: divergence, a checkpoint not written, a lost peer process
+EXIT_STATUSES = {
+    0: "done",
+    EXIT_USER_ERROR: "a user error: a bad setting, data folder or checkpoint, or a usage error",
+    EXIT_RUN_FAILED: "a run that failed: divergence, a checkpoint not written, another process of the run lost",
+    "128 + N": "stopped by signal N: 143 SIGTERM, 130 Ctrl-C, 138 SLURM's SIGUSR1 (the job requeued); a fit saves "
+               "last.ckpt first (continue with --ckpt_path last)",
+}
 DEBUG_VARIABLE = "CABLE_LIGHTNING_DEBUG"
 
 
 class ConfigError(ValueError):
-    """A bad setting, data folder or checkpoint: exit status 2, like a command-line usage error."""
+    """A bad setting, data folder or checkpoint (:data:`EXIT_USER_ERROR`, as a command-line usage error)."""
 
 
 class CorruptCheckpointError(ConfigError):
@@ -28,8 +37,8 @@ class CorruptCheckpointError(ConfigError):
 
 
 class RunFailedError(RuntimeError):
-    """The run stopped for a reason the user must look at (divergence, a checkpoint that could not be written):
-    exit status 1, with what was kept."""
+    """The run stopped for a reason the user must look at (divergence, a checkpoint that could not be written), said
+    with what was kept (:data:`EXIT_RUN_FAILED`)."""
 
 
 def user_error(exc: BaseException) -> BaseException | None:
@@ -80,8 +89,8 @@ class TargetExistsError(ConfigError, FileExistsError):
 @contextlib.contextmanager
 def error_boundary():
     """The error boundary of every entry point (every verb of ``python -m cable_lightning``, and the scripts in
-    ``tools/``): a user error inside is printed as one line, ``error: ...``, and the process exits with 2 (a bad
-    setting, file or checkpoint) or 1 (a run that failed); anything else is a bug and keeps its traceback, as does
+    ``tools/``): a user error inside is printed as one line, ``error: ...``, and the process exits with its status
+    (:data:`EXIT_STATUSES`); anything else is a bug and keeps its traceback, as does
     every error with ``CABLE_LIGHTNING_DEBUG=1``. A reader of stdout that goes away ends the command quietly, with
     128 + SIGPIPE, also after ``--help`` (argparse exits with the text still buffered)."""
     try:
@@ -128,20 +137,20 @@ class KeepsWriteErrors:
 
 
 class ArgumentParser(KeepsWriteErrors, argparse.ArgumentParser):
-    """The parser of every argparse verb: a usage error is one ``error:`` line with exit status 2, like every other
-    user error (argparse would print the usage text first); ``--help`` still prints it. An option spelt with the
-    other separator (``--runs_dir`` for ``--runs-dir``) is named with the right spelling: argparse took it as unknown
-    and, before a positional remainder (sweep's), the rest of the line as that remainder, then reported an option
-    given after it as missing."""
+    """The parser of every argparse verb: a usage error is one ``error:`` line, exiting as every other
+    user error (argparse would print the usage text first); ``--help`` still prints it. Every verb spells its options
+    as Lightning's do, with underscores (``--runs_dir``); one spelt with dashes (``--runs-dir``, an earlier spelling)
+    is taken as the underscore one, with a note naming it: argparse took it as unknown and, before a positional
+    remainder (sweep's), the rest of the line as that remainder."""
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
-        for arg in args[:args.index("--")] if "--" in args else args:  # after --: another command's settings
-            name = arg.split("=", 1)[0]
-            if name.startswith("--") and name not in self._option_string_actions:
-                for other in ("--" + name[2:].replace("_", "-"), "--" + name[2:].replace("-", "_")):
-                    if other != name and other in self._option_string_actions:
-                        self.error(f"unrecognized argument {name}: did you mean {other}?")
+        for i, arg in enumerate(args[:args.index("--")] if "--" in args else args):  # after --: another command's
+            name, equals, value = arg.partition("=")
+            spelt, known = "--" + name[2:].replace("-", "_"), self._option_string_actions
+            if name.startswith("--") and name not in known and spelt in known:
+                print(f"note: {name} is spelt {spelt}; the dashed spelling still works", file=sys.stderr, flush=True)
+                args[i] = spelt + equals + value
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):

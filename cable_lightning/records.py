@@ -340,6 +340,24 @@ class ThroughputRecord(Record):
     precision: Optional[str] = None
 
 
+@dataclass
+class LossPoint:
+    """One point of a fine-tuning's contrastive loss curve, in a fine-tuned export's ``finetune_loss.jsonl``: the
+    export's ``config.json`` (``provenance``) names the run, so the point names none of its own."""
+
+    FILE: ClassVar[str] = "finetune_loss.jsonl"
+
+    step: int
+    loss: float
+
+    def out_of_range(self) -> Optional[str]:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            return f"step {self.step!r} is not a number in [0, inf]"
+        if isinstance(self.loss, bool) or not isinstance(self.loss, (int, float)):
+            return f"loss {self.loss!r} is not a number"
+        return None
+
+
 def run_label(row: Record) -> str:
     """A run as a line of text names it: its encoding's label, training length and seed."""
     return f"{row.run_name()}@{row.train_length}" + ("" if row.run_seed is None else f" seed {row.run_seed}")
@@ -455,6 +473,16 @@ def append_records(folder: str, records: list[Record]) -> None:
                                  f"{space_left(path)}); the checkpoints written before it are intact") from exc
 
 
+def write_records(path: str, records: list) -> None:
+    """Write ``path`` anew, one record a line (an export's own records, written once into its staging folder)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(dataclasses.asdict(record)) + "\n" for record in records)
+    except OSError as exc:
+        raise RunFailedError(f"could not write the records {path} ({type(exc).__name__}: {exc}; "
+                             f"{space_left(path)})") from exc
+
+
 def skip_torn(path: str, number: int, text: str) -> None:
     print(f"{path}:{number}: skipping a truncated last line", file=sys.stderr, flush=True)
 
@@ -494,7 +522,7 @@ def read_jsonl(path: str, required: Iterable[str] = (), make: Callable[[dict], A
     return rows
 
 
-def read_records(path: str, kind: type[Record], torn: Callable[[str, int, str], None] = skip_torn) -> list[Record]:
+def read_records(path: str, kind: type, torn: Callable[[str, int, str], None] = skip_torn) -> list:
     """The records of one file (through :func:`read_jsonl`); keys an earlier version wrote and this one does not
     know are ignored, and a row without a field that has no default is an error naming its line."""
     fields = dataclasses.fields(kind)

@@ -2,7 +2,7 @@
 
     python -m cable_lightning sweep --config configs/quickstart.yaml --pes cable alibi rope --experiment pe-sweep
     python -m cable_lightning sweep --config configs/paper/gpt2_tiny_fineweb.yaml \
-        --config configs/trainer/ddp8_bf16.yaml --pes cable alibi kerple_log --print-only   # for a cluster, one a line
+        --config configs/trainer/ddp8_bf16.yaml --pes cable alibi kerple_log --print_only   # for a cluster, one a line
 
     python -m cable_lightning sweep --config configs/quickstart.yaml --pes cable alibi --seeds 0 1 2 --experiment seeds
 
@@ -13,7 +13,7 @@ nDCG@10 at every length, recorded as the run's (``retrieval.jsonl``), then repor
     python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
         --experiment enc
     python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
-        --experiment enc --stage retrieval --retrieval-set data/retrieval-1024 --retrieval-lengths 64 128 256 512 1024
+        --experiment enc --stage retrieval --retrieval_set data/retrieval-1024 --retrieval_lengths 64 128 256 512 1024
 
 The Chomsky-hierarchy grid (docs/chomsky.md) adds learning rates: one experiment per rate, <experiment>-lr<rate>,
 and the report's algorithmic table gives, per task and encoding, the mean, interval and maximum over seeds:
@@ -21,7 +21,7 @@ and the report's algorithmic table gives, per task and encoding, the mean, inter
     python -m cable_lightning sweep --config configs/chomsky/base.yaml --config configs/chomsky/reverse_string.yaml \
         --pes nope rope alibi --seeds 0 1 2 --lrs 1e-4 3e-4 5e-4 --experiment chomsky-reverse
 
-Runs go to runs/<experiment>/<pe>/ (with ``--train-lengths``: experiment <experiment>-T<L>; with ``--seeds``, one
+Runs go to runs/<experiment>/<pe>/ (with ``--train_lengths``: experiment <experiment>-T<L>; with ``--seeds``, one
 run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
 initialisation, not the data order, so the report can pair them across encodings), and the
 report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the
@@ -99,7 +99,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
             encodings[pe] = json.dumps(set_settings(from_label(pe).to_dict()))  # dape_v2+cable: DAPEv2 over CABLE
         except ConfigError as exc:
             raise ConfigError(f"--pes {pe}: {exc}") from None
-    for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train-lengths", args.train_lengths),
+    for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train_lengths", args.train_lengths),
                          ("--lrs", args.lrs)):
         repeated = [value for i, value in enumerate(values or []) if value in values[:i]]
         if repeated:  # planned twice, the second run would train (or continue) the first's run folder again
@@ -135,35 +135,35 @@ def main(argv=None):
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
     parser.add_argument("--pes", nargs="+", required=True, help="encoding labels; dape_v2+<pe> is DAPEv2 over <pe>")
-    parser.add_argument("--train-lengths", type=int, nargs="*", help="also sweep the training length")
+    parser.add_argument("--train_lengths", type=int, nargs="*", help="also sweep the training length")
     parser.add_argument("--seeds", type=seed, nargs="*", help="one run per seed (seed_everything), each in its own "
                         "folder; the report gives means and 95%% intervals over them")
     parser.add_argument("--lrs", type=learning_rate, nargs="*", help="also sweep the learning rate "
                         "(model.init_args.lr; one experiment per rate, <experiment>-lr<rate>)")
     parser.add_argument("--experiment", default="sweep")
-    parser.add_argument("--runs-dir", default="runs")
+    parser.add_argument("--runs_dir", default="runs")
     parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")
-    parser.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
+    parser.add_argument("--print_only", action="store_true", help="print the commands instead of running them")
     parser.add_argument("--stage", choices=("fit", "retrieval"), default="fit",
                         help="fit: train (or continue) every run; retrieval: export, fine-tune and evaluate every "
-                        "pre-trained encoder run on --retrieval-set")
-    parser.add_argument("--retrieval-set", help="a folder from python -m cable_lightning retrieval-set")
-    parser.add_argument("--retrieval-lengths", type=int, nargs="+",
+                        "pre-trained encoder run on --retrieval_set")
+    parser.add_argument("--retrieval_set", help="a folder from python -m cable_lightning retrieval-set")
+    parser.add_argument("--retrieval_lengths", type=int, nargs="+",
                         help="evaluation lengths; the first is the fine-tuning length (the training length)")
-    parser.add_argument("--finetune-steps", type=int, default=200)
-    parser.add_argument("--finetune-batch", type=int, default=32)
-    parser.add_argument("--finetune-lr", type=float, default=2e-5, help="the contrastive fine-tuning's learning rate")
+    parser.add_argument("--finetune_steps", type=int, default=200)
+    parser.add_argument("--finetune_batch", type=int, default=32)
+    parser.add_argument("--finetune_lr", type=float, default=2e-5, help="the contrastive fine-tuning's learning rate")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
     args = parser.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
     if args.stage == "retrieval":
         if not args.retrieval_set or not os.path.isfile(os.path.join(args.retrieval_set, "train_pairs.jsonl")):
-            parser.error(f"--stage retrieval needs --retrieval-set, a folder from python -m "
+            parser.error(f"--stage retrieval needs --retrieval_set, a folder from python -m "
                          f"cable_lightning retrieval-set; got {args.retrieval_set!r}")
         if not args.retrieval_lengths or min(args.retrieval_lengths) < 1:
-            parser.error(f"--stage retrieval needs positive --retrieval-lengths, got {args.retrieval_lengths}")
+            parser.error(f"--stage retrieval needs positive --retrieval_lengths, got {args.retrieval_lengths}")
         if args.train_lengths or args.lrs or args.extra:
-            parser.error("--stage retrieval takes the runs as they were trained: no --train-lengths, --lrs or "
+            parser.error("--stage retrieval takes the runs as they were trained: no --train_lengths, --lrs or "
                          "overrides")
     runs = commands(args)
     if args.print_only:

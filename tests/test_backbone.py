@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import LargestTensor
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
@@ -275,21 +275,6 @@ def test_chunked_token_nll_equals_full_cross_entropy():
     torch.testing.assert_close(model.loss(x, targets), full.sum() / (targets != -100).sum())
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any operator produces, and the largest whose last dim is ``width``."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.width, self.largest, self.largest_with_width = width, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-                if t.dim() and t.shape[-1] == self.width:
-                    self.largest_with_width = max(self.largest_with_width, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("pe", ["cable", "alibi", "fire", "t5", "rope"])

@@ -1,12 +1,12 @@
 """The order-aware bidirectional CABLE (``cable_dir``, the project's own form): its bias against a loop written from
 its definition, both sides of a pair of identical tokens told apart, the causal form exactly CABLE's (weights, cache
 and fold). Export, layouts, cached decoding and the backends run for it through the registry's lists
-(test_backbone.py, test_export.py, test_layouts.py, test_attention.py)."""
+(test_backbone.py, test_export.py, test_positional_layout.py, test_attention.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_context_aware import randomised
+from conftest import randomised
 
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import build_positional

@@ -328,13 +328,13 @@ def test_the_report_shows_the_accuracies_at_every_evaluated_step(tmp_path):
 def test_sweep_runs_every_learning_rate_as_its_own_experiment(capsys):
     sweep_main(["--config", "configs/chomsky/base.yaml", "--config", "configs/chomsky/parity_check.yaml",
                 "--pes", "nope", "rope", "--seeds", "0", "1", "--lrs", "1e-4", "5e-4", "--experiment", "ch",
-                "--print-only"])
+                "--print_only"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 8
     assert sum("--experiment ch-lr0.0001 " in line and line.endswith("--model.init_args.lr 0.0001")
                for line in lines) == 4
     with pytest.raises(SystemExit):
-        sweep_main(["--config", "a.yaml", "--pes", "nope", "--lrs", "fast", "--print-only"])
+        sweep_main(["--config", "a.yaml", "--pes", "nope", "--lrs", "fast", "--print_only"])
     assert "a learning rate is a positive number, got 'fast'" in capsys.readouterr().err
 
 

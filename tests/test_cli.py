@@ -8,38 +8,9 @@ import shutil
 import pytest
 import recorders
 import torch
+from conftest import args
 
 from cable_lightning.cli import main
-
-
-def args(data, runs, pe="cable", model="CausalLM", steps=4, every=2, extra=()):
-    preset = "bert-base" if model == "MaskedLM" else "gpt2-tiny"
-    return [
-        "--model", f"cable_lightning.lit.{model}",
-        "--model.init_args.backbone.preset", preset,
-        "--model.init_args.backbone.pos_encoding", pe,
-        "--model.init_args.backbone.n_layer", "2",
-        "--model.init_args.backbone.n_head", "2",
-        "--model.init_args.backbone.n_embd", "32",
-        "--model.init_args.warmup_steps", "2",
-        "--data.path", data,
-        "--data.block_size", "32",
-        "--data.micro_batch_size", "4",
-        "--data.eval_lengths", "[32, 64]",
-        "--data.eval_tokens", "256",
-        "--trainer.accelerator", "cpu",
-        "--trainer.devices", "1",
-        "--trainer.max_steps", str(steps),
-        "--trainer.log_every_n_steps", "1",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--checkpoint.every_n_train_steps", str(every),
-        "--runs_dir", runs,
-        "--experiment", "test",
-        "--seed_everything", "7",
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import warnings
 
-from test_cli import args
+from conftest import args
 
 from cable_lightning.console import quiet_library_chatter
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import randomised
 
 from cable_lightning.callbacks.bias_pictures import last_layer_maps
 from cable_lightning.models import BackboneConfig, build_backbone
@@ -19,14 +20,6 @@ from cable_lightning.positional.cope import CopeScores, cope
 from cable_lightning.positional.dape import DapeConvolutions, DapeScores, dape_v2
 
 HEADS, WIDTH = 2, 16
-
-
-def randomised(module, scale=0.3, seed=0):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return module
 
 
 def small_config(pe="cable", **overrides):
@@ -292,7 +285,7 @@ def test_labels_round_trip_and_reject_what_wraps_nothing():
 
 @pytest.mark.parametrize("pe", ["cope", "dape_v2+cable"])
 def test_long_evaluation_of_logit_scores_stays_in_row_blocks(pe, monkeypatch):
-    from test_backbone import LargestTensor
+    from conftest import LargestTensor
 
     monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 2**18)  # what 2**24 is to 8k tokens, at 1024
     t = 1024

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_cli import args
+from conftest import args
 
 from cable_lightning.cli import main
 from cable_lightning.errors import ConfigError

@@ -287,6 +287,7 @@ def test_validate_writes_the_diagnostics_at_every_length(tiny_corpus_dir, tmp_pa
     # the validation records the recipe its checkpoint was trained by (the validate command trains nothing)
     trained = read_records(os.path.join(runs, "diag", "alibi", "version_0", LengthRecord.FILE), LengthRecord)
     assert trained[0].recipe["steps"] == 2 and trained[0].recipe["batch_tokens"] == 4 * 32
+    assert trained[0].recipe["precision"] == "32-true"
     assert all(r.recipe == trained[0].recipe and r.machine.startswith("cpu") for r in rows + lengths)
     gains = read_records(os.path.join(run, LongContextRecord.FILE), LongContextRecord)
     assert [(r.length, r.tokens, r.context) for r in gains] == [(64, 32, 32), (128, 96, 32)]

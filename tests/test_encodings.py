@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 import yaml
+from conftest import printed_backbone
 
 from cable_lightning.cli import main
 from cable_lightning.lit.checkpoint_format import saved_weights
@@ -28,11 +29,6 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
 SHAPE = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=97, block_size=16)
 
 
-def printed_backbone(capsys, *overrides) -> dict:
-    with pytest.raises(SystemExit) as done:
-        main(["fit", "--config", QUICKSTART, *overrides, "--print_config"])
-    assert done.value.code in (None, 0)
-    return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["backbone"]
 
 
 @pytest.mark.parametrize("name", available())
@@ -89,7 +85,7 @@ def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
         "backend-typo"])
 def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_path, capsys, overrides, expected):
     """The quickstart's data would be prepared first (tens of seconds); a bad setting must stop the run before."""
-    from test_reliability import user_error_line
+    from conftest import user_error_line
 
     data = tmp_path / "never-prepared"
     line = user_error_line(capsys, ["fit", "--config", QUICKSTART, "--data.path", str(data), "--runs_dir",
@@ -99,7 +95,7 @@ def test_bad_settings_stop_the_run_in_one_line_before_the_data_is_prepared(tmp_p
 
 
 def test_an_old_spelling_in_yaml_points_to_where_the_setting_went(tmp_path, capsys):
-    from test_reliability import user_error_line
+    from conftest import user_error_line
 
     old = tmp_path / "old.yaml"
     old.write_text("model:\n  init_args:\n    backbone:\n      cable_bias_activation: relu\n")
@@ -235,7 +231,7 @@ def test_an_encoding_in_a_file_of_its_own_is_registered_and_runs_everywhere(tmp_
 def test_validate_reads_an_earlier_versions_checkpoint_through_the_cli(tiny_corpus_dir, tmp_path):
     """A DAPEv2 run, its checkpoint rewritten as the earlier version wrote it (flat settings, convolutions inside
     the attention layers): validate takes the model from it and measures the same perplexities."""
-    from test_cli import args as cli_args
+    from conftest import args as cli_args
 
     runs = str(tmp_path / "runs")
     main(["fit", *cli_args(tiny_corpus_dir, runs, pe="dape_v2", steps=2, every=2)])

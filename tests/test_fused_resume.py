@@ -4,7 +4,7 @@ fused one it configures: torch's loader takes every param_group setting from the
 import os
 
 import torch
-from test_cli import args
+from conftest import args
 
 import cable_lightning.lit.modules as modules
 from cable_lightning.cli import main

@@ -11,8 +11,8 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import args as tiny_args
 from scipy import stats
-from test_cli import args as tiny_args
 
 from cable_lightning import sweep
 from cable_lightning.callbacks import LengthEvalRecorder
@@ -23,7 +23,7 @@ from cable_lightning.eval.intervals import seed_interval, separable, window_inte
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
 from cable_lightning.positional.registry import available, encoding_from, from_label
-from cable_lightning.records import LengthRecord, read_records
+from cable_lightning.records import LengthRecord, LossPoint, read_records
 
 
 def test_seed_interval_is_the_student_t_interval_by_hand():
@@ -132,7 +132,7 @@ def test_every_encodings_sweep_command_parses_to_that_encoding(pe, capsys):
 
 
 def test_sweep_prints_one_command_per_encoding_and_seed(capsys):
-    sweep.main(["--config", "c.yaml", "--pes", "cable", "alibi", "--seeds", "0", "1", "2", "--print-only"])
+    sweep.main(["--config", "c.yaml", "--pes", "cable", "alibi", "--seeds", "0", "1", "2", "--print_only"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6
     assert sum("--seed_everything 2 --folder_per_seed true" in line for line in lines) == 2
@@ -188,7 +188,7 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     for seed in (0, 1):
         folder = os.path.join(runs, "seeds", "cable", f"seed{seed}")
         rows += read_records(os.path.join(folder, RetrievalRecord.FILE), RetrievalRecord)
-        assert open(os.path.join(folder, "export-tuned", retrieval.LOSS_LOG)).read().count("loss") >= 1
+        assert open(os.path.join(folder, "export-tuned", LossPoint.FILE)).read().count("loss") >= 1
     assert sorted((r.run_seed, r.length) for r in rows) == [(0, 32), (0, 256), (1, 32), (1, 256)]
     assert all(r.pe == "cable" and r.train_length == 32 and r.step == 4 and r.queries == 8 for r in rows)
     visible = {r.length: r.visible for r in rows}
@@ -198,7 +198,7 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     assert (tmp_path / "r_retrieval_set.png").exists()
     curves = report.loss_curves([os.path.join(runs, "seeds")])
     contrastive = [[json.loads(line)["loss"] for line in open(os.path.join(runs, "seeds", "cable", f"seed{seed}",
-                                                                            "export-tuned", retrieval.LOSS_LOG))]
+                                                                            "export-tuned", LossPoint.FILE))]
                    for seed in (0, 1)]
     assert [sorted(v) for v in curves["contrastive loss"]["cable"].values()] == [sorted(pair) for pair in
                                                                                  zip(*contrastive)]
@@ -209,9 +209,9 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
 
 def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval-set", str(tmp_path),
-                    "--retrieval-lengths", "64", "--print-only"])
-    assert f"--stage retrieval needs --retrieval-set, a folder from python -m cable_lightning retrieval-set; " \
+        sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval_set", str(tmp_path),
+                    "--retrieval_lengths", "64", "--print_only"])
+    assert f"--stage retrieval needs --retrieval_set, a folder from python -m cable_lightning retrieval-set; " \
            f"got '{tmp_path}'" in capsys.readouterr().err
 
 

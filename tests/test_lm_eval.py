@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import DOCS, write_task
 
 pytest.importorskip("lm_eval")  # the hf extra: tools/install.sh installs it, so this runs in CI
 
@@ -16,9 +17,6 @@ from cable_lightning.hf import export_backbone, lm_eval_lengths
 from cable_lightning.models import BackboneConfig, build_backbone
 
 TRAIN_LEN = 16
-DOCS = [{"context": "The os module provides", "choices": [" a portable way", " zebra zebra", " of the"], "label": 0},
-        {"context": "Return the value of", "choices": [" the key", " xyzzy"], "label": 0},
-        {"context": "import sys and", "choices": [" os", " qqq"], "label": 1}]
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +59,6 @@ def test_harness_loglikelihood_equals_our_summed_token_logprobs(export, max_leng
     (got, greedy), = lm.loglikelihood(requests)
     expected, expected_greedy = our_loglikelihood(backbone, tok, context, continuation, lm.max_length)
     assert got == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
-
-
-def write_task(folder) -> None:
-    """tiny_mc: a multiple-choice task over DOCS, in ``folder``."""
-    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (folder / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'docs.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
-        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
 
 
 @pytest.mark.parametrize("case", ["missing-model", "malformed-task-file", "missing-include-path", "unknown-task"])

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import recorders
 import torch
-from conftest import TINY_VAL_FRACTION, S3Server, write_tiny_corpus
-from test_cli import args
+from conftest import TINY_VAL_FRACTION, S3Server, args, write_tiny_corpus
 
 from cable_lightning.callbacks.preemption import requeue_slurm_job
 from cable_lightning.cli import run

@@ -119,7 +119,7 @@ def test_a_compiled_fit_holds_through_validations_at_several_lengths(tiny_corpus
     compile one graph for every layer, for training only (evaluation runs them eagerly; it once compiled a graph per
     layer and length). A recording ``aot_eager`` backend stands in for inductor (the count is Dynamo's; inductor's
     time is not the point)."""
-    from test_cli import args
+    from conftest import args
 
     from cable_lightning.cli import main
 
@@ -155,7 +155,7 @@ def test_the_evaluations_after_validation_run_at_the_trainers_precision(tiny_cor
     validation_step runs in: a bf16-mixed run measured them in fp32, other numbers than its evaluation's (and on a GPU
     compiled FlexAttention's evaluation kernel a second time). Both now run in the trainer's precision context, and
     their records stay finite under bf16."""
-    from test_cli import args
+    from conftest import args
 
     import cable_lightning.callbacks.diagnostics as diagnostics
     import cable_lightning.callbacks.task_eval as task_eval
@@ -190,7 +190,7 @@ def test_the_diagnostics_and_the_picture_reuse_the_length_evaluations_flex_kerne
     1); the attention diagnostics and the bias picture, run after it, compile nothing more. On the first GPU they
     compiled FlexAttention twice more (40-54 s of a first validation): they ran outside the autocast, and the
     picture read a batch of one."""
-    from test_cli import args
+    from conftest import args
 
     from cable_lightning.cli import main
 

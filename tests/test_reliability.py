@@ -1,7 +1,6 @@
 """Faults and bad inputs: checkpoints that survive kills and full disks, divergence, SIGTERM, --ckpt_path handling,
 seeds, and user errors as one line. Each test proves one fix; the runs are the CLI's own on the tiny corpus."""
 
-import glob
 import json
 import os
 import shutil
@@ -14,16 +13,13 @@ import lightning.pytorch
 import pytest
 import recorders
 import torch
-from test_cli import args
+from conftest import ROOT, TESTS, args, checkpoints, jsonl_rows, user_error_line
 
 from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
 from cable_lightning.eval import report
 from cable_lightning.positional.rope import rope
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 
 
 @pytest.fixture(scope="module")
@@ -32,33 +28,6 @@ def rope_run(tiny_corpus_dir, tmp_path_factory):
     runs = str(tmp_path_factory.mktemp("rope_runs"))
     main(["fit", *args(tiny_corpus_dir, runs, pe="rope")])
     return runs
-
-
-def checkpoints(runs, pe="rope"):
-    return os.path.join(runs, "test", pe, "checkpoints")
-
-
-def jsonl_rows(runs, pe="rope"):
-    return [json.loads(line)
-            for f in sorted(glob.glob(os.path.join(runs, "test", pe, "version_*", "length_eval.jsonl")))
-            for line in open(f)]
-
-
-def user_error_line(capsys, argv, status=2):
-    """Runs the command line; asserts the exit status and that stderr holds one ``error:`` line and no traceback."""
-    return one_error_line(capsys, lambda: run(argv), status)
-
-
-def one_error_line(capsys, call, status=2) -> str:
-    """Calls ``call``; asserts it exits with ``status`` and that stderr holds one ``error:`` line and no traceback."""
-    with pytest.raises(SystemExit) as exit_info:
-        call()
-    assert exit_info.value.code == status
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err
-    return errors[0]
 
 
 # --- --ckpt_path FILE: the command line wins, weight-defining settings must match ------------------------------------

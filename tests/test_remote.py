@@ -11,8 +11,7 @@ import time
 
 import pytest
 import recorders
-from conftest import TINY_VAL_FRACTION
-from test_cli import args
+from conftest import TINY_VAL_FRACTION, args
 
 from cable_lightning.cli import main
 from cable_lightning.data import remote

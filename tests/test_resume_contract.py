@@ -12,8 +12,7 @@ import sys
 import pytest
 import recorders
 import torch
-from test_cli import args
-from test_reliability import ROOT, TESTS, checkpoints, jsonl_rows, user_error_line
+from conftest import ROOT, TESTS, args, checkpoints, jsonl_rows, user_error_line
 
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError

@@ -5,7 +5,7 @@ number, and a synchronize only where a throughput rate is computed (the logging 
 import lightning as L
 import pytest
 import torch
-from test_cli import args
+from conftest import args
 
 from cable_lightning.cli import main
 from cable_lightning.eval.work import DeviceWork

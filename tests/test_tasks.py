@@ -11,7 +11,7 @@ import pytest
 import recorders
 import torch
 import yaml
-from test_reliability import one_error_line
+from conftest import one_error_line
 
 from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule

@@ -5,7 +5,6 @@ name only this package's model classes, and a crafted file never runs code. Each
 import functools
 import glob
 import http.server
-import json
 import os
 import signal
 import subprocess
@@ -16,10 +15,8 @@ import zipfile
 
 import pytest
 import torch
-from test_cli import args
-from test_reliability import one_error_line
+from conftest import ROOT, args, error_lines, one_error_line, tool
 
-from cable_lightning.__main__ import main as verb_main
 from cable_lightning.checkpoints import resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError
@@ -27,7 +24,6 @@ from cable_lightning.hf.export import main as export_main
 from cable_lightning.lit import CausalLM, MaskedLM
 from cable_lightning.lit.checkpoint_format import package_model_class
 from cable_lightning.positional.registry import available
-from cable_lightning.records import LengthRecord, TaskRecord, read_records
 
 
 class WritesMarker:
@@ -163,78 +159,6 @@ def test_a_checkpoint_with_flipped_bytes_is_named_by_every_reader(tiny_corpus_di
     assert "skipping checkpoint" in capsys.readouterr().out
 
 
-# --- records: one reader that names the file and line of a bad row ---------------------------------------------------
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROW = {"pe": "cable", "train_length": 32, "stage": "fit", "step": 4, "length": 32, "mode": "nonoverlap", "ppl": 9.5}
-
-
-def tool(*argv: str) -> subprocess.CompletedProcess:
-    """A tool as its user runs it (this checkout's package first on the path, no debug variable)."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("CABLE_LIGHTNING_DEBUG", None)
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
-
-
-def error_lines(done: subprocess.CompletedProcess, status: int = 2) -> list[str]:
-    assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
-    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
-
-
-def test_report_names_the_file_and_line_of_a_bad_row_and_leaves_out_an_evaluation_a_torn_line_ends(tmp_path, capsys):
-    """In this process, through the verb table and the error boundary the program uses (test_tools_... runs one
-    verb as a program)."""
-    records = tmp_path / "run" / "length_eval.jsonl"
-    records.parent.mkdir()
-    good = json.dumps(ROW) + "\n"
-    out = str(tmp_path / "report")
-    report = lambda folder, out=out: lambda: verb_main(["report", str(tmp_path / folder), "--out", out])  # noqa: E731
-    earlier = json.dumps({**ROW, "step": 2, "ppl": 9.0}) + "\n"  # a whole evaluation, then one killed mid-row
-    records.write_text(earlier + good + json.dumps({**ROW, "length": 64})[:30])
-    assert report("run")() == 0
-    assert (f"{records}:3: a torn last line (a writer stopped mid-row): the evaluation it ends, cable at step 4, is "
-            "incomplete (1 whole row) and left out; this file's latest complete evaluation of that run is step 2"
-            ) == capsys.readouterr().err.strip()  # said once
-    assert "| 32 | **9.00** |" in (tmp_path / "report_nonoverlap.md").read_text()
-    records.write_text(good + json.dumps({**ROW, "step": 6})[:70])  # torn as it began the next evaluation
-    assert report("run")() == 0
-    assert f"{records}:2: skipping a torn last line" in capsys.readouterr().err
-    assert "| 32 | **9.50** |" in (tmp_path / "report_nonoverlap.md").read_text()
-
-    records.write_text(good + "{not json\n" + good)
-    assert one_error_line(capsys, report("run")) == (
-        f"error: {records}:2: not a JSON record (Expecting property name enclosed in double quotes); fix or remove "
-        "that line")
-    older = {k: v for k, v in ROW.items() if k != "mode"}  # a row format from before window modes
-    records.write_text(good + json.dumps(older) + "\n")
-    assert one_error_line(capsys, report("run")) == (
-        f"error: {records}:2: the row lacks mode (another record format?); valid rows have pe, train_length, step, "
-        "length, mode, ppl")
-    records.write_text("")
-    assert one_error_line(capsys, report("run", str(tmp_path / "empty"))) == (
-        f"error: {records} hold no evaluation rows; validate a run first")
-    assert not glob.glob(str(tmp_path / "empty*"))
-    assert one_error_line(capsys, report("nothing")) == (
-        f"error: no length_eval.jsonl under {tmp_path / 'nothing'}; train or validate a run first")
-
-
-TASK_ROW = {**ROW, "task": "passkey", "depth": 0.5, "accuracy": 0.5}
-
-
-@pytest.mark.parametrize("kind, row, problem", [
-    (LengthRecord, {**ROW, "length": -3}, "length -3 is not a number in [1, inf]"),
-    (LengthRecord, {**ROW, "ppl": "9.5"}, "ppl '9.5' is not a number in [1, inf]"),
-    (TaskRecord, {**TASK_ROW, "accuracy": 7.5}, "accuracy 7.5 is not a number in [0, 1]"),
-], ids=["length", "ppl", "accuracy"])
-def test_a_row_with_a_value_its_measure_cannot_take_is_named(tmp_path, kind, row, problem):
-    """The report's reader: a value no run writes (an accuracy above 1, a negative length) is an error, not a row."""
-    records = tmp_path / kind.FILE
-    records.write_text(json.dumps(TASK_ROW if kind is TaskRecord else ROW) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(ConfigError) as error:
-        read_records(str(records), kind)
-    assert str(error.value) == f"{records}:2: {problem}; fix or remove that line"
-
-
 # --- owned replacement: --overwrite replaces only what the tool wrote, never its own input ----------------------------
 
 def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write(tmp_path, capsys):
@@ -244,7 +168,7 @@ def test_prepare_overwrite_never_deletes_its_source_or_a_folder_it_did_not_write
     corpus.mkdir()
     for i in range(2):
         (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
-    base = ["--source", str(corpus), "--tokenizer", "bpe:300", "--val-tokens", "20", "--num-workers", "1", "--quiet"]
+    base = ["--source", str(corpus), "--tokenizer", "bpe:300", "--val_tokens", "20", "--num_workers", "1", "--quiet"]
     for extra in ([], ["--overwrite"]):
         line = one_error_line(capsys, lambda: prepare_main([*base, "--out", str(corpus), *extra]))
         assert line.startswith(f"error: --out {corpus} holds this command's input {corpus / 'doc0.txt'}"), line
@@ -323,7 +247,7 @@ def test_a_checkpoint_save_removes_only_its_own_partial_file(tmp_path):
 
 def test_tools_print_one_error_line_and_a_traceback_only_with_the_debug_variable(tmp_path):
     line = error_lines(tool("-m", "cable_lightning", "sweep", "--config", "configs/quickstart.yaml", "--pes", "cable",
-                            "dape_v2+nonesuch", "--print-only"))
+                            "dape_v2+nonesuch", "--print_only"))
     assert line == ["error: --pes dape_v2+nonesuch: unknown positional encoding 'nonesuch'; valid names: "
                     f"{', '.join(available())}"]
     env = {**os.environ, "PYTHONPATH": ROOT, "CABLE_LIGHTNING_DEBUG": "1"}
@@ -338,7 +262,7 @@ def test_an_endpoint_that_is_not_an_http_url_is_one_line_before_any_connection(t
     line = one_error_line(capsys, lambda: run(["fit", *args("s3://bucket/prefix", str(tmp_path / "runs")),
                                                "--data.endpoint_url", endpoint]))
     assert line == (f"error: endpoint URL {endpoint!r} is not an http(s) URL with a host; give the store's endpoint "
-                    "(e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url or --endpoint-url")
+                    "(e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url or --endpoint_url")
 
 
 @pytest.mark.parametrize("stride", ["0", "-2"])
@@ -415,8 +339,8 @@ def test_a_stop_during_prepare_ends_the_workers_leaves_nothing_and_exits_128_plu
     env = {**os.environ, "PYTHONPATH": ROOT, "STARTED_FLAG": flag}
     (tmp_path / "slow_prepare.py").write_text(SIGTERM_SCRIPT)
     child = subprocess.Popen([sys.executable, str(tmp_path / "slow_prepare.py"), start_method, "--source",
-                              str(corpus), "--tokenizer", "bpe:300", "--out", str(out), "--val-tokens", "20",
-                              "--num-workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
+                              str(corpus), "--tokenizer", "bpe:300", "--out", str(out), "--val_tokens", "20",
+                              "--num_workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
     def started() -> int:
         return len(open(flag + ".workers").read().split()) if os.path.exists(flag + ".workers") else 0
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_context_aware import HEADS, WIDTH, randomised  # the same small heads and weight randomiser
+from conftest import randomised
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
@@ -19,6 +19,8 @@ from cable_lightning.positional import build_positional, from_label
 from cable_lightning.positional.layers import layers
 from cable_lightning.positional.ssmax import keys_seen
 from cable_lightning.positional.stick_breaking import StickBreakingScores
+
+HEADS, WIDTH = 2, 16  # small heads, as test_context_aware's
 
 
 def small_config(pe, **overrides):
@@ -225,7 +227,7 @@ def test_a_window_hides_what_lies_behind_it():
 
 
 def test_windowed_evaluation_never_builds_a_full_mask_or_bias(monkeypatch):
-    from test_backbone import LargestTensor
+    from conftest import LargestTensor
 
     t = 2048
     for pe in ("layers-nope@64", "layers-cable@64", "layers-kerple_log@64"):
@@ -301,7 +303,7 @@ def test_bad_patterns_are_one_line_errors(make, message):
 
 
 def test_a_pattern_and_ssmaxs_base_are_set_by_name_on_the_command_line(capsys):
-    from test_encodings import printed_backbone
+    from conftest import printed_backbone
 
     backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "layers",
                                 "--model.init_args.backbone.pos_encoding.pattern", "rope@64x3-nope")

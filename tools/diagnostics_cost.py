@@ -26,6 +26,7 @@ import torch
 import cable_lightning.eval.diagnostics as diagnostics_module
 from cable_lightning.data.windows import EvalWindows
 from cable_lightning.eval.diagnostics import AttentionStats, diagnose
+from cable_lightning.eval.tables import markdown_table
 from cable_lightning.eval.work import DeviceWork
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
@@ -126,8 +127,7 @@ def main(argv=None):
                   f"{args.n_head} heads)")
         return
     print(f"threads {torch.get_num_threads()}; quickstart shape unless given; fastest of {args.repeats}", flush=True)
-    lines = ["| encoding | length evaluation (s) | diagnostics (s) | ratio | CPU ratio | forwards | operators | "
-             "reads back |", "|---|---|---|---|---|---|---|---|"]
+    lines = []
     for pe in args.pes:
         rows = measure(pe, args)
         evaluation = sum(r["evaluation"] for r in rows)
@@ -136,9 +136,10 @@ def main(argv=None):
         work = {key: " vs ".join(str(sum(r[f"{name}_work"][key] for r in rows)) for name in ("diagnostics",
                                                                                              "evaluation"))
                 for key in ("forwards", "kernels", "transfers")}
-        lines.append(f"| {pe} | {evaluation:.1f} | {diagnostics:.1f} | {diagnostics / evaluation:.2f} | {cpu:.2f} | "
-                     f"{work['forwards']} | {work['kernels']} | {work['transfers']} |")
-    print("\n".join(lines))
+        lines.append([pe, f"{evaluation:.1f}", f"{diagnostics:.1f}", f"{diagnostics / evaluation:.2f}", f"{cpu:.2f}",
+                      work["forwards"], work["kernels"], work["transfers"]])
+    print(markdown_table(["encoding", "length evaluation (s)", "diagnostics (s)", "ratio", "CPU ratio", "forwards",
+                          "operators", "reads back"], lines))
 
 
 if __name__ == "__main__":

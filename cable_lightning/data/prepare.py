@@ -2,10 +2,10 @@
 
     python -m cable_lightning prepare --source python-docs --tokenizer bpe:4096 --out data/pydocs-bpe4096
     python -m cable_lightning prepare --source fineweb-edu --tokenizer gpt2 --out data/fineweb-edu-gpt2 \
-        --val-tokens 100000000 --num-workers 16
+        --val_tokens 100000000 --num_workers 16
 
 Each document's tokens are followed by the end-of-text id (``doc1 <eot> doc2 <eot> ...``). Validation is the head
-of the stream: whole documents until ``--val-fraction`` of the characters or ``--val-tokens`` tokens, tokenized
+of the stream: whole documents until ``--val_fraction`` of the characters or ``--val_tokens`` tokens, tokenized
 once, in this process (the tokenizers' batch encoders use every core), into one flat array; training is the rest,
 tokenized by litdata workers from where the head stopped. Sources with their own splits (wikitext-103) keep them.
 Work happens in a private ``.<out>.partial-*`` folder under a lock on ``<out>.lock`` and is renamed to ``<out>`` at
@@ -124,14 +124,14 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
                     unit = "characters" if by_chars else "tokens"
                     print(f"warning: {src.name}: validation holds {taken} {unit}, {taken / budget:.1f}x the "
                           f"{budget:.0f} asked for, because whole documents are held out; split long documents "
-                          "or pass --val-tokens", file=sys.stderr, flush=True)
+                          "or pass --val_tokens", file=sys.stderr, flush=True)
                 return np.concatenate(head), [(item, used)] + [(rest, 0) for rest in items[index + 1 :]]
             head.append(ids)
             taken += len(doc) if by_chars else len(ids)
     if not head:
         raise ValueError(f"{src.name} holds no text (empty files?); give a source with documents")
     raise ValueError(f"{src.name} is too small: validation took all {len(head)} documents; "
-                     "lower --val-fraction/--val-tokens"
+                     "lower --val_fraction/--val_tokens"
                      " (a .txt file is one document: use several files, or jsonl with one document per line)")
 
 
@@ -149,20 +149,20 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
     out = str(out) if is_remote(out) else os.path.normpath(str(out))
     src, bpe_size = get_source(source), parse_bpe_spec(tokenizer)
     if val_fraction is not None and val_tokens is not None:
-        raise ValueError("give --val-fraction or --val-tokens, not both")
+        raise ValueError("give --val_fraction or --val_tokens, not both")
     if src.splits is not None and (val_fraction is not None or val_tokens is not None):
-        raise ValueError(f"{src.name} has its own validation split; drop --val-fraction/--val-tokens")
+        raise ValueError(f"{src.name} has its own validation split; drop --val_fraction/--val_tokens")
     if src.splits is None and val_tokens is None:
         val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
         if not 0 < val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+            raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")
         if src.streamed:
-            raise ValueError(f"{src.name} is streamed and its size unknown; pass --val-tokens "
+            raise ValueError(f"{src.name} is streamed and its size unknown; pass --val_tokens "
                              "(the paper held out 100000000)")
     if val_tokens is not None and val_tokens < 1:
-        raise ValueError(f"--val-tokens must be positive, got {val_tokens}")
+        raise ValueError(f"--val_tokens must be positive, got {val_tokens}")
     if num_workers is not None and num_workers < 1:  # 0 meant all cores and -1 one worker, without a word
-        raise ValueError(f"--num-workers must be a positive number of tokenizing processes, got {num_workers}; leave "
+        raise ValueError(f"--num_workers must be a positive number of tokenizing processes, got {num_workers}; leave "
                          "it out to use every core")
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
                **({"bpe_train_chars": bpe_train_chars} if bpe_size else {})}
@@ -375,12 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default="python-docs", help=VALID_SOURCES)
     p.add_argument("--tokenizer", default="bpe:4096", help=VALID_SPECS)
     p.add_argument("--out", default="data/pydocs-bpe4096", help="output folder, or s3://bucket/prefix")
-    p.add_argument("--endpoint-url", help="an S3-compatible store's endpoint for an s3:// --out (default: boto3's "
+    p.add_argument("--endpoint_url", help="an S3-compatible store's endpoint for an s3:// --out (default: boto3's "
                    "AWS_ENDPOINT_URL or profile)")
-    p.add_argument("--val-fraction", type=float, help=f"share of characters held out (default {DEFAULT_VAL_FRACTION})")
-    p.add_argument("--val-tokens", type=int, help="tokens held out for validation (the paper: 100000000)")
-    p.add_argument("--num-workers", type=int, help="tokenizing processes, at least 1 (default: all cores)")
-    p.add_argument("--bpe-train-chars", type=int, default=200_000_000, help="characters used to train bpe:N")
+    p.add_argument("--val_fraction", type=float, help=f"share of characters held out (default {DEFAULT_VAL_FRACTION})")
+    p.add_argument("--val_tokens", type=int, help="tokens held out for validation (the paper: 100000000)")
+    p.add_argument("--num_workers", type=int, help="tokenizing processes, at least 1 (default: all cores)")
+    p.add_argument("--bpe_train_chars", type=int, default=200_000_000, help="characters used to train bpe:N")
     p.add_argument("--overwrite", action="store_true", help="replace an output prepared for a different request")
     p.add_argument("--quiet", action="store_true")
     args = vars(p.parse_args(argv))

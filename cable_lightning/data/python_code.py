@@ -1,4 +1,4 @@
-"""``python-code[:NAME,...]``: the Python source on this machine as a corpus, offline (issue 67).
+"""``python-code[:NAME,...]``: the Python source on this machine as a corpus, offline.
 
 One document per ``.py`` file of the running interpreter's standard library (``sysconfig``'s ``stdlib`` folder, its
 ``site-packages``/``dist-packages`` left out; counted as one distribution named ``python-X.Y``) and of every

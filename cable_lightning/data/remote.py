@@ -11,7 +11,7 @@ through LitData.
 
 Endpoint, region and credentials come from boto3's own chain (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and ``~/.aws/config``, instance roles); an explicit
-endpoint URL (``data.endpoint_url``, ``prepare --endpoint-url``) wins over them.
+endpoint URL (``data.endpoint_url``, ``prepare --endpoint_url``) wins over them.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Store:
         if not url.startswith(SCHEME):
             raise ConfigError(f"{url}: remote data must be an s3:// URL (any S3-compatible store: AWS, MinIO, Ceph, "
                               "Cloudflare R2, Google Cloud Storage through https://storage.googleapis.com with HMAC "
-                              "keys; set its endpoint with data.endpoint_url, --endpoint-url or AWS_ENDPOINT_URL)")
+                              "keys; set its endpoint with data.endpoint_url, --endpoint_url or AWS_ENDPOINT_URL)")
         bucket, _, prefix = url[len(SCHEME):].partition("/")
         if not bucket or not prefix.strip("/"):
             raise ConfigError(f"{url}: give s3://bucket/prefix (the prepared data lives under a prefix, not at the "
@@ -79,7 +79,7 @@ class Store:
         if not valid:
             raise ConfigError(f"endpoint URL {endpoint_url!r} is not an http(s) URL with a host; give the store's "
                               "endpoint (e.g. https://s3.example.com or http://127.0.0.1:9000) with data.endpoint_url "
-                              "or --endpoint-url")
+                              "or --endpoint_url")
         self._client: Any = None
 
     def __getstate__(self) -> dict[str, Any]:  # a boto3 client is neither picklable nor fork-safe: made again
@@ -121,7 +121,7 @@ class Store:
         except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError,
                 bx.ConnectionClosedError) as exc:
             raise ConfigError(f"cannot reach the object store at {self.endpoint} ({type(exc).__name__}) while "
-                              f"{doing} {self.url}; check the endpoint (data.endpoint_url, --endpoint-url or "
+                              f"{doing} {self.url}; check the endpoint (data.endpoint_url, --endpoint_url or "
                               "AWS_ENDPOINT_URL) and that the store is running") from None
         except bx.NoCredentialsError:
             raise ConfigError(f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "

@@ -1,35 +1,13 @@
-"""Why an encoding extrapolates or fails: its attention per layer and head at every length (docs/diagnostics.md).
+"""Why an encoding extrapolates or fails: its attention per layer and head at every length (docs/diagnostics.md defines
+every quantity).
 
-Per query row of a few fixed evaluation windows, from the weights attention actually applies (the score contract of
-``positional.base``, read through ``models.attention.attention_map``, the reference path every backend is tested
-against; no encoding is a special case):
-
-- ``entropy``: -sum p log p of the row's weights p (normalised by their sum, which is 1 except for stick-breaking);
-  ``entropy_norm``: the same divided by log of the keys the row sees (rows that see at least two), so lengths compare;
-- ``distance_mean``, ``distance_p90``: the mean |i - j| under p, and the smallest distance within which 90% of the
-  row's weight lies;
-- ``sink_mass``: the share of the row's weight on the first ``sink`` positions; ``local_mass``: on its last ``local``
-  positions (|i - j| < ``local``);
-- ``max_logit``: the largest score the row normalises (softmax's input: logits plus bias or what the encoding adds;
-  for log-weight scores, stick-breaking, the scaled q.k logits its sigmoids take), the maximum over rows;
-- ``mass``: the weight the row applies in all (1 for softmax; stick-breaking keeps the rest of its stick).
-
-Shares and distances are averaged over the rows that put weight anywhere, over every row of the windows. Rows are
-computed one block at a time, so memory is O(rows x length), never O(length^2) per head; each layer's per-row values
-are reduced once and every length's read back to the host once (docs/diagnostics.md#cost).
-
-Context-aware increments (issue 53; docs/diagnostics.md#increments): for an encoding built on per-token quantities
-(CABLE's increment b and weight g, FoX's -log f; each encoding names its own through
-``PositionalEncoding.token_increments``, none for the others), per layer, head, quantity and set of tokens (all, the
-mask token, a task's answer positions, its markers, symbols and filler): the share of tokens whose value is exactly 0,
-the mean and nearest-rank quantiles; and the relative difference of the final hidden states at a task's first two
-answer positions (any encoding): 0 when the model cannot tell them apart.
-
-Tokens that need the long context (LongPPL's key tokens, Fang et al., 2025, with the model itself as the reference
-instead of a separate evaluator model): each target's loss with the whole window against its loss when the model sees
-at most the training length (sliding windows of the training length, :func:`short_context_nll`); a target past the
-training length whose loss drops by at least ``threshold`` nats is a key token, one whose loss rises by as much a hurt
-token.
+Per query row of a few fixed evaluation windows, from the weights attention actually applies (read through
+``models.attention.attention_map``, the reference path every backend is tested against; no encoding is a special
+case): entropy, the distance the weight reaches, the sink's and the local share, the largest logit, the mass. Rows are
+computed one block at a time, so memory is O(rows x length), never O(length^2) per head (docs/diagnostics.md#cost).
+Also the context-aware increments of encodings built on per-token quantities (docs/diagnostics.md#increments), and the
+tokens that need the long context (LongPPL's key tokens, with the model itself as the reference: a target past the
+training length whose loss with the whole window drops by at least ``threshold`` nats against the training length's).
 """
 
 from __future__ import annotations

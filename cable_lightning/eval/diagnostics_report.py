@@ -30,12 +30,12 @@ from ..records import (
     Record,
     differing,
     find_records,
-    format_value,
     latest_rows,
     run_column,
 )
 from .diagnostics import MAXIMA, QUANTITIES
 from .intervals import Estimate, seed_interval
+from .tables import format_cell, markdown_table, write_markdown
 
 Cells = dict[tuple, dict]  # (row label, column) -> {seed: value}
 
@@ -85,20 +85,9 @@ def markdown(cells: Cells, digits: int = 3) -> str:
     """Rows (where, length) and encoding columns; "-" where a run recorded no value."""
     columns = sorted({c for _, c in cells})
     labels = sorted({k for k, _ in cells}, key=row_order)
-    lines = ["| rows | length | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
-    for label in labels:
-        text = []
-        for c in columns:
-            e = estimate(cells[label, c]) if (label, c) in cells else None
-            if e is None:
-                text.append("-" if (label, c) in cells else "")
-            elif e.low is None:
-                text.append(format_value(e.mean, digits))
-            else:
-                text.append(f"{format_value(e.mean, digits)} [{format_value(e.low, digits)}, "
-                            f"{format_value(e.high, digits)}]")
-        lines.append(f"| {label[0]} | {label[1]} | " + " | ".join(text) + " |")
-    return "\n".join(lines)
+    return markdown_table(["rows", "length", *columns], [
+        [*label, *(format_cell(estimate(cells[label, c]), digits) if (label, c) in cells else "" for c in columns)]
+        for label in labels])
 
 
 def interval_note(cells: Cells) -> str:
@@ -109,6 +98,7 @@ def interval_note(cells: Cells) -> str:
 
 
 def write_csv(path: str, tables: dict[str, Cells]) -> None:
+    """One line per (quantity, row, encoding, seed): every seed's value, with the cell's mean and interval."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["quantity", "rows", "length", "encoding", "seed", "value", "mean", "low", "high", "n"])
@@ -222,8 +212,7 @@ def increments_report(paths: list[str], out: str) -> Optional[str]:
              "mean over heads; rows: the set of tokens and the layer."]
     parts += [f"### {name}\n\n{markdown(cells)}\n\n{interval_note(cells)}" for name, cells in tables.items()]
     text = "\n\n".join(parts)
-    with open(f"{out}_increments.md", "w") as f:
-        f.write(text + "\n")
+    write_markdown(f"{out}_increments.md", text)
     write_csv(f"{out}_increments.csv", tables)
     zeros = tables.get("increment exactly 0, share of tokens", {})
     pictured = ("all", "answer") if any(key[0][0].startswith("answer:") for key in zeros) else ("all", "mask")
@@ -252,8 +241,7 @@ def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
             panels_figure(cells, f"attention {name} vs evaluation length", name, {r.train_length for r in rows},
                           f"{out}_attention_{name}.png")
         tables["attention"] = "\n\n".join(parts)
-        with open(f"{out}_attention.md", "w") as f:
-            f.write(tables["attention"] + "\n")
+        write_markdown(f"{out}_attention.md", tables["attention"])
         write_csv(f"{out}_attention.csv", by_name)
     gains = latest(paths, LongContextRecord, lambda r: r.length)
     if gains:
@@ -270,8 +258,7 @@ def diagnostics_report(paths: list[str], out: str) -> dict[str, str]:
         for name, cells in by_name.items():
             parts.append(f"### {name}\n\n{markdown(cells)}\n\n{interval_note(cells)}")
         tables["long context"] = "\n\n".join(parts)
-        with open(f"{out}_long_context.md", "w") as f:
-            f.write(tables["long context"] + "\n")
+        write_markdown(f"{out}_long_context.md", tables["long context"])
         write_csv(f"{out}_long_context.csv", by_name)
         shown = [name for name in LONG_CONTEXT if "share" in name or name.startswith("key tokens, loss with the whole")]
         merged = {((name, length), c): v for name in shown for ((_, length), c), v in by_name[name].items()}

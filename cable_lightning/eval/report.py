@@ -1,40 +1,11 @@
 """Collect runs into the CABLE paper's Table-1 layout and Figure-1 plot, with intervals over seeds.
 
-Reads the records runs wrote (``length_eval.jsonl``, and where present ``position_loss.jsonl`` and
-``task_accuracy.jsonl``), keeps each run's latest evaluation (a run is one encoding, training length and seed), and
-writes per window mode:
-
-- ``<out>_<mode>.md``: perplexity by evaluation length (rows) and encoding (columns), each cell the mean over the
-  runs' seeds and its 95% interval, then the extrapolation ratio ppl(L) / ppl(training length), each run's ratio
-  aggregated the same way (a run's own ratio removes its overall offset);
-- ``<out>_<mode>.csv``: one line per run and length, every seed's perplexity and ratio, with the cell's mean and
-  interval;
-- ``<out>_<mode>.png``: perplexity against length, a band for each interval;
-- ``<out>_<mode>_training.png``: for each encoding, perplexity and the ratio at every evaluated length against the
-  training step, from the evaluations at every checkpoint;
-- ``<out>_<mode>_ratio_tokens.png``: every encoding's ratio at the longest length against the tokens trained.
-
-Intervals (cable_lightning.eval.intervals): with several seeds, a Student-t interval over them; with one seed, a
-percentile bootstrap over the evaluated windows. Bold: the best mean and every encoding a paired t-test does not
-separate from it at p < 0.05 (across shared seeds, or with one seed over the same evaluated windows); a dash: the
-encoding cannot serve the length. Loss by position (``<out>_position.md/.csv``) is aggregated over seeds the same
-way (no one-seed interval: it keeps no per-window values), and so is each synthetic task's exact-match accuracy (the
-passkey is one of them), averaged over depths (``<out>_task_<name>.md/.csv``), followed by the effective length
-per task and encoding (``<out>_effective.md``): the longest evaluated length, from the training length on, whose
-accuracy (the mean over seeds) stays at or above ``--threshold`` (default 0.85, RULER's), with each seed's own in
-brackets; "-" where the training length falls short. The algorithmic tasks (docs/chomsky.md) get
-``<out>_algorithmic.md``: per task and encoding the score (per-token accuracy over the lengths above training), its
-mean and interval and its maximum over seeds, per learning rate, and the maximum over seeds and learning rates; bold
-marks the highest mean and every encoding a paired t-test over shared seeds does not separate from it. Runs
-evaluated at several checkpoints also get ``<out>_algorithmic_training.md``: the accuracy at the training length and
-the score at every evaluated step, to see whether a step count is enough.
-Encoders' retrieval rows (``retrieval.jsonl``, from
-``python -m cable_lightning retrieval evaluate --records``) give nDCG@10 x 100 by length and encoding per retrieval
-set, aggregated and tested the same way (``<out>_retrieval_<set>.md/.csv/.png``). ``<out>_loss_curves.png`` draws
-the training loss against the step (the paper's Figures 5 and 6): every run's pre-training loss from its TensorBoard
-events and, for fine-tuned encoders, the contrastive loss (``finetune_loss.jsonl``), the mean over seeds per
-encoding. The attention diagnostics (``attention.jsonl``, ``long_context.jsonl``) go through
-``cable_lightning.eval.diagnostics_report`` (``<out>_attention*``, ``<out>_long_context*``; docs/diagnostics.md).
+Reads the records runs wrote (``length_eval.jsonl``, and where present the position, task, retrieval, throughput and
+attention records), keeps each run's latest evaluation (a run is one encoding, training length and seed), and writes
+under the prefix ``--out``, per window mode, perplexity by length and encoding with its extrapolation ratio
+(``<out>_<mode>.md/.csv/.png``), then a table for each kind of record present. Each cell is the mean over seeds with
+its 95% interval (one seed: a bootstrap over the evaluated windows); bold marks the best mean and every encoding a
+paired test does not separate from it (eval/tables.py). docs/training.md#what-the-report-writes lists every file.
 
     python -m cable_lightning report runs/pydocs --out runs/pydocs/report
 """
@@ -42,19 +13,28 @@ encoding. The attention diagnostics (``attention.jsonl``, ``long_context.jsonl``
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from cable_lightning.errors import ArgumentParser, ConfigError
 from cable_lightning.eval.diagnostics_report import diagnostics_report
-from cable_lightning.eval.intervals import Estimate, seed_interval, separable, window_interval
+from cable_lightning.eval.intervals import seed_interval
+from cable_lightning.eval.tables import (
+    Cell,
+    Table,
+    best_columns,
+    describe,
+    markdown,
+    markdown_table,
+    write_csv,
+    write_table,
+)
 from cable_lightning.figures import line_figure, save_figure, step_panels
 from cable_lightning.records import (
     LengthRecord,
+    LossPoint,
     PositionRecord,
     Record,
     RetrievalRecord,
@@ -63,7 +43,6 @@ from cable_lightning.records import (
     behind_their_seeds,
     differing,
     find_records,
-    format_value,
     incomparable,
     latest_rows,
     latest_step,
@@ -72,32 +51,6 @@ from cable_lightning.records import (
     run_column,
 )
 from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
-
-
-@dataclass
-class Cell:
-    """One table cell: a value per run seed, and for a ratio or perplexity the windows behind each run's value
-    (``windows[seed]``: (windows, reference windows or None)), for a one-seed interval and paired test."""
-
-    values: dict
-    windows: Optional[dict] = None
-    _estimate: list = field(default_factory=list, repr=False, compare=False)  # computed once (a bootstrap is slow)
-
-    def estimate(self) -> Optional[Estimate]:
-        """None: the encoding cannot serve the length (some run recorded no value)."""
-        if not self._estimate:
-            values = list(self.values.values())
-            if None in values:
-                self._estimate.append(None)
-            elif len(values) == 1 and self.windows and all(self.windows.values()):
-                [(windows, reference)] = self.windows.values()
-                self._estimate.append(window_interval(windows, reference))
-            else:
-                self._estimate.append(seed_interval(values))
-        return self._estimate[0]
-
-
-Table = tuple[list[str], list[list]]  # columns, rows of [row label, Cell or None per column]
 
 
 def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Optional[Callable] = None) -> Table:
@@ -168,7 +121,7 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
     differ = differing(rows)
     columns = sorted({run_column(r, differ) for r in rows})
     records = {r.run_key(): r for r in rows}
-    lines = ["| task | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines = []
     for task in tasks:
         cells = []
         for column in columns:
@@ -189,8 +142,8 @@ def effective_table(rows: list[TaskRecord], threshold: float) -> str:
                 text += " (" + ", ".join(format_length(effective_length(runs[s], train_length, threshold))
                                          for s in sorted(runs, key=str)) + ")"
             cells.append(text)
-        lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append([task, *cells])
+    return markdown_table(["task", *columns], lines)
 
 
 def algorithmic_scores(rows: list[TaskRecord]) -> dict[tuple, Optional[float]]:
@@ -216,7 +169,7 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
     columns = sorted({run_column(r, differ) for r in runs.values()})
     encodings = sorted({run_column(r, differ, with_lr=False) for r in runs.values()})
     header = columns + ([f"{e} max over seeds and lrs" for e in encodings] if differ[1] else [])
-    lines = ["| task | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    lines = []
     for task in sorted({r.task for r in runs.values()}):
         seeds = [Cell({r.run_seed: scores[key] for key, r in runs.items() if r.task == task
                        and run_column(r, differ) == column}) for column in columns]
@@ -228,8 +181,8 @@ def algorithmic_table(rows: list[TaskRecord]) -> str:
                 values = [scores[key] for key, r in runs.items() if r.task == task
                           and run_column(r, differ, with_lr=False) == encoding]
                 cells.append("-" if not values or None in values else f"{100 * max(values):.1f}")
-        lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append([task, *cells])
+    return markdown_table(["task", *header], lines)
 
 
 def algorithmic_training_table(runs: dict[tuple, dict[int, list[TaskRecord]]]) -> str:
@@ -246,7 +199,7 @@ def algorithmic_training_table(runs: dict[tuple, dict[int, list[TaskRecord]]]) -
     for task in sorted({r.task for r in rows}):
         task_rows = [r for r in rows if r.task == task]
         seeds = {column: len({r.run_seed for r in task_rows if run_column(r, differ) == column}) for column in columns}
-        lines = ["| step | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        lines = []
         for step in sorted({r.step for r in task_rows}):
             cells = []
             for column in columns:
@@ -262,8 +215,8 @@ def algorithmic_training_table(runs: dict[tuple, dict[int, list[TaskRecord]]]) -
                 train = f"{100 * sum(at_train) / len(at_train):.0f}" if at_train else "?"
                 count = f" (n={len(scores)})" if len(scores) < seeds[column] else ""
                 cells.append(f"{train} / {100 * sum(scores) / len(scores):.1f}{count}")
-            lines.append(f"| {step} | " + " | ".join(cells) + " |")
-        sections.append(f"### {task}\n\n" + "\n".join(lines))
+            lines.append([step, *cells])
+        sections.append(f"### {task}\n\n" + markdown_table(["step", *columns], lines))
     return "\n\n".join(sections)
 
 
@@ -280,93 +233,6 @@ def score_cell(values: list[Optional[float]]) -> str:
 
 def format_length(length: Optional[int]) -> str:
     return "-" if length is None else str(length)
-
-
-def paired(a: Cell, b: Cell) -> Optional[tuple[list, list]]:
-    """The paired values two cells can be compared on: their shared seeds' values (two or more), else, with one
-    run each, the mean NLLs of the same windows (same count); None when there is nothing to pair."""
-    shared = [s for s in a.values if s in b.values]
-    if len(shared) >= 2:
-        return [a.values[s] for s in shared], [b.values[s] for s in shared]
-    if len(a.values) == len(b.values) == 1 and a.windows and b.windows:
-        [wa], [wb] = a.windows.values(), b.windows.values()
-        if wa and wb and wa[1] is None and wb[1] is None and len(wa[0][0]) == len(wb[0][0]) >= 2:
-            return list(wa[0][0]), list(wb[0][0])
-    return None
-
-
-def best_columns(cells: list[Optional[Cell]], higher: bool = False, unpaired: bool = False) -> set[int]:
-    """The best mean's column and every column a paired t-test does not separate from it; ``unpaired``: also every
-    column with nothing to pair with the best (no test can separate it)."""
-    estimates = {i: c.estimate() for i, c in enumerate(cells) if c is not None}
-    finite = {i: e.mean for i, e in estimates.items() if e is not None and math.isfinite(e.mean)}
-    if not finite:
-        return set()
-    best = (max if higher else min)(finite, key=finite.get)
-    marked = {best}
-    for i in finite:
-        if i == best:
-            continue
-        pairs = paired(cells[best], cells[i])
-        if (unpaired if pairs is None else not separable(*pairs)):
-            marked.add(i)
-    return marked
-
-
-def format_cell(estimate: Optional[Estimate], digits: int) -> str:
-    if estimate is None:
-        return "-"
-    if estimate.low is None:
-        return format_value(estimate.mean, digits)
-    return (f"{format_value(estimate.mean, digits)} [{format_value(estimate.low, digits)}, "
-            f"{format_value(estimate.high, digits)}]")
-
-
-def markdown(columns, table, best=min, digits: int = 2, header: str = "length") -> str:
-    lines = [f"| {header} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for label, *cells in table:
-        marked = best_columns(cells, higher=best is max)
-        text = [format_cell(c.estimate() if c is not None else None, digits) for c in cells]
-        text = [f"**{t}**" if i in marked else t for i, t in enumerate(text)]
-        label = f"{label[0]}: {label[1]}-{label[2]}" if isinstance(label, tuple) else label
-        lines.append(f"| {label} | " + " | ".join(text) + " |")
-    return "\n".join(lines)
-
-
-def describe(table: Table, best: str) -> str:
-    """One line under a table: what its intervals and bold mean, with n."""
-    estimates = [c.estimate() for _, *cells in table[1] for c in cells if c is not None]
-    seeds = sorted({e.n for e in estimates if e is not None and e.how == "t"})
-    windows = sorted({e.n for e in estimates if e is not None and e.how == "bootstrap"})
-    parts = []
-    if seeds:
-        parts.append(f"mean over n={'/'.join(map(str, seeds))} seeds [95% Student-t interval]")
-    if windows:
-        parts.append(f"one seed [95% percentile bootstrap over its n={'/'.join(map(str, windows))} evaluated "
-                     "windows]")
-    if not parts:
-        parts.append("one run per cell, no interval")
-    return (f"_{'; '.join(parts)}. Bold: the {best} mean and every encoding a paired t-test (p >= 0.05; across shared "
-            "seeds, or one seed's same windows) does not separate from it._")
-
-
-def write_csv(path: str, table: Table, name: str, header: str = "length") -> None:
-    """One line per (row, encoding, seed): every seed's value, with the cell's mean and interval."""
-    columns, rows = table
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([header, "encoding", "seed", name, "mean", "low", "high", "n", "interval"])
-        for label, *cells in rows:
-            for column, cell in zip(columns, cells):
-                if cell is None:
-                    continue
-                e = cell.estimate()
-                summary = ["", "", "", len(cell.values), ""] if e is None else \
-                    [e.mean, "" if e.low is None else e.low, "" if e.high is None else e.high, e.n, e.how]
-                label = "-".join(map(str, label)) if isinstance(label, tuple) else label
-                for seed, value in cell.values.items():
-                    writer.writerow([label, column, "" if seed is None else seed, "" if value is None else value,
-                                     *summary])
 
 
 def plot(columns, table, title: str, path: str, ylabel: str = "perplexity", log_y: bool = True):
@@ -447,19 +313,18 @@ def speed_table(rows: list[ThroughputRecord]) -> str:
     them (:class:`ThroughputRecord`)."""
     differ = differing(rows)
     head = ["run", "machine", "precision", "tokens trained", "steady tokens/s", "MFU", "steady steps (s)"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    lines = []
     for r in sorted(rows, key=lambda r: (run_column(r, differ), str(r.run_seed), str(r.machine))):
         seed = "" if r.run_seed is None else f" seed {r.run_seed}"
-        lines.append(f"| {run_column(r, differ)}{seed} | {r.machine or '?'} | {r.precision or '?'} | {r.tokens:,} | "
-                     + ("-" if r.tokens_per_sec is None else f"{r.tokens_per_sec:,.0f}") + " | "
-                     + ("-" if r.mfu is None else f"{r.mfu:.1%}") + f" | {r.steady_steps} ({r.steady_seconds:.3g}) |")
-    return "\n".join(lines) + ("\n\n_steady: after the first warm-up steps (compiling) to the last logging step, "
-                               "validations left out; MFU per device, against the device's datasheet dense bf16 "
-                               "peak (none on a CPU)._")
+        lines.append([f"{run_column(r, differ)}{seed}", r.machine or "?", r.precision or "?", f"{r.tokens:,}",
+                      "-" if r.tokens_per_sec is None else f"{r.tokens_per_sec:,.0f}",
+                      "-" if r.mfu is None else f"{r.mfu:.1%}", f"{r.steady_steps} ({r.steady_seconds:.3g})"])
+    return markdown_table(head, lines) + ("\n\n_steady: after the first warm-up steps (compiling) to the last "
+                                          "logging step, validations left out; MFU per device, against the device's "
+                                          "datasheet dense bf16 peak (none on a CPU)._")
 
 
 TRAIN_LOSS_TAG = "train/loss"  # what the LightningModules log every log_every_n_steps
-CONTRASTIVE_LOSS_LOG = "finetune_loss.jsonl"  # the retrieval verb's finetune loss curve, in the tuned export
 
 
 def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]]:
@@ -481,13 +346,12 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
             curve.update({event.step: event.value for event in events.Scalars(TRAIN_LOSS_TAG)})
     runs = {row.checkpoint: row for file in find_records(paths, RetrievalRecord.FILE, required=False)
             for row in read_records(file, RetrievalRecord)}
-    for file in find_records(paths, CONTRASTIVE_LOSS_LOG, required=False):
+    for file in find_records(paths, LossPoint.FILE, required=False):
         with open(os.path.join(os.path.dirname(file), "config.json"), encoding="utf-8") as f:
             run = runs.get(json.load(f).get("provenance", {}).get("checkpoint"))
         if run is not None:
             named[run.run_key()] = run
-            with open(file, encoding="utf-8") as f:
-                per_run["contrastive loss"][run.run_key()] = {row["step"]: row["loss"] for row in map(json.loads, f)}
+            per_run["contrastive loss"][run.run_key()] = {p.step: p.loss for p in read_records(file, LossPoint)}
     differ = differing(named.values())
     curves: dict[str, dict[str, dict[int, list[float]]]] = {}
     for kind, by_run in per_run.items():
@@ -545,9 +409,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         if ratio[1]:
             tables[mode] += ("\n\nExtrapolation: ppl(L) / ppl(training length), per run\n\n"
                              + markdown(*ratio, digits=3) + "\n\n" + describe(ratio, "lowest"))
-        with open(f"{out}_{mode}.md", "w") as f:
-            f.write(tables[mode] + "\n")
-        write_csv(f"{out}_{mode}.csv", ppl, "ppl")
+        write_table(f"{out}_{mode}", tables[mode], ppl, "ppl")
         if ratio[1]:
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
         plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
@@ -557,16 +419,12 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     if found:
         table = position_table(latest_rows(found, PositionRecord, lambda r: (r.length, r.first_position)))
         header = "length: positions"
-        tables["position"] = markdown(*table, digits=3, header=header) + "\n\n" + describe(table, "lowest")
-        with open(f"{out}_position.md", "w") as f:
-            f.write(tables["position"] + "\n")
-        write_csv(f"{out}_position.csv", table, "loss", header)
+        tables["position"] = write_table(f"{out}_position", markdown(*table, digits=3, header=header) + "\n\n"
+                                         + describe(table, "lowest"), table, "loss", header)
     for task in sorted({r.task for r in task_rows}):
         table = task_table([r for r in task_rows if r.task == task])
-        tables[f"task {task}"] = markdown(*table, best=max) + "\n\n" + describe(table, "highest")
-        with open(f"{out}_task_{task}.md", "w") as f:
-            f.write(tables[f"task {task}"] + "\n")
-        write_csv(f"{out}_task_{task}.csv", table, "accuracy")
+        tables[f"task {task}"] = write_table(f"{out}_task_{task}", markdown(*table, best=max) + "\n\n"
+                                             + describe(table, "highest"), table, "accuracy")
     if any(r.scoring == "per_token" for r in task_rows):
         tables["algorithmic"] = (algorithmic_table(task_rows) + "\n\n_per-token accuracy (%) averaged over the "
                                  "evaluated lengths above the training length: mean over seeds [95% Student-t "
@@ -574,39 +432,33 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
                                  "a paired t-test over shared seeds (p >= 0.05) does not separate from it, or that "
                                  "shares fewer than two seeds with it. The papers report the max over seeds and "
                                  "learning rates and call >= 90 solved._")
-        with open(f"{out}_algorithmic.md", "w") as f:
-            f.write(tables["algorithmic"] + "\n")
+        write_table(f"{out}_algorithmic", tables["algorithmic"])
         training = algorithmic_training_table(task_runs)
         if training:
             tables["algorithmic over training"] = (training + "\n\n_accuracy at the training length / score (per-token "
                                                    "accuracy over the lengths above it), %, the mean over the seeds "
                                                    "evaluated at the step (n: fewer than the column's seeds)._")
-            with open(f"{out}_algorithmic_training.md", "w") as f:
-                f.write(tables["algorithmic over training"] + "\n")
+            write_table(f"{out}_algorithmic_training", tables["algorithmic over training"])
     if task_rows:
         tables["effective length"] = (effective_table(task_rows, threshold) + "\n\n"
                                       + f"_the longest length, from the training length on, whose exact-match accuracy "
                                       f"(mean over seeds and depths) stays at or above {threshold}; each seed's in "
                                       "brackets; -: even the training length falls short._")
-        with open(f"{out}_effective.md", "w") as f:
-            f.write(tables["effective length"] + "\n")
+        write_table(f"{out}_effective", tables["effective length"])
     found = find_records(paths, RetrievalRecord.FILE, required=False)
     retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
     for dataset in sorted({r.dataset for r in retrieval_rows}):
         table = aggregate([r for r in retrieval_rows if r.dataset == dataset], lambda r: r.length,
                           lambda r: 100 * r.ndcg)
-        tables[f"retrieval {dataset}"] = ("nDCG@10 (x100)\n\n" + markdown(*table, best=max) + "\n\n"
-                                          + describe(table, "highest"))
-        with open(f"{out}_retrieval_{dataset}.md", "w") as f:
-            f.write(tables[f"retrieval {dataset}"] + "\n")
-        write_csv(f"{out}_retrieval_{dataset}.csv", table, "ndcg10")
+        tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", "nDCG@10 (x100)\n\n"
+                                                     + markdown(*table, best=max) + "\n\n"
+                                                     + describe(table, "highest"), table, "ndcg10")
         plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
              "nDCG@10 (x100)", log_y=False)
     found = find_records(paths, ThroughputRecord.FILE, required=False)
     if found:
-        tables["speed"] = speed_table(latest_rows(found, ThroughputRecord, lambda r: r.machine))
-        with open(f"{out}_speed.md", "w") as f:
-            f.write(tables["speed"] + "\n")
+        tables["speed"] = write_table(f"{out}_speed", speed_table(latest_rows(found, ThroughputRecord,
+                                                                              lambda r: r.machine)))
     curves = loss_curves(paths)
     if curves:
         loss_curves_figure(curves, f"{out}_loss_curves.png")
@@ -619,8 +471,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
                  for run, (step, furthest) in sorted(behind.items(), key=str)]
         tables["runs behind their other seeds"] = ("Counted at their latest evaluation; in flight or stopped early, "
                                                    "so the means above mix steps:\n\n" + "\n".join(lines))
-        with open(f"{out}_behind.md", "w") as f:
-            f.write(tables["runs behind their other seeds"] + "\n")
+        write_table(f"{out}_behind", tables["runs behind their other seeds"])
     elif os.path.exists(f"{out}_behind.md"):  # an earlier report's, about runs that have since caught up
         os.remove(f"{out}_behind.md")
     return tables

@@ -133,8 +133,8 @@ def copy_to_host(tensor: Tensor) -> Tensor:
 class ReadLater:
     """A device tensor read back one step later: copied to the host without waiting (:func:`copy_to_host`) as one
     step ends, read as the next one ends, when the copy is long done. Reading it at once would wait for every kernel
-    queued before it, leaving the device idle while the host works between steps (4.4 ms of a 33.4 ms compiled
-    gpt2-small step on an H100: tools/gpu/results-2026-11-27/syncprobe.md)."""
+    queued before it, leaving the device idle while the host works between steps (its cost: docs/speed.md, host
+    syncs)."""
 
     def __init__(self):
         self._pending: tuple | None = None

@@ -1,4 +1,4 @@
-"""The bare step beside each fit (issue 68 item 2): the fit's own compiled backbone trained without Lightning on one
+"""The bare step beside each fit: the fit's own compiled backbone trained without Lightning on one
 batch, in the same process right after the fit: forward and backward, the gradient norm and clipping at 1.0 as the
 fit does them (``CausalLM.on_before_optimizer_step``, ``configure_gradient_clipping``), the fit's fused AdamW
 (``lit.optim.build_optimizer``). A fit's steady step over this one is what the loop costs (loader, hooks, logging,

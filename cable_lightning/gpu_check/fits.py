@@ -23,7 +23,7 @@ from .targets import GPT2_VOCAB, LLMC_RATE, PAPER_RATE, target_of, widened
 
 FIT_HEAD = ["part", "encoding", "backend", "vocab", "steady steps", "step ms (median)", "bare step ms",
             "fit / bare step", "tokens/s", "x NoPE", "MFU",
-            "x paper 238k / llm.c 460k", "target (issue 68)", "compile s (warm-up) / budget", "steady s / budget",
+            "x paper 238k / llm.c 460k", "target", "compile s (warm-up) / budget", "steady s / budget",
             "fit s (all)", "train peak GiB", "estimate GiB: state + activations + logits + tables",
             "Dynamo compiles: warm-up / steady / validations", "graph breaks", "first validation s", "evaluation s",
             "diagnostics s (x evaluation)", "checkpoint s", "note"]
@@ -179,9 +179,9 @@ def fit_arguments(sizes: Sizes, device: str, data: list[str], runs_dir: str, exp
 
 
 def shape_data(run, shape: str) -> list[str]:
-    """A fit's data arguments: the prepared folder (``--data-path``, else the offline python-docs corpus, prepared on
+    """A fit's data arguments: the prepared folder (``--data_path``, else the offline python-docs corpus, prepared on
     first use), or for the paper's shape that folder widened to GPT-2's vocabulary (:func:`targets.widened`, made once
-    a run under ``--runs-dir``)."""
+    a run under ``--runs_dir``)."""
     args = run.args
     prepared = args.data_path or "data/pydocs-bpe4096"
     data = (["--data.path", args.data_path] if args.data_path else

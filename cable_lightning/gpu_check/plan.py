@@ -9,10 +9,10 @@ import torch
 
 from ..callbacks.throughput import WARMUP_STEPS
 
-# The issue's choice (issue 47): three encodings per backend where there are three, NoPE (the baseline) first.
+# Three encodings per backend where there are three, NoPE (the baseline) first.
 ENCODINGS = ["nope", "rope", "cable", "alibi", "fox", "kerple_log", "fire", "t5", "cope", "dape_v2+cable",
              "stick_breaking"]
-# The plan's budgets (seconds on one H100 or H200; two runs on H100s measured what is noted), all times --budget-scale:
+# The plan's budgets (seconds on one H100 or H200; two runs on H100s measured what is noted), all times --budget_scale:
 COMPILE_BUDGET_S = 20.0  # a fit's warm-up steps, where Dynamo and inductor compile (4-18 s measured)
 STEADY_BUDGET_S = 8.0  # a fit's steady steps, from the first one's start, whatever compiling took
 # What else a fit takes, charged to its part: its start, two validations with diagnostics, two checkpoints (14-23 s
@@ -28,7 +28,7 @@ FLEX_TESTS = ("tests/test_attention.py", "-k", "flex")  # FlexAttention's values
 
 
 def fit_budget(label: str) -> float:
-    """The seconds a fit of ``label`` adds to its part's budget (before ``--budget-scale``)."""
+    """The seconds a fit of ``label`` adds to its part's budget (before ``--budget_scale``)."""
     flex = FLEX_EVAL_COMPILE_BUDGET_S if backend_of(label) == "flex" else 0.0
     return COMPILE_BUDGET_S + STEADY_BUDGET_S + FIT_OTHER_BUDGET_S + flex
 

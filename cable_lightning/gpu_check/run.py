@@ -18,7 +18,7 @@ without a GPU. SIGTERM or Ctrl-C ends it in one line saying what ``--out`` holds
    recompiles) and the validations, and graph breaks. A fit that timed no steady step says why. Each part runs at
    each of ``--shapes``, the paper's first: ``gpt2-vocab fit <backend>``, GPT-2's 50257-entry vocabulary over the
    prepared ids (``targets.widened``: which ids appear changes no step's work), its tokens/s beside the paper's 238k a
-   GPU and llm.c's 460k and its target of issue 68 met or missed (``targets.TARGETS``, NoPE's ratio at the same
+   GPU and llm.c's 460k and its target (docs/speed.md) met or missed (``targets.TARGETS``, NoPE's ratio at the same
    shape); then ``fit <backend>``, the prepared data's own vocabulary (4096 for the default corpus).
    After each fit that timed a steady step, the bare step (``bare``): the fit's own compiled model trained on one
    batch without Lightning (forward, backward, clipping, fused AdamW), its median step and the fit's over it
@@ -54,7 +54,7 @@ why that script reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model
 read the peak at the end of training, after the last reset, so the figure was the final validation and checkpoint
 over the weights, gradients and AdamW state, 1.3 GiB, not a training step).
 
-``--rehearse-on-cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, 1 warm-up and 2 steady steps),
+``--rehearse_on_cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, 1 warm-up and 2 steady steps),
 the first encoding of each part only, CPU clocks for the events, Dynamo's ``eager`` backend for inductor (compiling
 is the GPU's part; Dynamo's counters and the recompile watch still run), the FlexAttention tests collected, not run;
 its figures are not GPU figures.
@@ -173,7 +173,7 @@ def run_parts(args, parts: dict[str, list[str]], sizes: Sizes, cuda: bool, repor
         report.line()
         report.line(f"{SHAPES['gpt2-vocab']}: GPT-2's {GPT2_VOCAB}-entry vocabulary over the prepared ids (the paper's "
                     f"shape: {PAPER_RATE / 1e3:.0f}k tokens/s a GPU in the paper, about {LLMC_RATE / 1e3:.0f}k in "
-                    "llm.c), with the issue's targets; fit: the prepared data's own vocabulary")
+                    "llm.c), with their targets; fit: the prepared data's own vocabulary")
         report.table(FIT_HEAD)
         for part, labels in parts.items():  # each backend's part at each shape, the paper's first
             for shape in args.shapes:
@@ -198,25 +198,25 @@ def main(argv: list[str] | None = None) -> None:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/gpu_check.md", help="the results, a Markdown row at a time")
     parser.add_argument("--overwrite", action="store_true", help="replace an --out file an earlier gpu-check wrote")
-    parser.add_argument("--runs-dir", default="runs/gpu_check", help="the fits' runs (TensorBoard, checkpoints)")
-    parser.add_argument("--data-path", help="a prepared data folder (default: the offline python-docs corpus with a "
+    parser.add_argument("--runs_dir", default="runs/gpu_check", help="the fits' runs (TensorBoard, checkpoints)")
+    parser.add_argument("--data_path", help="a prepared data folder (default: the offline python-docs corpus with a "
                         "4096-token BPE, prepared on first use into data/pydocs-bpe4096)")
     parser.add_argument("--encodings", nargs="+", default=ENCODINGS, help="encoding labels (default: %(default)s)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-                        help="the fits' shapes: GPT-2's vocabulary (the paper's, with the issue's targets) and the "
+                        help="the fits' shapes: GPT-2's vocabulary (the paper's, with their targets) and the "
                         "prepared data's own (default: %(default)s)")
-    parser.add_argument("--budget-scale", type=float, default=1.0,
+    parser.add_argument("--budget_scale", type=float, default=1.0,
                         help="multiplies every time budget (a slower GPU, or a longer loan)")
-    parser.add_argument("--rehearse-on-cpu", action="store_true",
+    parser.add_argument("--rehearse_on_cpu", action="store_true",
                         help="every part on the CPU at toy sizes, to check this command (not GPU figures)")
     args = parser.parse_args(argv)
     args.shapes = list(dict.fromkeys(args.shapes))  # each shape once
     started, cuda = time.monotonic(), not args.rehearse_on_cpu
     if not args.budget_scale > 0:
-        raise ConfigError(f"--budget-scale must be > 0, got {args.budget_scale}")
+        raise ConfigError(f"--budget_scale must be > 0, got {args.budget_scale}")
     if cuda and not torch.cuda.is_available():
         raise ConfigError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
-                          "--rehearse-on-cpu runs its parts on the CPU at toy sizes")
+                          "--rehearse_on_cpu runs its parts on the CPU at toy sizes")
     parts = parts_of(args.encodings)  # an unknown label: one line, before anything runs
     if args.rehearse_on_cpu:
         parts = {part: labels[:1] for part, labels in parts.items()}
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             TokenDataModule(path=args.data_path).describe()
         except ConfigError as exc:
-            raise type(exc)(f"--data-path {args.data_path}: {exc}") from None
+            raise type(exc)(f"--data_path {args.data_path}: {exc}") from None
     from ..console import quiet_library_chatter
 
     quiet_library_chatter()

@@ -1,4 +1,4 @@
-"""The paper's shape and its targets (issue 68): fits with GPT-2's vocabulary, compared with the paper's and llm.c's
+"""The paper's shape and its targets: fits with GPT-2's vocabulary, compared with the paper's and llm.c's
 tokens/s, and each row's verdict on its target (one H100, steady steps of a real fit; on a CPU rehearsal the verdicts
 are of CPU figures, not GPU ones)."""
 
@@ -42,7 +42,7 @@ FLEX_TARGET = Target(">= 0.6x NoPE", x_nope=0.6)  # every encoding on the flex p
 
 
 def target_of(label: str, backend: str) -> Target | None:
-    """The issue's target for a paper-shape fit of ``label`` (None: the issue sets none, as for RoPE)."""
+    """The target for a paper-shape fit of ``label`` (None: none is set, as for RoPE)."""
     return TARGETS.get(label) or (FLEX_TARGET if backend == "flex" else None)
 
 
@@ -56,7 +56,7 @@ def widened(prepared: str, out: str, vocab: int = GPT2_VOCAB) -> str:
     manifest = read_manifest(prepared)
     if int(manifest["vocab_size"]) > vocab:
         raise ValueError(f"{prepared} has {manifest['vocab_size']} token ids, more than the {vocab} to widen to")
-    shutil.rmtree(out, ignore_errors=True)  # gpu-check's own folder under --runs-dir, remade each run
+    shutil.rmtree(out, ignore_errors=True)  # gpu-check's own folder under --runs_dir, remade each run
     os.makedirs(out)
     for name in os.listdir(prepared):
         if name != MANIFEST:

@@ -24,6 +24,7 @@ import math
 import os
 
 from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
+from cable_lightning.eval.tables import markdown_table, write_markdown
 
 
 def evaluate(model: str, tasks: list[str], lengths: list[int | None], include_path: str | None = None,
@@ -195,10 +196,8 @@ def write(scores: dict[int | None, dict], out: str) -> str:
     header, rows = table(scores)
     with open(os.path.join(out, "table.csv"), "w", newline="", encoding="utf-8") as f:
         csv.writer(f).writerows([header, *rows])
-    markdown = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
-                         ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
-    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
-        f.write(markdown)
+    markdown = markdown_table(header, rows) + "\n"
+    write_markdown(os.path.join(out, "table.md"), markdown[:-1])
     for length, per_task in scores.items():
         with open(os.path.join(out, f"len_{length or 'model'}.json"), "w", encoding="utf-8") as f:
             json.dump(per_task, f, indent=2)

@@ -21,18 +21,17 @@ have a ``title``), ``qrels.tsv`` with a header and ``query-id<TAB>corpus-id<TAB>
 from __future__ import annotations
 
 import csv
-import json
 import os
 import shutil
 
 from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
+from cable_lightning.eval.tables import markdown_table, write_markdown
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
-from cable_lightning.records import RetrievalRecord, append_records, read_jsonl
+from cable_lightning.records import LossPoint, RetrievalRecord, append_records, read_jsonl, write_records
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
 MLDR = "MultiLongDocRetrieval"
 WEIGHTS = "model.safetensors"
-LOSS_LOG = "finetune_loss.jsonl"  # a fine-tuned export's training loss every max_steps / 20 steps
 
 
 def encoder(folder: str, max_seq_length: int, device: str | None = None, trust_remote_code: bool = False):
@@ -103,9 +102,9 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(staged, LOSS_LOG), "w", encoding="utf-8") as f:  # the contrastive loss curve
-            f.writelines(json.dumps({"step": row["step"], "loss": row["loss"]}) + "\n"
-                         for row in trainer.state.log_history if "loss" in row)
+        write_records(os.path.join(staged, LossPoint.FILE),  # the contrastive loss curve
+                      [LossPoint(step=row["step"], loss=row["loss"]) for row in trainer.state.log_history
+                       if "loss" in row])
         swap_in(staged, out, "export")
     finally:
         discard(staged)
@@ -257,15 +256,14 @@ def write_table(scores: dict[int, dict[str, float]], out: str) -> str:
         writer = csv.writer(f)
         writer.writerow(["length", *names])
         writer.writerows([length, *(cell(row[n]) for n in names)] for length, row in scores.items())
-    lines = ["| length | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines = []
     for length, row in scores.items():
         best = max((v for v in row.values() if v is not None), default=None)
-        cells = [f"**{cell(row[n])}**" if row[n] == best and len(names) > 1 else cell(row[n]) for n in names]
-        lines.append(f"| {length} | " + " | ".join(cells) + " |")
-    markdown = "nDCG@10 (x100)\n\n" + "\n".join(lines) + "\n"
-    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
-        f.write(markdown)
-    return markdown
+        lines.append([length, *(f"**{cell(row[n])}**" if row[n] == best and len(names) > 1 else cell(row[n])
+                                for n in names)])
+    markdown = "nDCG@10 (x100)\n\n" + markdown_table(["length", *names], lines)
+    write_markdown(os.path.join(out, "table.md"), markdown)
+    return markdown + "\n"
 
 
 def _named_models(pairs: list[str]) -> dict[str, str]:

@@ -378,7 +378,8 @@ class LanguageModel(L.LightningModule):
     def recipe(self) -> Optional[dict]:
         """The settings that define this fit's training besides those a record's run key holds (encoding, training
         length, layout, seed, peak learning rate, backbone): the steps, the tokens of an optimizer step, the schedule
-        and optimizer, clipping and the tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
+        and optimizer, clipping, the precision (bf16-mixed and fp32 runs round differently: two experiments) and the
+        tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
         validation records its weights' recipe; outside a fit, the last fit's of this process (None without one)."""
         trainer, h = self.trainer, self.hparams
         if trainer.state.fn == "fit":
@@ -387,6 +388,7 @@ class LanguageModel(L.LightningModule):
                 "steps": trainer.max_steps, "batch_tokens": batch["tokens"] if batch else None,
                 "warmup_steps": h.warmup_steps, "min_lr": h.min_lr, "betas": list(h.betas), "eps": h.eps,
                 "weight_decay": h.weight_decay, "gradient_clip": trainer.gradient_clip_val,
+                "precision": str(trainer.precision),
                 "tokenizer": self.data_info.tokenizer.get("hash") if self.data_info is not None else None}
         return self.fit_recipe
 

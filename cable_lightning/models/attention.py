@@ -68,10 +68,9 @@ FLEX_DEVICES = ("cuda",)  # where FlexAttention runs compiled (the CPU build's f
 _compiled_flex: dict = {}  # grad enabled -> FlexAttention compiled for it
 _warned_flex_fallback = False
 # The tile sizes FlexAttention trains with on CUDA. Inductor's defaults for a compiled block whose score_mod reads a
-# position table (KERPLE-log, FIRE, gpt2-small, 1024 tokens, bf16) asked for 245,760 bytes of shared memory on an
-# H100, which has 232,448: "No valid triton configs", and the fit failed (gpu-check, 2026-11-27). With these tiles the
-# same step compiled and ran, 48.8 ms against NoPE's 28.4 (tools/gpu/results-2026-11-27). Evaluation keeps inductor's
-# choice: its kernels compiled with it on the same card.
+# position table (KERPLE-log, FIRE, gpt2-small, 1024 tokens, bf16) need more shared memory than an H100 has, and the
+# fit fails to compile ("No valid triton configs"); with these tiles the same step compiles and runs (docs/speed.md,
+# the flex fits). Evaluation keeps inductor's choice: its kernels compile with it on the same card.
 FLEX_TRAIN_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
 # The most entries (heads x positions^2, fp32: 256 MiB) of the table a positional bias is read from in a FlexAttention
 # training step (flex_score_mod); a longer training length computes the bias at each score instead.

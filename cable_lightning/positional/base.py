@@ -1,33 +1,14 @@
-"""The positional-encoding contract.
+"""The positional-encoding contract (docs/design.md#the-encoding-contract tells it whole).
 
-An encoding is two classes in one file:
-
-- its settings, a dataclass subclass of :class:`Encoding` named as configs and run folders name the encoding
-  (``rope``): jsonargparse reads its fields (``--model.init_args.backbone.pos_encoding rope
-  --model.init_args.backbone.pos_encoding.scaling linear``), it checks them, and it says everything the rest of
-  the package asks about the encoding (settings that may change at evaluation, its label, the longest length it
-  can serve, which attention backends can run it);
-- its module, a :class:`PositionalEncoding` built from those settings and the backbone's shape, with four hooks
-  the backbone calls without knowing which encoding it holds:
-
-- ``embed``: once, on the token embeddings (absolute encodings).
-- ``rotate``: every layer, on q and k (RoPE; SSMax's length scale of q).
-- ``window``: every layer, its sliding window or None (per-layer patterns).
-- ``score_bias``: every layer, an additive bias on the q.k logits, returned as a :class:`ScoreBias`
-  that *describes* the bias instead of materialising a (T x T) tensor.
-
-Hooks that index weights by the layer's number name those attributes in ``per_layer``: a compiled block runs them on
-:meth:`PositionalEncoding.layer_view`, so every layer shares one graph.
-
-Every score object (:class:`ScoreBias`, :class:`LogitScores`) honours one contract for the weights it makes attention
-apply: :meth:`~ScoreBias.scores` maps a block of query rows' scaled q.k logits to the scores before the mask, and
-:meth:`~ScoreBias.weights` maps the masked scores to the weights (softmax, or exp of log weights: stick-breaking).
-The reference attention path (``models.attention.attention_map``) is written with them alone, every other backend is
-tested against it, and the attention diagnostics (``eval.diagnostics``) read the weights through it: no encoding is a
-special case there.
-
-``embed``, ``rotate`` and ``score_bias`` also take a :class:`~.layout.Layout` (None: positions 0..T-1, one document):
-each token's position index and document, which the encoding honours itself (docs/training_distances.md).
+An encoding is two classes in one file: its settings, a dataclass subclass of :class:`Encoding` named as configs and
+run folders name the encoding (``rope``), which jsonargparse reads and which says everything the rest of the package
+asks about the encoding; and its module, a :class:`PositionalEncoding` with four hooks the backbone calls without
+knowing which encoding it holds: ``embed`` (once, on the token embeddings), ``rotate`` (every layer, on q and k),
+``window`` (every layer, its sliding window or None) and ``score_bias`` (every layer, a :class:`ScoreBias` that
+describes an additive bias instead of materialising a (T x T) tensor, or :class:`LogitScores`). Every score object
+maps a block's scaled logits to scores (:meth:`~ScoreBias.scores`) and masked scores to weights
+(:meth:`~ScoreBias.weights`): the reference attention path and the diagnostics read weights through them alone.
+``embed``, ``rotate`` and ``score_bias`` also take a :class:`~.layout.Layout` (None: positions 0..T-1, one document).
 """
 
 from __future__ import annotations

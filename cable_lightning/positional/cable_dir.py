@@ -1,4 +1,4 @@
-"""Order-aware bidirectional CABLE: **the project's own form, not the paper's** (issue 53).
+"""Order-aware bidirectional CABLE: **the project's own form, not the paper's**.
 
 CABLE's bidirectional bias -g_i |S_i - S_j| is symmetric: a key k tokens to the left of a query and one k tokens to
 its right look the same to it whenever the increments between them are equal. Two adjacent [MASK] tokens then differ

@@ -5,7 +5,7 @@
 # short keeps what finished before):
 #   env        the device, torch, and every package the runs import (the image's, or the carried wheels' in .whl/)
 #   gpu-check  (GPU_CHECK=1 only) `gpu-check` on GC_ENCODINGS
-#   prepare    `prepare --source python-code --tokenizer bpe:16384 --num-workers 16` into $DATA, unless it was carried
+#   prepare    `prepare --source python-code --tokenizer bpe:16384 --num_workers 16` into $DATA, unless it was carried
 #   fit X      for each of ENCODINGS: `fit --config configs/paper/gpt2_small_code.yaml --config
 #              configs/trainer/single.yaml --model.init_args.backbone.pos_encoding X`, started only when its planned
 #              seconds (PLAN_S) are left, its timeout the minutes left; then its line (perplexity at each length,
@@ -139,8 +139,8 @@ main() {
     elif [ "$GPU_CHECK" = 1 ]; then
         t=$(left); t0=$(date +%s)
         # shellcheck disable=SC2086
-        timed "$t" 20 "$PY" -m cable_lightning gpu-check $([ "$REHEARSE" = 1 ] && echo --rehearse-on-cpu) \
-            --out "$OUT/gpu_check.md" --runs-dir "$WORK/gpu_check" --encodings $GC_ENCODINGS --shapes $GC_SHAPES \
+        timed "$t" 20 "$PY" -m cable_lightning gpu-check $([ "$REHEARSE" = 1 ] && echo --rehearse_on_cpu) \
+            --out "$OUT/gpu_check.md" --runs_dir "$WORK/gpu_check" --encodings $GC_ENCODINGS --shapes $GC_SHAPES \
             > "$OUT/gpu_check-console.txt" 2>&1
         rc=$?
         grep -E '^\[gpu-check\] \||^error' "$OUT/gpu_check-console.txt" | cut -c1-300
@@ -159,7 +159,7 @@ main() {
         return 1
     else
         timed "$(left)" 20 "$PY" -m cable_lightning prepare --source "$SOURCE" --tokenizer "$TOKENIZER" \
-            --num-workers 16 --out "$DATA" 2>&1 | grep -v -E '^source python-code: skipping'
+            --num_workers 16 --out "$DATA" 2>&1 | grep -v -E '^source python-code: skipping'
         rc=${PIPESTATUS[0]}
         if [ "$rc" != 0 ] || [ ! -f "$DATA/manifest.json" ]; then
             part line part=prepare "status=failed rc $rc" "wall_s=$(( $(date +%s) - t0 ))"

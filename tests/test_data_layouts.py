@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_cli import args
+from conftest import args
 
 from cable_lightning.cli import main
 from cable_lightning.data.layouts import TrainingLayout, document_ids, pose_positions, randomized_positions

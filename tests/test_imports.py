@@ -1,4 +1,4 @@
-"""The package's layout: one command table whose verbs run from anywhere, and imports with no circle and no upward
+"""The package's parts: one command table whose verbs run from anywhere, and imports with no circle and no upward
 arrow (read from the source with ``ast``, imports inside functions included)."""
 
 import ast
@@ -26,7 +26,7 @@ LAYERS = [
     {"eval"},
     {"lit", "callbacks"},
     {"hf", "cli", "argument_errors", "run_setup", "run_failures"},
-    {"sweep", "bench", "gpu_check", "__main__"},
+    {"sweep", "bench", "peers", "gpu_check", "__main__"},
 ]
 # Copied into every export (hf/export.py, CORE_SOURCES): they may import only each other.
 CORE = {"errors", "models", "positional"}
@@ -158,6 +158,18 @@ def test_report_sweep_and_bench_run_from_a_folder_outside_the_clone(tmp_path):
 
     assert "| 32 | **9.50** |" in verb("report", "runs/exp", "--out", "runs/exp/report")
     assert (tmp_path / "runs" / "exp" / "report_nonoverlap.md").exists()
-    printed = verb("sweep", "--config", "base.yaml", "--pes", "cable", "alibi", "--print-only").splitlines()
+    printed = verb("sweep", "--config", "base.yaml", "--pes", "cable", "alibi", "--print_only").splitlines()
     assert len(printed) == 2 and all(" -m cable_lightning fit --config base.yaml " in line for line in printed)
     assert "--pes" in verb("bench", "--help")
+
+
+def test_the_design_document_draws_the_same_layers():
+    """docs/design.md's table of parts is the one a new maintainer reads first: it lists every part in its layer."""
+    import re
+
+    drawn = []
+    for line in open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8"):
+        row = re.match(r"\| (\d) \| ([^|]+) \|", line)
+        if row:
+            drawn.append({name.removesuffix(".py").rstrip("/") for name in re.findall(r"`([^`]+)`", row.group(2))})
+    assert drawn == [layer - {"__init__"} for layer in LAYERS]  # the package's own __init__ is no part
