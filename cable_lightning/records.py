@@ -46,6 +46,35 @@ class RunKey(NamedTuple):
         return f"{self.name} (training length {self.train_length}{task}, seed {self.seed})"
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """What every record of one evaluation names, typed, made once per evaluation
+    (``LanguageModel.record_context``) so that every record of it names the run alike: the run (its encoding's label,
+    training length and extension, layout, seed, peak learning rate, backbone, the corpus it measured and the recipe
+    it was trained by: what its :class:`RunKey` is made of), the step and stage measured, the checkpoint and the
+    machine. A record is made from it as from a mapping (``LengthRecord(**context, length=...)``)."""
+
+    pe: str
+    train_length: int
+    step: int
+    stage: str
+    checkpoint: Optional[str]
+    run_seed: Optional[int]
+    layout: Optional[str]
+    extended_to: Optional[int]
+    lr: Optional[float]
+    model: Optional[str]
+    corpus_hash: Optional[str]
+    recipe: Optional[dict]
+    machine: Optional[str]
+
+    def keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+
 @dataclass(kw_only=True)
 class Record:
     """What every record says about where it comes from."""
@@ -371,8 +400,13 @@ def incomparable(rows: Iterable[Record]) -> Optional[str]:
                 differ.append(f"{key} " + " vs ".join(f"{value} ({runs(by)})" for value, by in sorted(values.items())))
         if differ:
             at = f"training length {length}" + (f" extended to {extended}" if extended else "")
+            keys = {r.run_key() for r in group}
+            twice = len({key._replace(recipe=None) for key in keys}) < len(keys)  # one run under two recipes
             return (f"these runs ({at}) were trained by different recipes, which one table cannot compare: "
-                    + "; ".join(differ) + "; report them apart, or train them alike")
+                    + "; ".join(differ) + "; report them apart, or train them alike"
+                    + ("; a run named under two recipes was resumed with other settings (a longer "
+                       "trainer.max_steps): report the folder of its latest evaluation, or two lends' runs share "
+                       "its name: report each lend apart" if twice else ""))
     return one_column(every)
 
 

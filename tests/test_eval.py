@@ -1,4 +1,5 @@
-"""Length evaluation: perplexity against a by-hand computation, the records, the report."""
+"""Length evaluation (callbacks/length_eval.py, lit/modules.py): perplexity against a by-hand computation, the
+recorder's rows and figure, and the report of two real runs."""
 
 import glob
 import json
@@ -111,59 +112,3 @@ def test_report_table_marks_best_and_dashes_unsupported(two_runs, tmp_path):
     assert (last["length"], last["encoding"], last["ppl"]) == ("64", "learnable", "")  # no value where unsupported
 
 
-def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):
-    rows = [
-        {"pe": "cable", "train_length": 128, "step": 10, "length": 256, "mode": "nonoverlap", "ppl": 50.0},
-        {"pe": "cable", "train_length": 128, "step": 20, "length": 256, "mode": "nonoverlap", "ppl": 40.0},
-        {"pe": "cable", "train_length": 128, "step": 20, "length": 256, "mode": "nonoverlap", "ppl": 39.0},
-        {"pe": "rope", "train_length": 128, "step": 20, "length": 256, "mode": "nonoverlap", "ppl": 90.0},
-    ]
-    path = tmp_path / "length_eval.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    latest = report.latest_rows([str(path)])
-    assert sorted((r.pe, r.ppl) for r in latest) == [("cable", 39.0), ("rope", 90.0)]
-    assert report.markdown(*report.build_table(latest, "nonoverlap")).splitlines()[2] == "| 256 | **39.00** | 90.00 |"
-
-
-def test_runs_that_differ_only_in_their_backbone_are_two_columns(tmp_path):
-    """Two experiments with the same encoding, training length, seed and rate but another model size were one run to
-    the report (the later file's numbers replaced the other's); a row written before records named the backbone
-    (no ``model``) joins the run it matches."""
-    rows = {"small": {"model": "decoder L12-D768-H12", "ppl": 30.0}, "tiny": {"model": "decoder L4-D256-H4",
-                                                                             "ppl": 60.0}, "old": {"ppl": 45.0,
-                                                                                                   "run_seed": 1}}
-    paths = []
-    for name, row in rows.items():
-        path = tmp_path / name / "length_eval.jsonl"
-        path.parent.mkdir()
-        path.write_text(json.dumps({"pe": "cable", "train_length": 128, "step": 20, "run_seed": 0, "lr": 6e-4,
-                                    "length": 256, "mode": "nonoverlap", **row}) + "\n")
-        paths.append(str(path))
-    lines = report.markdown(*report.build_table(report.latest_rows(paths[:2]), "nonoverlap")).splitlines()
-    assert lines[0] == "| length | cable (decoder L12-D768-H12) | cable (decoder L4-D256-H4) |"
-    assert lines[2] == "| 256 | **30.00** | 60.00 |"
-    lines = report.markdown(*report.build_table(report.latest_rows(paths[1:]), "nonoverlap")).splitlines()
-    assert lines[0] == "| length | cable |" and lines[2].startswith("| 256 | **52.50 [")  # seeds 0 and 1, one column
-
-
-def test_report_without_records_names_the_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no length_eval.jsonl under"):
-        report.report([str(tmp_path)], str(tmp_path / "out"))
-
-
-def test_records_round_trip_through_the_one_writer_and_reader(tmp_path):
-    from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
-
-    length = LengthRecord(pe="dape_v2+cable", train_length=128, step=7, stage="validate", checkpoint="/c.ckpt",
-                          length=512, mode="sliding", stride=64, ppl=12.5, loss=2.52, tokens=1000, seconds=1.5,
-                          tokens_per_sec=666.7)
-    task = TaskRecord(pe="cable", train_length=128, step=7, task="passkey", length=256, depth=0.5, trials=4,
-                      correct=None, accuracy=None)
-    append_records(str(tmp_path), [length, task, length])
-    assert read_records(str(tmp_path / "length_eval.jsonl"), LengthRecord) == [length, length]
-    assert read_records(str(tmp_path / "task_accuracy.jsonl"), TaskRecord) == [task]
-    # a row an earlier version wrote: fewer keys (defaults fill them) and one this version no longer knows
-    (tmp_path / "old.jsonl").write_text(json.dumps({"pe": "rope", "train_length": 32, "step": 4, "length": 64,
-                                                    "mode": "nonoverlap", "ppl": 40.0, "retired": 1}) + "\n")
-    [old] = read_records(str(tmp_path / "old.jsonl"), LengthRecord)
-    assert (old.pe, old.ppl, old.stage, old.checkpoint) == ("rope", 40.0, "fit", None)

@@ -10,7 +10,6 @@ import os
 import lightning as L
 import pytest
 import torch
-import yaml
 from conftest import args as tiny_args
 from scipy import stats
 
@@ -22,7 +21,6 @@ from cable_lightning.eval import report
 from cable_lightning.eval.intervals import seed_interval, separable, window_interval
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
-from cable_lightning.positional.registry import available, encoding_from, from_label
 from cable_lightning.records import LengthRecord, LossPoint, read_records
 
 
@@ -56,22 +54,6 @@ def test_one_seed_ratio_interval_pairs_windows_that_score_the_same_tokens():
     # the same reference windows in the other order pair differently: exp(2.0 - 2.8) and exp(3.0 - 2.0)
     e = window_interval(([2.0, 3.0], [4, 4]), ([2.8, 2.8, 2.0, 2.0], [2, 2, 2, 2]))
     assert (e.low, e.high) == (pytest.approx(math.exp(-0.8)), pytest.approx(math.exp(1.0)))
-
-
-def rows(pe, ppls, length=256):
-    return [LengthRecord(pe=pe, train_length=128, step=10, run_seed=seed, length=length, mode="nonoverlap", ppl=ppl)
-            for seed, ppl in enumerate(ppls)]
-
-
-def test_best_marks_the_lowest_and_every_encoding_within_noise_of_it():
-    latest = rows("cable", [10.0, 10.5, 11.0]) + rows("alibi", [10.1, 10.4, 11.2]) + rows("rope", [12.0, 12.6, 13.1])
-    table = report.markdown(*report.build_table(latest, "nonoverlap"))
-    row = table.splitlines()[2].split(" | ")
-    assert row[1].startswith("**10.57 [") and row[1].endswith("]**")  # alibi, not separable from the best
-    assert row[2].startswith("**10.50 [")  # cable, the lowest mean
-    assert row[3].startswith("12.57 [") and "**" not in row[3]  # rope: clearly worse in every seed
-    e = seed_interval([10.0, 10.5, 11.0])  # the interval printed is the t-interval over the three seeds
-    assert row[2] == f"**{e.mean:.2f} [{e.low:.2f}, {e.high:.2f}]**"
 
 
 def test_one_seed_interval_narrows_with_more_windows(tiny_corpus_dir, tmp_path):
@@ -115,29 +97,6 @@ def two_seeds(tiny_corpus_dir, tmp_path_factory):
     stopped = main(seed1 + ["--trainer.callbacks+=recorders.StopAt", "--trainer.callbacks.step=2"])
     resumed = main(seed1)  # the sweep run again: --ckpt_path auto continues it
     return runs, stopped.trainer.global_step, resumed
-
-
-@pytest.mark.parametrize("pe", available())
-def test_every_encodings_sweep_command_parses_to_that_encoding(pe, capsys):
-    """The sweep's --model.init_args.backbone.pos_encoding argument, read back by the CLI, is the encoding itself
-    (an unset setting once reached it as the string 'None')."""
-    (_, cmd), = sweep.commands(argparse.Namespace(config=["configs/quickstart.yaml"], pes=[pe], seeds=None,
-                                                  train_lengths=None, lrs=None, experiment="x", runs_dir="runs",
-                                                  extra=[],
-                                                  stage="fit"))
-    with pytest.raises(SystemExit):
-        main(cmd[cmd.index("fit"):] + ["--print_config"])
-    printed = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["backbone"]["pos_encoding"]
-    assert encoding_from(printed) == from_label(pe)
-
-
-def test_sweep_prints_one_command_per_encoding_and_seed(capsys):
-    sweep.main(["--config", "c.yaml", "--pes", "cable", "alibi", "--seeds", "0", "1", "2", "--print_only"])
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 6
-    assert sum("--seed_everything 2 --folder_per_seed true" in line for line in lines) == 2
-    # seed-major: a sweep stopped after its first two runs has both encodings at seed 0
-    assert all("--seed_everything 0 " in line for line in lines[:2]) and "alibi" in lines[1]
 
 
 def test_two_seeds_are_two_run_folders_and_both_reach_the_report(two_seeds, tmp_path):
@@ -207,14 +166,6 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     assert (tmp_path / "r_loss_curves.png").exists()
 
 
-def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
-    with pytest.raises(SystemExit):
-        sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval_set", str(tmp_path),
-                    "--retrieval_lengths", "64", "--print_only"])
-    assert f"--stage retrieval needs --retrieval_set, a folder from python -m cable_lightning retrieval-set; " \
-           f"got '{tmp_path}'" in capsys.readouterr().err
-
-
 def test_an_interrupted_seed_resumes_in_its_own_folder(two_seeds):
     runs, stopped_at, resumed = two_seeds
     assert stopped_at == 2 and resumed.trainer.global_step == 4
@@ -249,33 +200,3 @@ def test_folder_per_seed_needs_a_seed(tiny_corpus_dir, tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_ratio_against_tokens_is_each_encodings_mean_over_seeds_at_the_longest_length(monkeypatch, tmp_path):
-    """The figure's points, against a direct computation: x is the step times the recipe's tokens of a step, y the
-    mean over seeds of each run's ppl(longest) / ppl(training length), with the seeds' t-interval as the band."""
-    from cable_lightning.records import LengthRecord
-
-    drawn = {}
-    monkeypatch.setattr(report, "line_figure", lambda series, *a, bands=None: drawn.update(series=series,
-                                                                                           bands=bands, args=a))
-    monkeypatch.setattr(report, "save_figure", lambda fig, path: None)
-    ppl = {(pe, seed, step, length): 100.0 + 7 * i + (length // 64) * (3 if pe == "rope" else -1) * step / 100
-           for i, (pe, seed, step, length) in enumerate((pe, seed, step, length) for pe in ("cable", "rope")
-                                                        for seed in (0, 1, 2) for step in (100, 200)
-                                                        for length in (64, 256, 1024))}
-    runs: dict = {}
-    for (pe, seed, step, length), value in ppl.items():
-        row = LengthRecord(pe=pe, train_length=64, step=step, run_seed=seed, length=length, mode="nonoverlap",
-                           ppl=value, recipe={"batch_tokens": 512})
-        runs.setdefault(row.run_key(), {}).setdefault(step, []).append(row)
-    assert report.ratio_tokens_figure(runs, "nonoverlap", str(tmp_path / "f.png"))
-    for pe in ("cable", "rope"):
-        expected = [(step * 512, sum(ppl[pe, s, step, 1024] / ppl[pe, s, step, 64] for s in (0, 1, 2)) / 3)
-                    for step in (100, 200)]
-        assert [x for x, _ in drawn["series"][pe]] == [x for x, _ in expected]
-        assert [y for _, y in drawn["series"][pe]] == pytest.approx([y for _, y in expected])
-        ratios = [ppl[pe, s, 200, 1024] / ppl[pe, s, 200, 64] for s in (0, 1, 2)]
-        low, high = stats.t.interval(0.95, 2, loc=sum(ratios) / 3, scale=stats.sem(ratios))
-        assert list(drawn["bands"][pe][-1]) == pytest.approx([200 * 512, low, high])
-    assert drawn["args"][2] == "tokens trained"
-    one_step = {key: {100: steps[100]} for key, steps in runs.items()}
-    assert not report.ratio_tokens_figure(one_step, "nonoverlap", str(tmp_path / "g.png"))

@@ -64,3 +64,21 @@ def test_a_row_with_a_value_its_measure_cannot_take_is_named(tmp_path, kind, row
     with pytest.raises(ConfigError) as error:
         read_records(str(records), kind)
     assert str(error.value) == f"{records}:2: {problem}; fix or remove that line"
+
+
+def test_records_round_trip_through_the_one_writer_and_reader(tmp_path):
+    from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
+
+    length = LengthRecord(pe="dape_v2+cable", train_length=128, step=7, stage="validate", checkpoint="/c.ckpt",
+                          length=512, mode="sliding", stride=64, ppl=12.5, loss=2.52, tokens=1000, seconds=1.5,
+                          tokens_per_sec=666.7)
+    task = TaskRecord(pe="cable", train_length=128, step=7, task="passkey", length=256, depth=0.5, trials=4,
+                      correct=None, accuracy=None)
+    append_records(str(tmp_path), [length, task, length])
+    assert read_records(str(tmp_path / "length_eval.jsonl"), LengthRecord) == [length, length]
+    assert read_records(str(tmp_path / "task_accuracy.jsonl"), TaskRecord) == [task]
+    # a row an earlier version wrote: fewer keys (defaults fill them) and one this version no longer knows
+    (tmp_path / "old.jsonl").write_text(json.dumps({"pe": "rope", "train_length": 32, "step": 4, "length": 64,
+                                                    "mode": "nonoverlap", "ppl": 40.0, "retired": 1}) + "\n")
+    [old] = read_records(str(tmp_path / "old.jsonl"), LengthRecord)
+    assert (old.pe, old.ppl, old.stage, old.checkpoint) == ("rope", 40.0, "fit", None)

@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+from scipy import stats
+
 from cable_lightning.eval import report
+from cable_lightning.eval.intervals import seed_interval
 from cable_lightning.eval.tables import Cell, markdown, markdown_table
-from cable_lightning.records import LossPoint, RetrievalRecord, append_records
+from cable_lightning.records import LengthRecord, LossPoint, RetrievalRecord, append_records
 
 
 def test_a_torn_last_line_of_a_fine_tuning_loss_curve_is_left_out_with_a_note(tmp_path, capsys):
@@ -27,3 +31,90 @@ def test_a_table_is_written_as_markdown_with_its_rule_and_bold_where_no_test_sep
     lines = markdown(columns, rows).splitlines()
     assert lines[:2] == ["| length | alibi | cable |", "|---|---|---|"]
     assert lines[2].startswith("| 64 | **3.00 [") and "| 9.00 [" in lines[2]  # cable is separated from the best
+
+
+def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):
+    rows = [
+        {"pe": "cable", "train_length": 128, "step": 10, "length": 256, "mode": "nonoverlap", "ppl": 50.0},
+        {"pe": "cable", "train_length": 128, "step": 20, "length": 256, "mode": "nonoverlap", "ppl": 40.0},
+        {"pe": "cable", "train_length": 128, "step": 20, "length": 256, "mode": "nonoverlap", "ppl": 39.0},
+        {"pe": "rope", "train_length": 128, "step": 20, "length": 256, "mode": "nonoverlap", "ppl": 90.0},
+    ]
+    path = tmp_path / "length_eval.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    latest = report.latest_rows([str(path)])
+    assert sorted((r.pe, r.ppl) for r in latest) == [("cable", 39.0), ("rope", 90.0)]
+    assert report.markdown(*report.build_table(latest, "nonoverlap")).splitlines()[2] == "| 256 | **39.00** | 90.00 |"
+
+
+def test_runs_that_differ_only_in_their_backbone_are_two_columns(tmp_path):
+    """Two experiments with the same encoding, training length, seed and rate but another model size were one run to
+    the report (the later file's numbers replaced the other's); a row written before records named the backbone
+    (no ``model``) joins the run it matches."""
+    rows = {"small": {"model": "decoder L12-D768-H12", "ppl": 30.0}, "tiny": {"model": "decoder L4-D256-H4",
+                                                                             "ppl": 60.0}, "old": {"ppl": 45.0,
+                                                                                                   "run_seed": 1}}
+    paths = []
+    for name, row in rows.items():
+        path = tmp_path / name / "length_eval.jsonl"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"pe": "cable", "train_length": 128, "step": 20, "run_seed": 0, "lr": 6e-4,
+                                    "length": 256, "mode": "nonoverlap", **row}) + "\n")
+        paths.append(str(path))
+    lines = report.markdown(*report.build_table(report.latest_rows(paths[:2]), "nonoverlap")).splitlines()
+    assert lines[0] == "| length | cable (decoder L12-D768-H12) | cable (decoder L4-D256-H4) |"
+    assert lines[2] == "| 256 | **30.00** | 60.00 |"
+    lines = report.markdown(*report.build_table(report.latest_rows(paths[1:]), "nonoverlap")).splitlines()
+    assert lines[0] == "| length | cable |" and lines[2].startswith("| 256 | **52.50 [")  # seeds 0 and 1, one column
+
+
+def test_report_without_records_names_the_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no length_eval.jsonl under"):
+        report.report([str(tmp_path)], str(tmp_path / "out"))
+
+
+def test_best_marks_the_lowest_and_every_encoding_within_noise_of_it():
+    latest = rows("cable", [10.0, 10.5, 11.0]) + rows("alibi", [10.1, 10.4, 11.2]) + rows("rope", [12.0, 12.6, 13.1])
+    table = report.markdown(*report.build_table(latest, "nonoverlap"))
+    row = table.splitlines()[2].split(" | ")
+    assert row[1].startswith("**10.57 [") and row[1].endswith("]**")  # alibi, not separable from the best
+    assert row[2].startswith("**10.50 [")  # cable, the lowest mean
+    assert row[3].startswith("12.57 [") and "**" not in row[3]  # rope: clearly worse in every seed
+    e = seed_interval([10.0, 10.5, 11.0])  # the interval printed is the t-interval over the three seeds
+    assert row[2] == f"**{e.mean:.2f} [{e.low:.2f}, {e.high:.2f}]**"
+
+
+def test_ratio_against_tokens_is_each_encodings_mean_over_seeds_at_the_longest_length(monkeypatch, tmp_path):
+    """The figure's points, against a direct computation: x is the step times the recipe's tokens of a step, y the
+    mean over seeds of each run's ppl(longest) / ppl(training length), with the seeds' t-interval as the band."""
+
+    drawn = {}
+    monkeypatch.setattr(report, "line_figure", lambda series, *a, bands=None: drawn.update(series=series,
+                                                                                           bands=bands, args=a))
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: None)
+    ppl = {(pe, seed, step, length): 100.0 + 7 * i + (length // 64) * (3 if pe == "rope" else -1) * step / 100
+           for i, (pe, seed, step, length) in enumerate((pe, seed, step, length) for pe in ("cable", "rope")
+                                                        for seed in (0, 1, 2) for step in (100, 200)
+                                                        for length in (64, 256, 1024))}
+    runs: dict = {}
+    for (pe, seed, step, length), value in ppl.items():
+        row = LengthRecord(pe=pe, train_length=64, step=step, run_seed=seed, length=length, mode="nonoverlap",
+                           ppl=value, recipe={"batch_tokens": 512})
+        runs.setdefault(row.run_key(), {}).setdefault(step, []).append(row)
+    assert report.ratio_tokens_figure(runs, "nonoverlap", str(tmp_path / "f.png"))
+    for pe in ("cable", "rope"):
+        expected = [(step * 512, sum(ppl[pe, s, step, 1024] / ppl[pe, s, step, 64] for s in (0, 1, 2)) / 3)
+                    for step in (100, 200)]
+        assert [x for x, _ in drawn["series"][pe]] == [x for x, _ in expected]
+        assert [y for _, y in drawn["series"][pe]] == pytest.approx([y for _, y in expected])
+        ratios = [ppl[pe, s, 200, 1024] / ppl[pe, s, 200, 64] for s in (0, 1, 2)]
+        low, high = stats.t.interval(0.95, 2, loc=sum(ratios) / 3, scale=stats.sem(ratios))
+        assert list(drawn["bands"][pe][-1]) == pytest.approx([200 * 512, low, high])
+    assert drawn["args"][2] == "tokens trained"
+    one_step = {key: {100: steps[100]} for key, steps in runs.items()}
+    assert not report.ratio_tokens_figure(one_step, "nonoverlap", str(tmp_path / "g.png"))
+
+
+def rows(pe, ppls, length=256):
+    return [LengthRecord(pe=pe, train_length=128, step=10, run_seed=seed, length=length, mode="nonoverlap", ppl=ppl)
+            for seed, ppl in enumerate(ppls)]

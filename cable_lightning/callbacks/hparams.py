@@ -35,13 +35,13 @@ class RunHParams(L.Callback):
         self.written = True
         context, config = pl_module.run_context, pl_module.config
         tasks = getattr(trainer.datamodule, "tasks", None)
-        params = {"experiment": self.experiment, "encoding": context["pe"], "preset": config.preset,
-                  "n_layer": config.n_layer, "n_embd": config.n_embd, "train_length": context["train_length"],
-                  "block_size": config.block_size, "lr": context["lr"], "seed": context["run_seed"],
-                  "layout": context["layout"] or "none",
+        params = {"experiment": self.experiment, "encoding": context.pe, "preset": config.preset,
+                  "n_layer": config.n_layer, "n_embd": config.n_embd, "train_length": context.train_length,
+                  "block_size": config.block_size, "lr": context.lr, "seed": context.run_seed,
+                  "layout": context.layout or "none",
                   "tasks": "+".join(task.name for task in tasks.tasks) if tasks is not None else "none",
                   # which row is which: a resume or a validation of the run adds a row with the same settings
-                  "stage": context["stage"], "step": pl_module.loaded_step or 0}
+                  "stage": context.stage, "step": pl_module.loaded_step or 0}
         metrics = [val_tag("ppl", r.length, r.mode) for r in rows if r.ppl is not None]
         scored = [cb.results for cb in trainer.callbacks if isinstance(cb, TaskAccuracy) and cb.active(trainer)]
         metrics += dict.fromkeys(task_tag(r.task, r.length) for results in scored for r in results)

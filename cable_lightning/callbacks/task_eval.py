@@ -94,7 +94,7 @@ class TaskAccuracy(L.Callback):
         finally:
             backbone.train(was_training)
         self.results = [TaskRecord(**pl_module.run_context, seed=self.seed, **row) for row in grid]
-        step = pl_module.run_context["step"]
+        step = pl_module.run_context.step
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast under DDP: every rank must ask
         if not trainer.is_global_zero:
             return

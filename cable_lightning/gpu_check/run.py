@@ -1,63 +1,16 @@
-"""``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent (docs/speed.md, "On a
-GPU"). Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short
-keeps what finished. An existing ``--out`` is replaced only when gpu-check wrote it (its first line) and
-``--overwrite`` is given, and only once the new run has written its first row: a GPU run's rows cannot be made again
-without a GPU. SIGTERM or Ctrl-C ends it in one line saying what ``--out`` holds (exit 143 or 130).
+"""``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent. docs/speed.md ("On a
+GPU") tells the plan whole: the parts, their budgets, how steps, memory and compiles are measured.
 
-1. Real fits through the CLI, one per encoding, grouped into one part per attention backend (the group each encoding
-   takes on CUDA, from the registry and ``attention.backends_for``): gpt2-small shape, 1024 tokens, 16 sequences a
-   step, bf16-mixed, ``compile: true``, 3 warm-up steps (compilation among them), 10 steady steps, a validation at
-   1024 tokens with the default diagnostics and a checkpoint, one more step, and the validation that ends every fit
-   (the first validation compiles; the second's costs are reported). A step's time is the interval between
-   consecutive ``on_train_batch_start`` hooks measured with CUDA events: the whole period of a step, loading, hooks
-   and logging included, the rate a fit trains at (from a step's start to its own end would leave the loop's work
-   between steps out). Validation, diagnostics and checkpoint saves are timed apart with the device synchronised
-   (phases of seconds, some on the host; events add nothing there). The row gives the median steady step, tokens/s,
-   MFU (``bench.peak_flops``), the warm-up's and the steady phase's seconds beside their budgets, the steady steps'
-   peak memory beside its estimate, Dynamo's compiles in the warm-up, the steady steps (0 unless something
-   recompiles) and the validations, and graph breaks. A fit that timed no steady step says why. Each part runs at
-   each of ``--shapes``, the paper's first: ``gpt2-vocab fit <backend>``, GPT-2's 50257-entry vocabulary over the
-   prepared ids (``targets.widened``: which ids appear changes no step's work), its tokens/s beside the paper's 238k a
-   GPU and llm.c's 460k and its target (docs/speed.md) met or missed (``targets.TARGETS``, NoPE's ratio at the same
-   shape); then ``fit <backend>``, the prepared data's own vocabulary (4096 for the default corpus).
-   After each fit that timed a steady step, the bare step (``bare``): the fit's own compiled model trained on one
-   batch without Lightning (forward, backward, clipping, fused AdamW), its median step and the fit's over it
-   against the 1.10x target.
-2. ``bench`` (run first): the bench's model-only evaluation at 16,384 tokens (eager, bf16, one sequence): the first
-   forward's seconds (FlexAttention compiles there on CUDA), then seconds and peak memory against NoPE from forwards
-   that reuse that compile (the row counts Dynamo's compiles in both), for every chosen encoding except those on the
-   chunked path (no target, and the slow part that ran the first GPU measurement out of time); with any on the flex
-   path, ``nope:flex`` too (no bias on FlexAttention: what the kernel costs without a score_mod).
-3. ``pytest`` (run last): ``FLEX_TESTS``, FlexAttention's values and gradients on CUDA, from the source tree.
-
-Dynamo's warning that a function hit its recompile limit (it then runs that function eagerly for the rest of the
-process) is caught by a handler on the ``torch._dynamo`` logger: the run goes on, then exits 1 with a line naming
-the function. A part that fails is a row too; the run then exits 1.
-
-The plan for one H100 or H200 (the ``*_BUDGET_S`` constants, sized by two runs on H100s): compiling has budgets of its
-own, apart from the timed work, so that a slow compile costs time but never the steady steps. ``bench`` first: 24 s
-for the timed forwards plus 30 s for each encoding on the flex path's first forward, ``nope:flex`` included (144 s
-for the default encodings). Then each fit: 20 s for its warm-up and 8 s for its steady steps, counted from the
-first steady step's start whatever the warm-up took (a fit stops training once that passes and a steady step was
-timed; the warm-up is never cut; the validations that follow still run), and 20 s for its start, validations and
-checkpoints, 40 s more on the flex path (its first validation compiles): a part's budget is its fits' (48 s a fit,
-88 s a flex fit), at each shape. Then the FlexAttention tests, 60 s. For the default encodings that is 1,500 s
-(852 s at one shape), more than a lent GPU's 15 minutes: nothing starts after 425 s (plus about 20 s to import and
-start), what would start after its part's budget or after that is a "skipped" row, so the run ends within one fit (or
-the tests' 60 s) of 425 s; ``--encodings`` and ``--shapes`` pick what matters.
-
-Peak memory: the peak of the steady steps (CUDA's peak statistics reset at the first steady step, read at the first
-validation's start), beside an estimate of what a bf16-mixed AdamW step holds (:func:`memory_estimate`, the
-encoding's own position tables included). The fits pass ``--throughput.log_peak_memory false``: that callback resets
-the peak statistics (at each logging step; at every step's end when the old ``tools/gpu_acceptance.py`` ran), which is
-why that script reported 1.6 GiB for a 16 x 1024 batch of an 88M-parameter model (by its code and the arithmetic: it
-read the peak at the end of training, after the last reset, so the figure was the final validation and checkpoint
-over the weights, gradients and AdamW state, 1.3 GiB, not a training step).
-
-``--rehearse_on_cpu``: the same parts on the CPU at toy sizes (2 layers, 32 tokens, 1 warm-up and 2 steady steps),
-the first encoding of each part only, CPU clocks for the events, Dynamo's ``eager`` backend for inductor (compiling
-is the GPU's part; Dynamo's counters and the recompile watch still run), the FlexAttention tests collected, not run;
-its figures are not GPU figures.
+Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short keeps what
+finished; an existing ``--out`` is replaced only when gpu-check wrote it and ``--overwrite`` is given, and only once
+the new run has written its first row. The parts: ``bench`` first (the model-only evaluation at 16,384 tokens against
+NoPE); then real fits through the CLI, one per encoding, grouped by attention backend, at each of ``--shapes`` (the
+paper's GPT-2 vocabulary first, with its targets), each followed by its bare step without Lightning; then ``pytest``
+(FlexAttention's values and gradients on CUDA). Compiling has budgets of its own (``plan.*_BUDGET_S``), so a slow
+compile costs time but never the steady steps; nothing starts after the plan's last start. A part that fails is a row
+too, and a function that hits Dynamo's recompile limit is named; either ends the run with exit 1, SIGTERM or Ctrl-C
+in one line saying what ``--out`` holds. ``--rehearse_on_cpu``: the same parts on the CPU at toy sizes, Dynamo's
+``eager`` backend for inductor; its figures are not GPU figures.
 """
 
 from __future__ import annotations

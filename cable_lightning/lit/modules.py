@@ -27,7 +27,7 @@ from ..hardware import device_name
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
-from ..records import LengthRecord, PositionRecord
+from ..records import LengthRecord, PositionRecord, RunContext
 from ..tasks.scoring import Predict, argmax_predictions, decoder_inputs, masked_inputs, masked_predictions
 from .checkpoint_format import saved_weights
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
@@ -86,7 +86,7 @@ class LanguageModel(L.LightningModule):
         self.val_nll = torch.nn.ModuleDict()
         self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
         self.length_results: list[LengthRecord] = []
-        self.run_context: dict = {}  # what every record of this validation carries (set at its end; see below)
+        self.run_context: Optional[RunContext] = None  # what every record of this validation carries (set at its end)
         self.position_results: list[PositionRecord] = []
         self.unsupported_lengths: set[int] = set()
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
@@ -363,17 +363,17 @@ class LanguageModel(L.LightningModule):
             if key in self.val_nll_by_position:
                 self.position_results += self._position_rows(self.val_nll_by_position[key], row)
 
-    def record_context(self, step: int, checkpoint: Optional[str], recipe: Optional[dict]) -> dict:
+    def record_context(self, step: int, checkpoint: Optional[str], recipe: Optional[dict]) -> RunContext:
         """What every record of this run names (:class:`records.Record`): the run (encoding, training layout and
         extension, seed, learning rate, backbone), the step and stage measured, and what lets runs of several
         machines join one table: the corpus measured, the training's recipe and the device."""
         data = getattr(self.trainer, "datamodule", None)
-        return dict(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
-                    extended_to=self.config.block_size if self.config.trained_length else None,
-                    layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value, checkpoint=checkpoint,
-                    run_seed=self.run_seed, lr=self.hparams.lr, model=self.config.shape(),
-                    corpus_hash=data.corpus_hash() if hasattr(data, "corpus_hash") else None, recipe=recipe,
-                    machine=device_name(self.device))
+        return RunContext(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
+                          extended_to=self.config.block_size if self.config.trained_length else None,
+                          layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
+                          checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr, model=self.config.shape(),
+                          corpus_hash=data.corpus_hash() if hasattr(data, "corpus_hash") else None, recipe=recipe,
+                          machine=device_name(self.device))
 
     def recipe(self) -> Optional[dict]:
         """The settings that define this fit's training besides those a record's run key holds (encoding, training

@@ -1,26 +1,17 @@
-"""One attention function, five backends (docs/design.md):
+"""One attention function, five backends (docs/attention.md tells each whole):
 
 - ``sdpa``: no score bias -> PyTorch SDPA with no mask tensor (flash / memory-efficient kernels).
-- ``fold``: a causal bias that factorises (CABLE, CABLE_NW, ALiBi) folded into extra head
-  dimensions, then plain causal SDPA: the same fused kernels as no bias at all (see :func:`fold_bias`).
+- ``fold``: a causal bias that factorises (CABLE, CABLE_NW, ALiBi) folded into extra head dimensions, then plain
+  causal SDPA: the same fused kernels as no bias at all (see :func:`fold_bias`).
 - ``flex``: FlexAttention with the bias as ``score_mod`` and a causal block mask (compiled on CUDA).
-- ``chunked``: query rows in blocks; the bias is built for one block of rows at a time, so memory
-  is O(rows x T), never O(T^2).
+- ``chunked``: query rows in blocks; the bias is built for one block of rows at a time, so memory is O(rows x T).
 - ``materialized``: the obvious formula with the full (B, H, T, T) bias; the reference for tests, written as the weights
   of :func:`attention_map` (what the attention diagnostics read) times v.
 
-Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run only ``chunked``
-(``auto``) or ``materialized`` (one block of all rows).
-
-Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix).
-``key_padding`` (B, Tk), True at real keys, hides padded keys from every query (a padded query still sees
-itself, so no row is empty); every backend but ``flex`` takes it (``auto`` then picks ``chunked`` over ``flex``).
-A sliding ``window`` (a layer's, from its encoding) limits each row to its last ``window`` positions on every backend:
-``sdpa`` and ``fold`` run their kernels on blocks of rows against only the keys those rows can see, ``flex`` skips the
-other key blocks, ``chunked`` builds biases only for the keys in view; none builds a (T x T) mask.
-A ``layout`` with documents (:class:`~..positional.layout.Layout`) keeps every query inside its own document on every
-backend: ``flex`` through a block mask built once per layout, the others (``sdpa`` and ``fold`` then run as
-``chunked``) through a mask of the query rows in view.
+Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run only ``chunked`` or ``materialized``.
+Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix). ``key_padding`` hides
+padded keys, a sliding ``window`` limits each row to its last ``window`` positions, and a ``layout`` with documents
+keeps every query inside its own document, on every backend, none of them building a (T x T) mask.
 """
 
 from __future__ import annotations
