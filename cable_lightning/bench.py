@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from cable_lightning.errors import ArgumentParser
+from cable_lightning.eval.tables import markdown_table
 from cable_lightning.hardware import cpu_matmul_peaks, peak_flops, sync
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.attention import FLEX_MIN_HEAD_DIM
@@ -464,7 +465,7 @@ def table(result) -> str:
     padded = "padded_step_s" in rows[0]
     if padded:
         head += ["padded step s, per span", "one call, one group (x per span)", "one call, grouped (x per span)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         cells = [r["pe"]]
         cells += [f"{r['train_tok_s'][t]:.0f} ({r['train_ratio_to_nope'][t]:.2f})" for t in train_ts]
@@ -475,13 +476,8 @@ def table(result) -> str:
             step = r["padded_step_s"]
             cells += [f"{step['per_span']:.2f}"] + [f"{step[mode]:.2f} ({step[mode] / step['per_span']:.2f})"
                                                     for mode in PADDED_MODES[1:]]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def markdown(head: list[str], body: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                     + ["| " + " | ".join(cells) + " |" for cells in body])
+        lines.append(cells)
+    return markdown_table(head, lines)
 
 
 def peer_table(rows) -> str:
@@ -491,7 +487,7 @@ def peer_table(rows) -> str:
     body = [[f"{r['peer']} ({r['peer_model']})", r["against"],
              f"{r['peer_params']:,} / {r['params']:,}"]
             + [f"{r['tok_s'][t]:.0f} / {r['peer_tok_s'][t]:.0f} ({r['ratio'][t]:.2f}x)" for t in ts] for r in rows]
-    return markdown(head, body)
+    return markdown_table(head, body)
 
 
 def compile_table(rows) -> str:
@@ -500,14 +496,14 @@ def compile_table(rows) -> str:
     body = [[r["pe"], str(r["length"]), f"{r['eager_step_s']:.3f}", f"{r['compiled_step_s']:.3f} ({r['speedup']:.2f}x)",
              f"{r['compile_s']:.1f}", f"{r['inductor_cache']['hits']} / {r['inductor_cache']['misses']}",
              "never" if r["payback_steps"] is None else f"{r['payback_steps']:.0f}"] for r in rows]
-    return markdown(head, body)
+    return markdown_table(head, body)
 
 
 def bf16_table(rows) -> str:
     head = ["pe", "length", "fp32 step s", "bf16 step s", "bf16's speedup"]
     body = [[r["pe"], str(r["length"]), f"{r['fp32_step_s']:.3f}", f"{r['bf16_step_s']:.3f}", f"{r['speedup']:.2f}x"]
             for r in rows]
-    return markdown(head, body)
+    return markdown_table(head, body)
 
 
 def peaks_line(meta) -> str:

@@ -142,7 +142,7 @@ def main(argv=None):
                         "(model.init_args.lr; one experiment per rate, <experiment>-lr<rate>)")
     parser.add_argument("--experiment", default="sweep")
     parser.add_argument("--runs_dir", default="runs")
-    parser.add_argument("--report", default=None, help="report prefix (default <runs-dir>/<experiment>/report)")
+    parser.add_argument("--report", default=None, help="report prefix (default <runs_dir>/<experiment>/report)")
     parser.add_argument("--print_only", action="store_true", help="print the commands instead of running them")
     parser.add_argument("--stage", choices=("fit", "retrieval"), default="fit",
                         help="fit: train (or continue) every run; retrieval: export, fine-tune and evaluate every "

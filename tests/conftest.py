@@ -396,6 +396,38 @@ def fast_prepare(**kwargs):
     return prepare(**kwargs)
 
 
+# --- two-process fits on CPU over gloo (test_fsdp, test_fsdp_compiled) ------------------------------------------------
+
+MODEL = ["--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.pos_encoding", "cable",
+         "--model.init_args.backbone.n_layer", "2", "--model.init_args.backbone.n_head", "2",
+         "--model.init_args.backbone.n_embd", "32", "--model.init_args.warmup_steps", "2"]
+QUIET = ["--diagnostics.enabled", "false", "--length_eval.figure", "false"]  # no attention statistics or figures
+STRATEGY = {"fsdp2": ["--config", f"{ROOT}/configs/trainer/fsdp8_bf16.yaml"], "ddp": ["--trainer.strategy", "ddp"]}
+
+
+def two_process_data(path):
+    """Each rank's epoch is 6 steps of 8 x 129 tokens of the small corpus."""
+    return ["--data.path", path, "--data.block_size", "128", "--data.micro_batch_size", "8",
+            "--data.eval_lengths", "[32]", "--data.eval_tokens", "128"]
+
+
+def two_process_fit(runs, losses, strategy, *extra, steps=12, every=3):
+    """A fit on two CPU processes (``strategy``: fsdp2 or ddp), its per-step losses read back from ``losses``."""
+    cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY[strategy],
+           "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, *QUIET,
+           "--trainer.max_steps", str(steps), "--checkpoint.every_n_train_steps", str(every),
+           "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false",
+           "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={losses}",
+           "--trainer.callbacks+=ddp_probe.Windows", f"--trainer.callbacks.out_dir={losses}",
+           "--runs_dir", str(runs), "--seed_everything", "5"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in open(losses / "losses.jsonl")]
+
+
 # After the settings at the top of this file: torch is imported here, not before them.
 from torch import Tensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

@@ -4,50 +4,18 @@ its first epoch has the losses of one that was not, bitwise, through the whole s
 validates and exports in one process."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import MODEL, QUIET
+from conftest import two_process_data as data
+from conftest import two_process_fit as fit
 
 from cable_lightning.cli import main
 from cable_lightning.errors import ConfigError
 from cable_lightning.hf import load_backbone
 from cable_lightning.hf.export import main as export
 from cable_lightning.lit.checkpoint_format import checkpoint_backbone
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-MODEL = ["--model", "cable_lightning.lit.CausalLM", "--model.init_args.backbone.pos_encoding", "cable",
-         "--model.init_args.backbone.n_layer", "2", "--model.init_args.backbone.n_head", "2",
-         "--model.init_args.backbone.n_embd", "32", "--model.init_args.warmup_steps", "2"]
-
-
-QUIET = ["--diagnostics.enabled", "false", "--length_eval.figure", "false"]  # no attention statistics or figures
-STRATEGY = {"fsdp2": ["--config", f"{ROOT}/configs/trainer/fsdp8_bf16.yaml"], "ddp": ["--trainer.strategy", "ddp"]}
-
-
-def data(path):
-    """Each rank's epoch is 6 steps of 8 x 129 tokens of the small corpus."""
-    return ["--data.path", path, "--data.block_size", "128", "--data.micro_batch_size", "8",
-            "--data.eval_lengths", "[32]", "--data.eval_tokens", "128"]
-
-
-def fit(runs, losses, strategy, *extra, steps=12, every=3):
-    cmd = [sys.executable, "-m", "cable_lightning", "fit", *STRATEGY[strategy],
-           "--trainer.accelerator", "cpu", "--trainer.devices", "2", *MODEL, *extra, *QUIET,
-           "--trainer.max_steps", str(steps), "--checkpoint.every_n_train_steps", str(every),
-           "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
-           "--trainer.enable_model_summary", "false",
-           "--trainer.callbacks+=ddp_probe.Losses", f"--trainer.callbacks.out_dir={losses}",
-           "--trainer.callbacks+=ddp_probe.Windows", f"--trainer.callbacks.out_dir={losses}",
-           "--runs_dir", str(runs), "--seed_everything", "5"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in open(losses / "losses.jsonl")]
 
 
 def resumed_equals_uninterrupted(runs, losses, strategy, data_path):

@@ -4,7 +4,8 @@ two-process fit on CPU over gloo: Dynamo's ``aot_eager`` backend stands in for i
 import json
 
 import pytest
-from test_fsdp import data, fit
+from conftest import two_process_data as data
+from conftest import two_process_fit as fit
 
 STEPS = 4
 
