@@ -248,3 +248,23 @@ def test_validate_refuses_an_explicit_contiguous_layout_for_randomized_weights(t
                     "layout they were trained with (its records name that one): drop the --data.layout flags or give "
                     "the checkpoint's (--data.layout.positions randomized --data.layout.position_range 256)")
     assert sorted(os.listdir(os.path.join(runs, "test", "rope"))) == listed
+
+
+def test_what_a_resume_and_an_evaluation_compare_of_the_data():
+    """A resume keeps the folder, corpus and tasks; an evaluation only the corpus (the same corpus from another
+    folder, another machine's copy, is fine); a corpus hash unknown on either side and a checkpoint written before
+    the data was recorded are not compared."""
+    from cable_lightning.lit.resume import check_same_data, data_folder
+
+    saved = {"path": "/data/a", "corpus_hash": "a" * 64, "tasks": None}
+    elsewhere = {"path": "/data/b", "corpus_hash": "a" * 64, "tasks": None}
+    check_same_data(saved, elsewhere, "validate", "ckpt")
+    with pytest.raises(ConfigError, match="was trained on data.path /data/a and this resume reads /data/b"):
+        check_same_data(saved, elsewhere, "fit", "ckpt")
+    check_same_data(saved, {"path": "/data/a", "corpus_hash": None, "tasks": None}, "fit", "ckpt")
+    check_same_data({**saved, "corpus_hash": None}, {"path": "/data/a", "corpus_hash": "b" * 64, "tasks": None},
+                    "fit", "ckpt")
+    check_same_data(None, {"path": "/other", "corpus_hash": "b" * 64, "tasks": {"passkey": {}}}, "fit", "ckpt")
+    with pytest.raises(ConfigError, match="was trained on corpus aaaaaaaaaaaa and /data/b holds corpus bbbbbbbbbbbb"):
+        check_same_data(saved, {**elsewhere, "corpus_hash": "b" * 64}, "test", "ckpt")
+    assert data_folder("s3://bucket/prefix") == "s3://bucket/prefix" and data_folder(None) is None

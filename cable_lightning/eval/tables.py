@@ -80,10 +80,14 @@ def format_cell(estimate: Optional[Estimate], digits: int) -> str:
             f"{format_value(estimate.high, digits)}]")
 
 
+def markdown_row(cells: list) -> str:
+    """One line of a Markdown table, every cell as it is given (a table written row by row, as gpu-check's)."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def markdown_table(header: list, rows: list[list]) -> str:
-    """A Markdown table: the header, its ``|---|`` rule and a line per row, every cell as it is given."""
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|---" * len(header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+    """A Markdown table: the header, its ``|---|`` rule and a line per row (no rows: the header and rule alone)."""
+    return "\n".join([markdown_row(header), "|---" * len(header) + "|"] + [markdown_row(row) for row in rows])
 
 
 def markdown(columns, table, best=min, digits: int = 2, header: str = "length") -> str:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..errors import ConfigError
+from ..eval.tables import markdown_row, markdown_table
 
 
 class Report:
@@ -48,19 +49,15 @@ class Report:
 
     def row(self, cells: list) -> None:
         """A result (a part's row, skipped or failed too): the first puts the file in ``path``'s place."""
-        self.line(table_row(cells))
+        self.line(markdown_row(cells))
         if not self.placed:
             os.replace(self.partial, self.path)
             self.placed = True
 
     def table(self, head: list[str]) -> None:
         self.line()
-        self.line(table_row(head))
-        self.line("|" + "---|" * len(head))
-
-
-def table_row(cells: list) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+        for line in markdown_table(head, []).splitlines():
+            self.line(line)
 
 
 @contextmanager

@@ -78,7 +78,7 @@ def record_run(checkpoint: dict, run_seed: Optional[int], batch: Optional[dict],
 def data_folder(path: Optional[str]) -> Optional[str]:
     """A data.path as a checkpoint keeps it: absolute (a resume from another working folder names the same one); a
     URL as given; None for a run of tasks alone."""
-    return None if path is None or is_remote(path) else os.path.abspath(path)
+    return path if path is None or is_remote(path) else os.path.abspath(path)
 
 
 def run_data(datamodule) -> Optional[dict]:
@@ -96,7 +96,7 @@ def configured_data(data) -> dict:
     local folder prepared already (a folder this run prepares first, or a URL, is checked once it is read)."""
     path, tasks = data.get("path"), data.get("tasks")
     folder, corpus = data_folder(path), None
-    if folder is not None and os.path.isfile(os.path.join(folder, MANIFEST)):
+    if folder is not None and not is_remote(folder) and os.path.isfile(os.path.join(folder, MANIFEST)):
         source = read_manifest(folder, check_files=False).get("source")
         corpus = source.get("corpus_hash") if isinstance(source, dict) else None
     tasks = tasks.as_dict() if hasattr(tasks, "as_dict") else tasks
