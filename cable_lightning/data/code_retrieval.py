@@ -1,4 +1,4 @@
-"""A long-file code retrieval set from the offline code corpus (issue 71): CodeSearchNet's task, with whole source
+"""A long-file code retrieval set from the offline code corpus: CodeSearchNet's task, with whole source
 files as the documents, so that an encoder must see far enough into a file to find the function a query describes.
 
 ``python -m cable_lightning retrieval-set --source python-code[:NAME,...] --tokenizer TOKENIZER.json --out DIR``
