@@ -173,3 +173,15 @@ def test_the_design_document_draws_the_same_layers():
         if row:
             drawn.append({name.removesuffix(".py").rstrip("/") for name in re.findall(r"`([^`]+)`", row.group(2))})
     assert drawn == [layer - {"__init__"} for layer in LAYERS]  # the package's own __init__ is no part
+
+
+def test_the_package_states_substance_not_issue_numbers():
+    """Code and user-facing text say what a thing is for; the tracker's numbers mean nothing to a reader of the
+    installed package (the story, where it is long, lives in docs/)."""
+    import re
+
+    cited = [f"{os.path.relpath(path, ROOT)}:{number}" for folder, _, names in os.walk(PACKAGE) for name in names
+             if name.endswith(".py") for path in [os.path.join(folder, name)]
+             for number, line in enumerate(open(path, encoding="utf-8"), 1)
+             if re.search(r"\bissues? \d+", line, re.IGNORECASE)]
+    assert not cited, cited
