@@ -13,7 +13,7 @@ from cable_lightning.run_setup import accumulation_steps
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 BASES = (sorted(glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml")))
-         + [os.path.join(ROOT, "configs", "quickstart.yaml")])
+         + [os.path.join(ROOT, "configs", name) for name in ("quickstart.yaml", "code_long.yaml")])
 TRAINERS = sorted(glob.glob(os.path.join(ROOT, "configs", "trainer", "*.yaml")))
 
 
