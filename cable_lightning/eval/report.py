@@ -490,7 +490,8 @@ def main(argv=None):
     titles = {"position": "mean NLL by token position"}
     for mode, table in report(args.runs, args.out, args.threshold).items():
         print(f"## {titles.get(mode, mode)}\n{table}\n")
-    print(f"written: {args.out}_<mode>.md/.csv/.png, {args.out}_<mode>_training.png")
+    print(f"written: {args.out}_<mode>.md/.csv/.png, {args.out}_<mode>_training.png, "
+          f"{args.out}_<mode>_ratio_tokens.png")
 
 
 if __name__ == "__main__":  # an entry point once: say which verb replaced it, never exit 0 having done nothing
