@@ -101,7 +101,7 @@ def test_ratio_against_tokens_is_each_encodings_mean_over_seeds_at_the_longest_l
         row = LengthRecord(pe=pe, train_length=64, step=step, run_seed=seed, length=length, mode="nonoverlap",
                            ppl=value, recipe={"batch_tokens": 512})
         runs.setdefault(row.run_key(), {}).setdefault(step, []).append(row)
-    assert report.ratio_tokens_figure(runs, "nonoverlap", str(tmp_path / "f.png"))
+    assert report.ratio_tokens_figure(report.step_tables(runs, "nonoverlap"), "nonoverlap", str(tmp_path / "f.png"))
     for pe in ("cable", "rope"):
         expected = [(step * 512, sum(ppl[pe, s, step, 1024] / ppl[pe, s, step, 64] for s in (0, 1, 2)) / 3)
                     for step in (100, 200)]
@@ -112,7 +112,8 @@ def test_ratio_against_tokens_is_each_encodings_mean_over_seeds_at_the_longest_l
         assert list(drawn["bands"][pe][-1]) == pytest.approx([200 * 512, low, high])
     assert drawn["args"][2] == "tokens trained"
     one_step = {key: {100: steps[100]} for key, steps in runs.items()}
-    assert not report.ratio_tokens_figure(one_step, "nonoverlap", str(tmp_path / "g.png"))
+    assert not report.ratio_tokens_figure(report.step_tables(one_step, "nonoverlap"), "nonoverlap",
+                                          str(tmp_path / "g.png"))
 
 
 def rows(pe, ppls, length=256):

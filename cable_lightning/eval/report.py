@@ -245,16 +245,24 @@ def plot(columns, table, title: str, path: str, ylabel: str = "perplexity", log_
     save_figure(line_figure(series, title, None, "evaluation length (tokens)", ylabel, log_y, bands=bands), path)
 
 
-def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path: str) -> bool:
-    """Per encoding (a column of panels): perplexity (top) and ratio to the training length (bottom) at each
-    evaluated length against the training step, the mean over seeds with a t-interval band; False when no run was
-    evaluated at two steps or more."""
+def step_tables(runs: dict[tuple, dict[int, list[Record]]], mode: str) -> dict[int, tuple]:
+    """``{step: (perplexity table, ratio table, the rows)}`` of ``mode``'s rows at each evaluated step, built once
+    for both training figures; empty when no run was evaluated at two steps or more."""
     rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.mode == mode]
     if len({r.step for r in rows}) < 2:
+        return {}
+    by_step = {step: [r for r in rows if r.step == step] for step in sorted({r.step for r in rows})}
+    return {step: (build_table(step_rows, mode), ratio_table(step_rows, mode), step_rows)
+            for step, step_rows in by_step.items()}
+
+
+def training_figure(tables: dict[int, tuple], mode: str, path: str) -> bool:
+    """Per encoding (a column of panels): perplexity (top) and ratio to the training length (bottom) at each
+    evaluated length against the training step (``tables``: :func:`step_tables`), the mean over seeds with a
+    t-interval band; False when no run was evaluated at two steps or more."""
+    if not tables:
         return False
-    by_step = {step: ([r for r in rows if r.step == step]) for step in sorted({r.step for r in rows})}
-    tables = {step: (build_table(step_rows, mode), ratio_table(step_rows, mode)) for step, step_rows in by_step.items()}
-    encodings = sorted({c for (ppl, _) in tables.values() for c in ppl[0]})
+    encodings = sorted({c for (ppl, _, _) in tables.values() for c in ppl[0]})
     panels: dict[str, list[dict]] = {}
     for encoding in encodings:
         for which in (0, 1):
@@ -274,21 +282,20 @@ def training_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path:
     return True
 
 
-def ratio_tokens_figure(runs: dict[tuple, dict[int, list[Record]]], mode: str, path: str) -> bool:
+def ratio_tokens_figure(tables: dict[int, tuple], mode: str, path: str) -> bool:
     """ppl(longest length) / ppl(training length) against the tokens trained (the step times the recipe's tokens of
     an optimizer step; the step where runs recorded no recipe), one line per encoding: the mean over seeds with its
-    t-interval band. How each encoding's extrapolation moves with training, all encodings on one axis; False when no
-    run was evaluated at two steps or more."""
-    rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.mode == mode]
-    longest = max((r.length for r in rows), default=None)
-    if len({r.step for r in rows}) < 2 or longest is None:
+    t-interval band (``tables``: :func:`step_tables`). How each encoding's extrapolation moves with training, all
+    encodings on one axis; False when no run was evaluated at two steps or more."""
+    rows = [r for _, _, step_rows in tables.values() for r in step_rows]
+    if not rows:
         return False
+    longest = max(r.length for r in rows)
     batch_tokens = {(r.recipe or {}).get("batch_tokens") for r in rows}
     per_step = batch_tokens.pop() if len(batch_tokens) == 1 and None not in batch_tokens else None
     series: dict[str, list] = {}
     bands: dict[str, list] = {}
-    for step in sorted({r.step for r in rows}):
-        columns, table = ratio_table([r for r in rows if r.step == step], mode)
+    for step, (_, (columns, table), _) in tables.items():
         for length, *cells in table:
             if length != longest:
                 continue
@@ -413,8 +420,9 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         if ratio[1]:
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
         plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
-        training_figure(runs, mode, f"{out}_{mode}_training.png")
-        ratio_tokens_figure(runs, mode, f"{out}_{mode}_ratio_tokens.png")
+        over_training = step_tables(runs, mode)
+        training_figure(over_training, mode, f"{out}_{mode}_training.png")
+        ratio_tokens_figure(over_training, mode, f"{out}_{mode}_ratio_tokens.png")
     found = find_records(paths, PositionRecord.FILE, required=False)
     if found:
         table = position_table(latest_rows(found, PositionRecord, lambda r: (r.length, r.first_position)))
