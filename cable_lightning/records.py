@@ -199,6 +199,7 @@ class RetrievalRecord(Record):
     not record where its passages lie)."""
 
     FILE: ClassVar[str] = "retrieval.jsonl"
+    METRICS: ClassVar[dict[str, str]] = {"ndcg": "nDCG@10", "mrr": "MRR@10", "recall": "Recall@100"}  # field: name
     RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {"length": (1, None), "ndcg": (0, 1), "queries": (0, None),
                                                           "visible": (0, 1), "mrr": (0, 1), "recall": (0, 1)}
 

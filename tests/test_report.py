@@ -119,3 +119,27 @@ def test_ratio_against_tokens_is_each_encodings_mean_over_seeds_at_the_longest_l
 def rows(pe, ppls, length=256):
     return [LengthRecord(pe=pe, train_length=128, step=10, run_seed=seed, length=length, mode="nonoverlap", ppl=ppl)
             for seed, ppl in enumerate(ppls)]
+
+
+def test_a_retrieval_set_gets_ndcg_mrr_and_recall_tables_over_seeds_and_its_in_view_shares():
+    """The code set records MRR@10, Recall@100 and where each query's function lies: the report gives each metric's
+    table (means over seeds, x100) and the in-view share by length; rows without MRR (MLDR) give nDCG@10 alone."""
+    values = {(pe, seed, length): 0.1 + 0.01 * seed + (0.05 + 0.003 * seed ** 2 if pe == "alibi" else 0) + length / 1e4
+              for pe in ("alibi", "cable") for seed in (0, 1, 2) for length in (128, 512)}
+    rows = [RetrievalRecord(pe=pe, train_length=128, step=500, run_seed=seed, dataset="code", length=length,
+                            ndcg=v, mrr=v / 2, recall=min(1.0, 4 * v), queries=200,
+                            visible={128: 0.0, 512: 0.19}[length]) for (pe, seed, length), v in values.items()]
+    text, table = report.retrieval_tables(rows)
+    sections = text.split("\n\n")
+    assert [s for s in sections if s.endswith("(x100)")] == ["nDCG@10 (x100)", "MRR@10 (x100)", "Recall@100 (x100)"]
+    columns, lines = table
+    assert columns == ["alibi", "cable"] and [line[0] for line in lines] == [128, 512]
+    mean = sum(100 * values["cable", s, 512] for s in (0, 1, 2)) / 3
+    assert lines[1][2].estimate().mean == pytest.approx(mean)
+    mrr = text[text.index("MRR@10"):text.index("Recall@100")]
+    assert f"{mean / 2:.2f} [" in mrr
+    assert sections[-1] == "whole passage in view: 128: 0.0%, 512: 19.0%"
+    mldr = [RetrievalRecord(pe="cable", train_length=512, step=1, run_seed=0, dataset="MultiLongDocRetrieval",
+                            length=512, ndcg=0.15)]
+    text, _ = report.retrieval_tables(mldr)
+    assert "MRR" not in text and "in view" not in text and text.startswith("nDCG@10 (x100)")

@@ -315,6 +315,24 @@ def ratio_tokens_figure(tables: dict[int, tuple], mode: str, path: str) -> bool:
     return True
 
 
+def retrieval_tables(rows: list[RetrievalRecord]) -> tuple[str, Table]:
+    """One retrieval set's tables by length (x100, mean over seeds with intervals, bold where a paired test over the
+    seeds does not separate a column from the best): nDCG@10, then MRR@10 and Recall@100 where every row has them,
+    and the share of queries whose passage lies whole within each length; returns the text and the nDCG@10 table."""
+    sections, first = [], None
+    for metric, title in RetrievalRecord.METRICS.items():
+        if any(getattr(r, metric) is None for r in rows):
+            continue  # MLDR, and rows an earlier version wrote: nDCG@10 only
+        table = aggregate(rows, lambda r: r.length, lambda r, metric=metric: 100 * getattr(r, metric))
+        first = first or table
+        sections.append(f"{title} (x100)\n\n" + markdown(*table, best=max) + "\n\n" + describe(table, "highest"))
+    shares = {r.length: r.visible for r in rows if r.visible is not None}
+    if shares:
+        sections.append("whole passage in view: " + ", ".join(f"{length}: {100 * share:.1f}%"
+                                                              for length, share in sorted(shares.items())))
+    return "\n\n".join(sections), first
+
+
 def speed_table(rows: list[ThroughputRecord]) -> str:
     """Each run's training speed (its latest fit on each machine): the rows of a speed table, as the run measured
     them (:class:`ThroughputRecord`)."""
@@ -456,11 +474,9 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     found = find_records(paths, RetrievalRecord.FILE, required=False)
     retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
     for dataset in sorted({r.dataset for r in retrieval_rows}):
-        table = aggregate([r for r in retrieval_rows if r.dataset == dataset], lambda r: r.length,
-                          lambda r: 100 * r.ndcg)
-        tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", "nDCG@10 (x100)\n\n"
-                                                     + markdown(*table, best=max) + "\n\n"
-                                                     + describe(table, "highest"), table, "ndcg10")
+        rows_of_set = [r for r in retrieval_rows if r.dataset == dataset]
+        text, table = retrieval_tables(rows_of_set)
+        tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", text, table, "ndcg10")
         plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
              "nDCG@10 (x100)", log_y=False)
     found = find_records(paths, ThroughputRecord.FILE, required=False)

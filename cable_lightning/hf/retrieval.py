@@ -153,7 +153,7 @@ def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
     return docs, questions, relevant
 
 
-METRICS = {"ndcg": "nDCG@10", "mrr": "MRR@10", "recall": "Recall@100"}
+METRICS = RetrievalRecord.METRICS
 
 
 def scores_local(st_model, docs: dict, questions: dict, relevant: dict, batch_size: int = 16) -> dict[str, float]:
