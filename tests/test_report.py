@@ -143,3 +143,14 @@ def test_a_retrieval_set_gets_ndcg_mrr_and_recall_tables_over_seeds_and_its_in_v
                             length=512, ndcg=0.15)]
     text, _ = report.retrieval_tables(mldr)
     assert "MRR" not in text and "in view" not in text and text.startswith("nDCG@10 (x100)")
+
+
+def test_a_contrastive_loss_curve_without_its_export_config_is_left_out_with_a_note(tmp_path, capsys):
+    """Records kept in the repository copied finetune_loss.jsonl without the export's config.json, and the report
+    stopped in a traceback (FileNotFoundError) after writing half its tables."""
+    run = tmp_path / "run"
+    append_records(str(run), [RetrievalRecord(pe="cable", train_length=32, step=4, checkpoint="last.ckpt",
+                                              dataset="set", length=32, ndcg=0.5)])
+    (run / LossPoint.FILE).write_text('{"step": 1, "loss": 2.5}\n')
+    assert report.loss_curves([str(run)]) == {}
+    assert f"{run / LossPoint.FILE}: no export's config.json beside it" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from typing import Callable, Optional
 
 from cable_lightning.errors import ArgumentParser, ConfigError
@@ -372,7 +373,12 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
     runs = {row.checkpoint: row for file in find_records(paths, RetrievalRecord.FILE, required=False)
             for row in read_records(file, RetrievalRecord)}
     for file in find_records(paths, LossPoint.FILE, required=False):
-        with open(os.path.join(os.path.dirname(file), "config.json"), encoding="utf-8") as f:
+        config = os.path.join(os.path.dirname(file), "config.json")
+        if not os.path.isfile(config):  # a curve copied out of its export: nothing names its run
+            print(f"{file}: no export's config.json beside it, so no run to draw its contrastive loss for; "
+                  "left out", file=sys.stderr)
+            continue
+        with open(config, encoding="utf-8") as f:
             run = runs.get(json.load(f).get("provenance", {}).get("checkpoint"))
         if run is not None:
             named[run.run_key()] = run
