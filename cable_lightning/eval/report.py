@@ -480,8 +480,7 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     found = find_records(paths, RetrievalRecord.FILE, required=False)
     retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
     for dataset in sorted({r.dataset for r in retrieval_rows}):
-        rows_of_set = [r for r in retrieval_rows if r.dataset == dataset]
-        text, table = retrieval_tables(rows_of_set)
+        text, table = retrieval_tables([r for r in retrieval_rows if r.dataset == dataset])
         tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", text, table, "ndcg10")
         plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
              "nDCG@10 (x100)", log_y=False)

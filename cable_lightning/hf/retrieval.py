@@ -153,9 +153,6 @@ def read_beir(corpus: str, queries: str, qrels: str) -> tuple[dict, dict, dict]:
     return docs, questions, relevant
 
 
-METRICS = RetrievalRecord.METRICS
-
-
 def scores_local(st_model, docs: dict, questions: dict, relevant: dict, batch_size: int = 16) -> dict[str, float]:
     """``{"ndcg", "mrr", "recall"}``: nDCG@10, MRR@10 and Recall@100 of the model's cosine ranking."""
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
@@ -164,7 +161,7 @@ def scores_local(st_model, docs: dict, questions: dict, relevant: dict, batch_si
                                               precision_recall_at_k=[100], accuracy_at_k=[1], map_at_k=[10],
                                               name="local", batch_size=batch_size, show_progress_bar=False)
     found = evaluator(st_model)
-    return {key: float(found[f"local_cosine_{metric.lower()}"]) for key, metric in METRICS.items()}
+    return {key: float(found[f"local_cosine_{metric.lower()}"]) for key, metric in RetrievalRecord.METRICS.items()}
 
 
 def scores_bm25(docs: dict, questions: dict, relevant: dict, length: int, tokenizer) -> dict[str, float]:
@@ -303,11 +300,11 @@ def write_table(scores: dict[int, dict[str, dict | None]], out: str, ends: list 
                           *(cell(value(row, n, "ndcg")) for n in names)] for length, row in scores.items())
     with open(os.path.join(out, "metrics.csv"), "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["length", "in_view", "model", *METRICS])
-        writer.writerows([length, shares[length], name, *(value(row, name, m) for m in METRICS)]
+        writer.writerow(["length", "in_view", "model", *RetrievalRecord.METRICS])
+        writer.writerows([length, shares[length], name, *(value(row, name, m) for m in RetrievalRecord.METRICS)]
                          for length, row in scores.items() for name in names)
     sections = []
-    for metric, title in METRICS.items():
+    for metric, title in RetrievalRecord.METRICS.items():
         if all(value(row, n, metric) is None for row in scores.values() for n in names):
             continue  # MLDR: nDCG@10 only
         lines = []
