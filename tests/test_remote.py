@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import recorders
@@ -181,3 +182,43 @@ def test_fit_resume_and_evaluation_from_the_store_equal_the_local_folder(tiny_co
     local, s3 = records(tmp_path / "local"), records(tmp_path / "s3")
     assert local and [row[:2] + row[3:] for row in s3] == [row[:2] + row[3:] for row in local]
     assert [row[2] for row in s3] == pytest.approx([row[2] for row in local], abs=1e-5)
+
+
+def test_the_nodes_other_ranks_read_the_store_index_only_after_local_rank_zero_has(tiny_corpus_s3, tmp_path,
+                                                                                   monkeypatch):
+    """Two ranks of one node share a cache folder. Local rank 0's dataset is slowed as a loaded machine slows its
+    index download; rank 1 must still wait for it (LitData waits a second for another rank's download, then reads a
+    file that is not there: Lightning-AI/litData#337), and both ranks stream the same dataset."""
+    import litdata
+
+    real, finished = litdata.StreamingDataset, []
+
+    def slow_on_rank_zero(*args, **kwargs):
+        if threading.current_thread().name == "rank0":
+            time.sleep(1.0)
+        dataset = real(*args, **kwargs)
+        finished.append(threading.current_thread().name)
+        return dataset
+
+    monkeypatch.setattr(litdata, "StreamingDataset", slow_on_rank_zero)
+    barrier, loaders, errors = threading.Barrier(2, timeout=60), {}, []
+    modules = [TokenDataModule(tiny_corpus_s3, block_size=32, cache_dir=str(tmp_path)) for _ in range(2)]
+    for rank, module in enumerate(modules):
+        module.describe()  # the mirror, one rank after the other: its lock is per process, these are threads
+        module.trainer = SimpleNamespace(world_size=2, local_rank=rank,
+                                         strategy=SimpleNamespace(barrier=lambda name: barrier.wait()))
+
+    def load(rank):
+        try:
+            loaders[rank] = modules[rank].train_dataloader()
+        except Exception as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(rank,), name=f"rank{rank}") for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert finished == ["rank0", "rank1"]
+    assert len(loaders[0].dataset) == len(loaders[1].dataset) > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -89,6 +90,23 @@ def _stream_loader_class() -> type:
             super().load_state_dict(obj)
 
     return StreamLoader
+
+
+def local_rank_zero_first(trainer: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` on local rank 0, then on the node's other ranks once it has finished. A store's dataset downloads
+    its chunk index into a cache folder every rank of a node shares, and LitData lets a rank that finds another's
+    download under way wait only a second before reading a file that is not there yet (Lightning-AI/litData#337);
+    after local rank 0 the others find the index in place. Rank 0's error reaches the barrier first, so no rank waits
+    on it forever."""
+    if trainer is None or trainer.world_size == 1:
+        return build()
+    if trainer.local_rank != 0:
+        trainer.strategy.barrier("local-rank-zero-first")
+        return build()
+    try:
+        return build()
+    finally:
+        trainer.strategy.barrier("local-rank-zero-first")
 
 
 class BlankRows(IterableDataset):
@@ -305,9 +323,13 @@ class TokenDataModule(L.LightningDataModule):
         remote = dict(cache_dir=self.cache_dir, max_cache_size=self.max_cache_size,
                       storage_options=self.store.storage_options()) if self.store else {}
         os.environ[LITDATA_NODES] = "1"  # one epoch-wide assignment over every rank: see LITDATA_NODES
-        dataset = StreamingDataset(f"{self.store.url}/train" if self.store else os.path.join(self.path, "train"),
-                                   item_loader=TokensLoader(block_size=self.block_size + 1),
-                                   shuffle=True, seed=self.seed, drop_last=True, **remote)
+
+        def stream() -> StreamingDataset:
+            return StreamingDataset(f"{self.store.url}/train" if self.store else os.path.join(self.path, "train"),
+                                    item_loader=TokensLoader(block_size=self.block_size + 1),
+                                    shuffle=True, seed=self.seed, drop_last=True, **remote)
+
+        dataset = local_rank_zero_first(getattr(self, "trainer", None), stream) if self.store else stream()
         if len(dataset) == 0:
             tokens = self._manifest["splits"]["train"]["tokens"]
             raise ConfigError(f"train split of {self.path} has {tokens} tokens: no window of block_size + 1 = "
