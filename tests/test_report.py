@@ -139,10 +139,32 @@ def test_a_retrieval_set_gets_ndcg_mrr_and_recall_tables_over_seeds_and_its_in_v
     mrr = text[text.index("MRR@10"):text.index("Recall@100")]
     assert f"{mean / 2:.2f} [" in mrr
     assert sections[-1] == "whole passage in view: 128: 0.0%, 512: 19.0%"
+    assert sections[-2].startswith("nDCG@10 (x100), change from 128 to 512 (paired t-test over seeds, p < 0.05): "
+                                   "alibi 3.84 [")
     mldr = [RetrievalRecord(pe="cable", train_length=512, step=1, run_seed=0, dataset="MultiLongDocRetrieval",
                             length=512, ndcg=0.15)]
     text, _ = report.retrieval_tables(mldr)
     assert "MRR" not in text and "in view" not in text and text.startswith("nDCG@10 (x100)")
+
+
+def test_the_change_with_length_is_tested_over_seeds_per_encoding():
+    """Table 2 of the paper is read by its shape: an encoding that rises past its seeds' noise, one that falls, one
+    whose change the seeds do not separate from none, and one seed (no test) are each said as what they are."""
+    ndcg = {"rise": [(0.10, 0.20), (0.12, 0.21), (0.11, 0.23)], "fall": [(0.15, 0.01), (0.14, 0.02), (0.16, 0.00)],
+            "flat": [(0.10, 0.12), (0.12, 0.09), (0.11, 0.11)]}
+    rows = [RetrievalRecord(pe=pe, train_length=128, step=500, run_seed=seed, dataset="code", length=length,
+                            ndcg=pair[i], mrr=0.0, recall=0.0)
+            for pe, pairs in ndcg.items() for seed, pair in enumerate(pairs) for i, length in enumerate((128, 2048))]
+    rows += [RetrievalRecord(pe="one", train_length=128, step=500, run_seed=0, dataset="code", length=length,
+                             ndcg=v, mrr=0.0, recall=0.0) for length, v in ((128, 0.1), (2048, 0.3))]
+    text, _ = report.retrieval_tables(rows)
+    [line] = [s for s in text.split("\n\n") if s.startswith("nDCG@10 (x100), change from 128 to 2048")]
+    changes = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split("; "))
+    rise = [100 * (b - a) for a, b in ndcg["rise"]]
+    low, high = stats.t.interval(0.95, 2, loc=sum(rise) / 3, scale=stats.sem(rise))
+    assert changes["rise"] == f"{sum(rise) / 3:.2f} [{low:.2f}, {high:.2f}] (rises)"
+    assert changes["fall"].endswith("(falls)") and changes["flat"].endswith("(not separated from no change)")
+    assert changes["one"] == "20.00 (one seed, no test)"
 
 
 def test_a_contrastive_loss_curve_without_its_export_config_is_left_out_with_a_note(tmp_path, capsys):

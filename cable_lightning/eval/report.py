@@ -21,12 +21,13 @@ from typing import Callable, Optional
 
 from cable_lightning.errors import ArgumentParser, ConfigError
 from cable_lightning.eval.diagnostics_report import diagnostics_report
-from cable_lightning.eval.intervals import seed_interval
+from cable_lightning.eval.intervals import seed_interval, separable
 from cable_lightning.eval.tables import (
     Cell,
     Table,
     best_columns,
     describe,
+    format_cell,
     markdown,
     markdown_table,
     write_csv,
@@ -327,11 +328,37 @@ def retrieval_tables(rows: list[RetrievalRecord]) -> tuple[str, Table]:
         table = aggregate(rows, lambda r: r.length, lambda r, metric=metric: 100 * getattr(r, metric))
         first = first or table
         sections.append(f"{title} (x100)\n\n" + markdown(*table, best=max) + "\n\n" + describe(table, "highest"))
+    if first is not None and len(first[1]) > 1:
+        sections.append(length_change(first, "nDCG@10 (x100)"))
     shares = {r.length: r.visible for r in rows if r.visible is not None}
     if shares:
         sections.append("whole passage in view: " + ", ".join(f"{length}: {100 * share:.1f}%"
                                                               for length, share in sorted(shares.items())))
     return "\n\n".join(sections), first
+
+
+def length_change(table: Table, name: str) -> str:
+    """Each encoding's change from the table's first length to its last, per seed: the mean with a t-interval, and
+    whether a paired t-test over the seeds says it rises or falls. The CABLE paper's Table 2 is read by this shape
+    (relative encodings rise as more of the document comes into view, RoPE and sinusoidal collapse)."""
+    columns, rows = table
+    first, last = rows[0], rows[-1]
+    parts = []
+    for column, start, end in zip(columns, first[1:], last[1:]):
+        seeds = [s for s in (start.values if start else {}) if end is not None and s in end.values
+                 and None not in (start.values[s], end.values[s])]
+        if not seeds:
+            continue
+        before, after = [start.values[s] for s in seeds], [end.values[s] for s in seeds]
+        if len(seeds) < 2:
+            verdict = "one seed, no test"
+        elif separable(after, before):
+            verdict = "rises" if sum(after) > sum(before) else "falls"
+        else:
+            verdict = "not separated from no change"
+        change = seed_interval([a - b for a, b in zip(after, before)])
+        parts.append(f"{column} {format_cell(change, 2)} ({verdict})")
+    return f"{name}, change from {first[0]} to {last[0]} (paired t-test over seeds, p < 0.05): " + "; ".join(parts)
 
 
 def speed_table(rows: list[ThroughputRecord]) -> str:
