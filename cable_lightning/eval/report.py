@@ -345,8 +345,9 @@ def length_change(table: Table, name: str) -> str:
     first, last = rows[0], rows[-1]
     parts = []
     for column, start, end in zip(columns, first[1:], last[1:]):
-        seeds = [s for s in (start.values if start else {}) if end is not None and s in end.values
-                 and None not in (start.values[s], end.values[s])]
+        if start is None or end is None:
+            continue
+        seeds = [s for s in start.values if s in end.values and None not in (start.values[s], end.values[s])]
         if not seeds:
             continue
         before, after = [start.values[s] for s in seeds], [end.values[s] for s in seeds]

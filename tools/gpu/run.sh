@@ -48,7 +48,7 @@ GC_SHAPES=${GC_SHAPES:-gpt2-vocab}
 CONFIG=(--config configs/paper/gpt2_small_code.yaml --config configs/trainer/single.yaml)
 RESULTS=$OUT/results.jsonl
 if [ "$REHEARSE" = 1 ]; then
-    # the report's Python start and imports alone took over 15 s on a 2-core VM busy with two training runs
+    # the rehearsal's report was cut at 15 s in a CI run on a 2-core VM busy with two training runs
     REPORT_S=${REPORT_S:-60}
     # toy sizes on the CPU: proves the script's commands and files, not a figure. A slice of two small distributions
     # of the lock's environment (rfc3339-validator is held out: validation), a 300-token BPE, a 2-layer model.
