@@ -244,12 +244,27 @@ class AttentionRecord(Record):
 
 
 @dataclass(kw_only=True)
-class LongContextRecord(Record):
-    """What the whole window gains over the training length, on the targets past it (``eval.diagnostics``): their
-    count and mean loss (nats) with the whole window (``loss``) and with at most ``context`` tokens (``loss_short``:
-    sliding windows of the training length advancing by ``stride``), and the same for the key tokens (loss drops by
-    at least ``threshold``: LongPPL's key tokens, the model itself the reference) and the hurt ones (rises by as
-    much)."""
+class ContextGain:
+    """The long context's gain on targets past the training length (``eval.diagnostics.context_gain``): counts and
+    mean losses (nats) of every such target, of the key tokens (loss drops by at least the threshold) and of the hurt
+    ones (rises by as much), with the whole window (``loss``) and with at most the training length (``loss_short``)."""
+
+    tokens: int
+    loss: Optional[float]
+    loss_short: Optional[float]
+    key_tokens: int
+    key_loss: Optional[float]
+    key_loss_short: Optional[float]
+    hurt_tokens: int
+    hurt_loss: Optional[float]
+    hurt_loss_short: Optional[float]
+
+
+@dataclass(kw_only=True)
+class LongContextRecord(ContextGain, Record):
+    """What the whole window gains over the training length at one length (:class:`ContextGain`), with how it was
+    measured: ``loss_short`` from sliding windows of ``context`` tokens advancing by ``stride``, the key tokens'
+    ``threshold`` (LongPPL's key tokens, the model itself the reference)."""
 
     FILE: ClassVar[str] = "long_context.jsonl"
     RANGES: ClassVar[dict[str, tuple]] = Record.RANGES | {
@@ -263,15 +278,6 @@ class LongContextRecord(Record):
     stride: int
     threshold: float
     windows: int
-    tokens: int
-    loss: Optional[float]
-    loss_short: Optional[float]
-    key_tokens: int
-    key_loss: Optional[float]
-    key_loss_short: Optional[float]
-    hurt_tokens: int
-    hurt_loss: Optional[float]
-    hurt_loss_short: Optional[float]
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..data.windows import window_plan
 from ..models.attention import attention_map
+from ..records import ContextGain
 
 # Attention quantities per (layer, head), in the order records, tables and figures give them.
 QUANTITIES = ("entropy", "entropy_norm", "distance_mean", "distance_p90", "sink_mass", "local_mass", "max_logit",
@@ -208,23 +209,6 @@ def short_context_nll(backbone, inputs: Tensor, targets: Tensor, context: int, s
     return out.view(rows, t)
 
 
-@dataclass
-class ContextGain:
-    """The long context's gain on targets past the training length: counts and mean losses (nats) of every such
-    target, of the key tokens (loss drops by at least the threshold) and of the hurt ones (rises by as much), with the
-    whole window (``loss``) and with at most the training length (``loss_short``)."""
-
-    tokens: int
-    loss: Optional[float]
-    loss_short: Optional[float]
-    key_tokens: int
-    key_loss: Optional[float]
-    key_loss_short: Optional[float]
-    hurt_tokens: int
-    hurt_loss: Optional[float]
-    hurt_loss_short: Optional[float]
-
-
 def context_gain(long_nll: Tensor, short_nll: Tensor, scored: Tensor, context: int, threshold: float) -> ContextGain:
     """From each target's NLL with the whole window and with at most ``context`` tokens (B, T), ``scored`` (B, T) the
     targets that count: those at index >= ``context`` (which see more than ``context`` tokens in the window). Every
@@ -235,10 +219,12 @@ def context_gain(long_nll: Tensor, short_nll: Tensor, scored: Tensor, context: i
     where = torch.stack([candidates, candidates & (drop >= threshold), candidates & (-drop >= threshold)])
     figures = torch.stack([where.sum((1, 2)).double()] + [torch.where(where, nll.double(), 0.0).sum((1, 2))
                                                           for nll in (long_nll, short_nll)], dim=-1).tolist()
-    out = []
-    for count, long_sum, short_sum in figures:  # every target past the context, the key tokens, the hurt ones
-        out += [int(count), long_sum / count if count else None, short_sum / count if count else None]
-    return ContextGain(*out)
+    out = {}
+    # every target past the context, the key tokens, the hurt ones
+    for kind, (count, long_sum, short_sum) in zip(("", "key_", "hurt_"), figures):
+        out |= {f"{kind}tokens": int(count), f"{kind}loss": long_sum / count if count else None,
+                f"{kind}loss_short": short_sum / count if count else None}
+    return ContextGain(**out)
 
 
 @dataclass
