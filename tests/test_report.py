@@ -7,7 +7,7 @@ from scipy import stats
 
 from cable_lightning.eval import report
 from cable_lightning.eval.intervals import seed_interval
-from cable_lightning.eval.tables import Cell, markdown, markdown_table
+from cable_lightning.eval.tables import Cell, markdown, markdown_table, neighbours
 from cable_lightning.records import LengthRecord, LossPoint, RetrievalRecord, append_records
 
 
@@ -31,6 +31,26 @@ def test_a_table_is_written_as_markdown_with_its_rule_and_bold_where_no_test_sep
     lines = markdown(columns, rows).splitlines()
     assert lines[:2] == ["| length | alibi | cable |", "|---|---|---|"]
     assert lines[2].startswith("| 64 | **3.00 [") and "| 9.00 [" in lines[2]  # cable is separated from the best
+
+
+def test_each_row_ranks_its_encodings_with_the_paired_p_value_against_the_one_before():
+    """A ranking's every step is tested, not only its distance from the best: the p-value between neighbours is the
+    paired t-test's by hand (t = mean(d) / (sd(d) / sqrt(n)), n - 1 degrees of freedom); a pair that differs by the
+    same amount at every seed gives 0; columns without shared seeds say so; a row of one encoding is left out."""
+    columns = ["rope", "alibi", "cable", "fire"]
+    rows = [[2048, Cell({0: 1.59, 1: 1.64, 2: 1.55}), Cell({0: 0.5, 1: 0.75, 2: 0.5}),
+             Cell({0: 0.625, 1: 0.875, 2: 0.625}), Cell({3: 1.02, 4: 1.03})],
+            [4096, Cell({0: 2.0, 1: 2.1}), None, None, None]]
+    d = [1.59 - 0.625, 1.64 - 0.875, 1.55 - 0.625]  # rope against cable, its neighbour by mean
+    mean = sum(d) / 3
+    sd = (sum((x - mean) ** 2 for x in d) / 2) ** 0.5
+    p = 2 * stats.t.sf(mean / (sd / 3 ** 0.5), 2)
+    text = neighbours(columns, rows, digits=3)
+    assert text.splitlines()[2:] == ["- 2048: alibi 0.583 < cable 0.708 (p = 0) < fire 1.025 (no pair) < rope 1.593 "
+                                     "(no pair)"]
+    lines = neighbours(["rope", "cable"], [[2048, rows[0][1], rows[0][3]]], best=max, digits=3).splitlines()
+    assert lines[2] == f"- 2048: rope 1.593 > cable 0.708 (p = {p:.3g})"
+    assert neighbours(columns, rows[1:]) == ""
 
 
 def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):

@@ -79,12 +79,17 @@ def window_interval(windows: Windows, reference: Optional[Windows] = None) -> Es
     return Estimate(value, float(interval.low), float(interval.high), len(nll), "bootstrap")
 
 
-def separable(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether a two-sided paired t-test (scipy.stats.ttest_rel) rejects equal means at ALPHA; pairs that all
-    differ by the same amount separate unless that amount is zero (the test's statistic is undefined there)."""
+def paired_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """The two-sided p-value of a paired t-test (scipy.stats.ttest_rel); pairs that all differ by the same amount
+    give 0 unless that amount is zero (1), since the test's statistic is undefined there."""
     difference = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     if len(difference) < 2:
         raise ValueError("a paired test needs at least two pairs")
     if np.ptp(difference) == 0:
-        return bool(difference[0] != 0)
-    return bool(stats.ttest_rel(a, b).pvalue < ALPHA)
+        return 0.0 if difference[0] != 0 else 1.0
+    return float(stats.ttest_rel(a, b).pvalue)
+
+
+def separable(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether a two-sided paired t-test rejects equal means at ALPHA (:func:`paired_p`)."""
+    return paired_p(a, b) < ALPHA

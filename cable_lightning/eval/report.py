@@ -30,6 +30,7 @@ from cable_lightning.eval.tables import (
     format_cell,
     markdown,
     markdown_table,
+    neighbours,
     write_csv,
     write_table,
 )
@@ -317,6 +318,14 @@ def ratio_tokens_figure(tables: dict[int, tuple], mode: str, path: str) -> bool:
     return True
 
 
+def annotated(table: Table, best=min, digits: int = 2) -> str:
+    """A table in Markdown with its notes: what the intervals and bold mean, and each row's ranking with the paired
+    test between neighbours."""
+    parts = [markdown(*table, best=best, digits=digits), describe(table, "highest" if best is max else "lowest"),
+             neighbours(*table, best=best, digits=digits)]
+    return "\n\n".join(part for part in parts if part)
+
+
 def retrieval_tables(rows: list[RetrievalRecord]) -> tuple[str, Table]:
     """One retrieval set's tables by length (x100, mean over seeds with intervals, bold where a paired test over the
     seeds does not separate a column from the best): nDCG@10, then MRR@10 and Recall@100 where every row has them,
@@ -327,7 +336,7 @@ def retrieval_tables(rows: list[RetrievalRecord]) -> tuple[str, Table]:
             continue  # MLDR, and rows an earlier version wrote: nDCG@10 only
         table = aggregate(rows, lambda r: r.length, lambda r, metric=metric: 100 * getattr(r, metric))
         first = first or table
-        sections.append(f"{title} (x100)\n\n" + markdown(*table, best=max) + "\n\n" + describe(table, "highest"))
+        sections.append(f"{title} (x100)\n\n" + annotated(table, best=max))
     if first is not None and len(first[1]) > 1:
         sections.append(length_change(first, "nDCG@10 (x100)"))
     shares = {r.length: r.visible for r in rows if r.visible is not None}
@@ -464,10 +473,10 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     tables = {}
     for mode in sorted({r.mode for r in rows}):
         ppl, ratio = build_table(rows, mode), ratio_table(rows, mode)
-        tables[mode] = markdown(*ppl) + "\n\n" + describe(ppl, "lowest")
+        tables[mode] = annotated(ppl)
         if ratio[1]:
             tables[mode] += ("\n\nExtrapolation: ppl(L) / ppl(training length), per run\n\n"
-                             + markdown(*ratio, digits=3) + "\n\n" + describe(ratio, "lowest"))
+                             + annotated(ratio, digits=3))
         write_table(f"{out}_{mode}", tables[mode], ppl, "ppl")
         if ratio[1]:
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")

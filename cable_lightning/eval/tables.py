@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..records import format_value
-from .intervals import Estimate, seed_interval, separable, window_interval
+from .intervals import Estimate, paired_p, seed_interval, separable, window_interval
 
 
 @dataclass
@@ -98,9 +98,36 @@ def markdown(columns, table, best=min, digits: int = 2, header: str = "length") 
         marked = best_columns(cells, higher=best is max)
         text = [format_cell(c.estimate() if c is not None else None, digits) for c in cells]
         text = [f"**{t}**" if i in marked else t for i, t in enumerate(text)]
-        label = f"{label[0]}: {label[1]}-{label[2]}" if isinstance(label, tuple) else label
-        lines.append([label, *text])
+        lines.append([row_label(label), *text])
     return markdown_table([header, *columns], lines)
+
+
+def row_label(label) -> str:
+    """A row's label as the tables print it: a (name, low, high) label reads ``name: low-high``."""
+    return f"{label[0]}: {label[1]}-{label[2]}" if isinstance(label, tuple) else str(label)
+
+
+def neighbours(columns, table, best=min, digits: int = 2) -> str:
+    """Each row's encodings from best to worst mean, with the paired t-test's p-value between each and the one before
+    it (:func:`paired`), so that every step of a ranking, not only its distance from the best, says whether it exceeds
+    the noise; "no pair" where nothing pairs (no shared seeds, or one run each without the same windows)."""
+    lines = []
+    for label, *cells in table:
+        estimates = {c: cell.estimate() for c, cell in zip(columns, cells) if cell is not None}
+        means = {c: e.mean for c, e in estimates.items() if e is not None and math.isfinite(e.mean)}
+        if len(means) < 2:
+            continue
+        cell = dict(zip(columns, cells))
+        order = sorted(means, key=means.get, reverse=best is max)
+        parts = [f"{order[0]} {format_value(means[order[0]], digits)}"]
+        for before, column in zip(order, order[1:]):
+            pairs = paired(cell[before], cell[column])
+            test = "no pair" if pairs is None else f"p = {paired_p(*pairs):.3g}"
+            parts.append(f"{column} {format_value(means[column], digits)} ({test})")
+        lines.append(f"- {row_label(label)}: " + f" {'>' if best is max else '<'} ".join(parts))
+    if not lines:
+        return ""
+    return "_Ranked by mean; p: paired t-test against the encoding before it._\n\n" + "\n".join(lines)
 
 
 def describe(table: Table, best: str) -> str:
