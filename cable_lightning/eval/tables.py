@@ -113,11 +113,11 @@ def neighbours(columns, table, best=min, digits: int = 2) -> str:
     the noise; "no pair" where nothing pairs (no shared seeds, or one run each without the same windows)."""
     lines = []
     for label, *cells in table:
-        estimates = {c: cell.estimate() for c, cell in zip(columns, cells) if cell is not None}
-        means = {c: e.mean for c, e in estimates.items() if e is not None and math.isfinite(e.mean)}
+        cell = dict(zip(columns, cells))
+        means = {c: e.mean for c in columns if cell[c] is not None and (e := cell[c].estimate()) is not None
+                 and math.isfinite(e.mean)}
         if len(means) < 2:
             continue
-        cell = dict(zip(columns, cells))
         order = sorted(means, key=means.get, reverse=best is max)
         parts = [f"{order[0]} {format_value(means[order[0]], digits)}"]
         for before, column in zip(order, order[1:]):
