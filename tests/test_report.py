@@ -159,8 +159,9 @@ def test_a_retrieval_set_gets_ndcg_mrr_and_recall_tables_over_seeds_and_its_in_v
     mrr = text[text.index("MRR@10"):text.index("Recall@100")]
     assert f"{mean / 2:.2f} [" in mrr
     assert sections[-1] == "whole passage in view: 128: 0.0%, 512: 19.0%"
-    assert sections[-2].startswith("nDCG@10 (x100), change from 128 to 512 (paired t-test over seeds, p < 0.05): "
-                                   "alibi 3.84 [")
+    [change] = [s for s in sections if s.startswith("nDCG@10 (x100), change from")]
+    assert change.startswith("nDCG@10 (x100), change from 128 to 512 (paired t-test over seeds, p < 0.05): "
+                             "alibi 3.84 [")
     mldr = [RetrievalRecord(pe="cable", train_length=512, step=1, run_seed=0, dataset="MultiLongDocRetrieval",
                             length=512, ndcg=0.15)]
     text, _ = report.retrieval_tables(mldr)
@@ -185,6 +186,11 @@ def test_the_change_with_length_is_tested_over_seeds_per_encoding():
     assert changes["rise"] == f"{sum(rise) / 3:.2f} [{low:.2f}, {high:.2f}] (rises)"
     assert changes["fall"].endswith("(falls)") and changes["flat"].endswith("(not separated from no change)")
     assert changes["one"] == "20.00 (one seed, no test)"
+    # the rises ranked, each against the next by the same paired test (the one-seed encoding pairs with nothing)
+    flat = [100 * (b - a) for a, b in ndcg["flat"]]
+    [ranking] = [s for s in text.split("\n\n") if s.startswith("- change 128 to 2048: ")]
+    assert ranking.startswith(f"- change 128 to 2048: one 20.00 > rise {sum(rise) / 3:.2f} (no pair) > flat ")
+    assert f"(p = {stats.ttest_rel(rise, flat).pvalue:.3g}) > fall " in ranking
 
 
 def test_a_contrastive_loss_curve_without_its_export_config_is_left_out_with_a_note(tmp_path, capsys):

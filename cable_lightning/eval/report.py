@@ -352,7 +352,7 @@ def length_change(table: Table, name: str) -> str:
     (relative encodings rise as more of the document comes into view, RoPE and sinusoidal collapse)."""
     columns, rows = table
     first, last = rows[0], rows[-1]
-    parts = []
+    parts, changes = [], {}
     for column, start, end in zip(columns, first[1:], last[1:]):
         if start is None or end is None:
             continue
@@ -366,9 +366,11 @@ def length_change(table: Table, name: str) -> str:
             verdict = "rises" if sum(after) > sum(before) else "falls"
         else:
             verdict = "not separated from no change"
-        change = seed_interval([a - b for a, b in zip(after, before)])
-        parts.append(f"{column} {format_cell(change, 2)} ({verdict})")
-    return f"{name}, change from {first[0]} to {last[0]} (paired t-test over seeds, p < 0.05): " + "; ".join(parts)
+        changes[column] = Cell({s: a - b for s, a, b in zip(seeds, after, before)})
+        parts.append(f"{column} {format_cell(changes[column].estimate(), 2)} ({verdict})")
+    text = f"{name}, change from {first[0]} to {last[0]} (paired t-test over seeds, p < 0.05): " + "; ".join(parts)
+    ranking = neighbours(list(changes), [[f"change {first[0]} to {last[0]}", *changes.values()]], best=max)
+    return "\n\n".join(part for part in (text, ranking) if part)
 
 
 def speed_table(rows: list[ThroughputRecord]) -> str:
