@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from cable_lightning import cli
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.data.remote import Store
@@ -18,6 +19,30 @@ from cable_lightning.models import BackboneConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = dict(pos_encoding="cable", n_layer=2, n_head=2, n_embd=32)
+
+
+def test_a_run_that_finishes_destroys_its_process_group_and_one_that_fails_leaves_it(monkeypatch, tmp_path):
+    """Left to interpreter shutdown, Gloo's worker threads aborted a rank of the two-process test after its fit had
+    finished (SIGABRT, "terminate called without an active exception"); the entry point now destroys the group after a
+    run that finished, and not after an error (another rank may still wait in a collective)."""
+    dist = torch.distributed
+
+    def run_in_group(fail):
+        def verb(args):
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{fail}'}", rank=0, world_size=1)
+            if fail:
+                raise cli.ConfigError("--data.path nowhere: no such dataset")
+        monkeypatch.setattr(cli, "main", verb)
+        cli.run([])
+
+    run_in_group(fail=False)
+    assert not dist.is_initialized()
+    with pytest.raises(SystemExit):
+        run_in_group(fail=True)
+    try:
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_corpus_docs, s3_url, tmp_path):
