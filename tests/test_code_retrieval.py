@@ -137,20 +137,35 @@ class Circle:
 }
 
 
-@pytest.fixture
-def environment(tmp_path, monkeypatch):
-    """A standard library and two trained distributions, one held out (names by the source's own rule)."""
+# A licence above the module docstring (and a file that is nothing else): not part of the held-out documents.
+LICENSED = {
+    "held/licensed.py": '#!/usr/bin/env python\n# Copyright The Authors.\n#\n# Licensed under the Apache License.\n\n'
+                        '"""Sums."""\nimport math\n\n\ndef total_of_squares(values):\n'
+                        '    """Add up the squares of the given values."""\n    # a comment in the code stays\n'
+                        '    squares = [v * v for v in values]\n    total = math.fsum(squares)\n    return total\n',
+    "held/notice.py": "# Copyright The Authors.\n# Licensed under the Apache License.\n\n",
+}
 
-    def first(prefix, held):
-        return next(f"{prefix}-{i}" for i in range(10_000) if python_code.held_out(f"{prefix}-{i}") == held)
+
+def make_environment(tmp_path, monkeypatch, held):
+    """A standard library and two trained distributions, one (``held``'s files) held out (names by the source's own
+    rule)."""
+
+    def first(prefix, is_held):
+        return next(f"{prefix}-{i}" for i in range(10_000) if python_code.held_out(f"{prefix}-{i}") == is_held)
 
     stdlib, site = tmp_path / "stdlib", tmp_path / "site"
     stdlib.mkdir()
     (stdlib / "helpers.py").write_text(TRAINED)
     fake_distribution(site, first("alpha", False), "1.0", {"alpha/copies.py": COPIES.encode()})
-    fake_distribution(site, first("gamma", True), "0.3", {path: text.encode() for path, text in HELD.items()})
+    fake_distribution(site, first("gamma", True), "0.3", {path: text.encode() for path, text in held.items()})
     monkeypatch.setattr(python_code, "python_environment", lambda: (str(stdlib), [str(site)]))
     return tmp_path
+
+
+@pytest.fixture
+def environment(tmp_path, monkeypatch):
+    return make_environment(tmp_path, monkeypatch, HELD)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +192,7 @@ def test_a_query_document_is_its_file_without_that_docstring_and_the_pairs_are_t
     rows, counts = build(get_source("python-code"), tokenizer, CodeSettings(queries=3))
     held = {text.replace("\r\n", "\n") for text in HELD.values()}
     by_id = {d["_id"]: d["text"] for d in rows["corpus"]}
-    assert len(by_id) == 4 and counts["files"]["val"] == {"parsed": 4, "not_parsed": 1}  # python2.py skipped
+    assert len(by_id) == 4 and counts["files"]["val"] == {"parsed": 4, "comments_only": 0, "not_parsed": 1}
     assert {q["function"] for q in rows["queries"]} == {"parse_words", "area_of_circle", "platform_name"}
     for query in rows["queries"]:
         document = by_id[query["doc"]]
@@ -199,6 +214,25 @@ def test_a_query_document_is_its_file_without_that_docstring_and_the_pairs_are_t
     for query, function in zip(rows["short_queries"], rows["short_corpus"]):  # the function whole, from token 0
         size = len(tokenizer.encode_batch([function["text"]])[0])
         assert (query["doc"], query["depth"], query["end"]) == (function["_id"], 0, size)
+
+
+def test_a_held_out_document_starts_at_its_first_line_of_code_and_offsets_count_from_there(tmp_path, monkeypatch,
+                                                                                           tokenizer):
+    """A licence above the module docstring would fill the first window of most files with the same words: it goes,
+    comments inside the code stay, a file of comments alone is no document, and the function's token offsets are
+    those of the document as the encoder reads it."""
+    make_environment(tmp_path, monkeypatch, {**HELD, **LICENSED})
+    rows, counts = build(get_source("python-code"), tokenizer, CodeSettings(queries=4))
+    assert counts["files"]["val"] == {"parsed": 6, "comments_only": 1, "not_parsed": 1}
+    documents = [d["text"] for d in rows["corpus"]]
+    assert len(documents) == 5 and not any("Licensed under" in text for text in documents)
+    query = next(q for q in rows["queries"] if q["function"] == "total_of_squares")
+    document = next(d["text"] for d in rows["corpus"] if d["_id"] == query["doc"])
+    assert document.startswith('"""Sums."""\nimport math\n') and "    # a comment in the code stays\n" in document
+    ids = tokenizer.encode_batch([document])[0]
+    start = document.index("def total_of_squares")
+    assert len(tokenizer.decode(ids[:query["depth"]])) <= start < len(tokenizer.decode(ids[:query["depth"] + 1]))
+    assert query["tokens"] == len(ids)
 
 
 def test_training_pairs_come_from_training_distributions_without_duplicates_or_held_out_copies(environment,
