@@ -325,4 +325,5 @@ def summary(out: str, manifest: dict) -> str:
             f"{files['train']['parsed']} training files; {files['train']['not_parsed']} did not parse), "
             f"{counts['queries']} queries against {counts['documents']} held-out files (median "
             f"{counts['document_tokens_median']} tokens, function at token {counts['function_depth_median']}; "
-            f"{files['val']['not_parsed']} did not parse); whole function in view at {shares}")
+            f"{files['val']['not_parsed']} did not parse, {files['val']['comments_only']} held comments alone); whole "
+            f"function in view at {shares}")
