@@ -90,6 +90,11 @@ def source_lines(text: str) -> list[str]:
     return io.StringIO(text, newline="").readlines()
 
 
+def is_code(line: str) -> bool:
+    """A line that is neither blank nor only a comment: what a body's length counts and where a file's head ends."""
+    return bool(line.strip()) and not line.lstrip().startswith("#")
+
+
 def doc_key(query: str) -> str:
     return " ".join(re.findall(r"\w+", query.lower()))
 
@@ -119,7 +124,7 @@ def parse(text: str) -> Optional[list[Function]]:
         doc_first, doc_end, end = docstring.lineno - 1, docstring.end_lineno, node.end_lineno
         own_lines = (not lines[doc_first].encode()[:docstring.col_offset].strip()
                      and lines[doc_end - 1].encode()[docstring.end_col_offset:].strip()[:1] in (b"", b"#"))
-        body = sum(1 for line in lines[doc_end:end] if line.strip() and not line.strip().startswith("#"))
+        body = sum(map(is_code, lines[doc_end:end]))
         query = " ".join(re.split(r"\n\s*\n", ast.get_docstring(node).strip(), maxsplit=1)[0].split())
         skip = ("dunder" if node.name.startswith("__") and node.name.endswith("__") else
                 "test" if "test" in node.name.lower() else
@@ -136,7 +141,7 @@ def without_header(text: str) -> str:
     """``text`` from its first line that is neither blank nor only a comment: a file's licence, shebang and encoding
     line go, the module docstring and the code stay ("" for a file of comments alone)."""
     lines = source_lines(text)
-    first = next((i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")), len(lines))
+    first = next((i for i, line in enumerate(lines) if is_code(line)), len(lines))
     return "".join(lines[first:])
 
 
