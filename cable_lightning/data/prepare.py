@@ -36,6 +36,7 @@ import numpy as np
 
 from cable_lightning.data.litdata_workers import supervised_optimize
 from cable_lightning.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from cable_lightning.data.python_code import FILE_LIST, write_file_list
 from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.sources import VALID_SOURCES, DatasetSource, get_source
 from cable_lightning.data.tokenizers import (
@@ -138,13 +139,14 @@ def split_head(src: DatasetSource, tok: Tokenizer, budget: float, by_chars: bool
 def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str = "data/pydocs-bpe4096",
             val_fraction: float | None = None, val_tokens: int | None = None, num_workers: int | None = None,
             overwrite: bool = False, bpe_train_chars: int = 200_000_000, start_method: str | None = None,
-            verbose: bool = True, endpoint_url: str | None = None) -> dict[str, Any]:
+            verbose: bool = True, endpoint_url: str | None = None, expect: str | None = None) -> dict[str, Any]:
     """Prepare ``source`` with ``tokenizer`` into ``out`` and return the manifest (see the module docstring).
 
     A finished ``out`` with the same request is left alone (a no-op that says so); a different request needs
     ``overwrite=True``. ``start_method`` is passed to litdata (None: spawn; "fork" starts workers faster). An
     ``s3://bucket/prefix`` ``out`` is prepared locally and published there (``endpoint_url``: an S3-compatible
-    store's, else boto3's usual configuration).
+    store's, else boto3's usual configuration). ``expect``: a corpus file list (``files.tsv``) that the source's
+    files must match, checked before anything is written.
     """
     out = str(out) if is_remote(out) else os.path.normpath(str(out))
     src, bpe_size = get_source(source), parse_bpe_spec(tokenizer)
@@ -164,6 +166,11 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
     if num_workers is not None and num_workers < 1:  # 0 meant all cores and -1 one worker, without a word
         raise ValueError(f"--num_workers must be a positive number of tokenizing processes, got {num_workers}; leave "
                          "it out to use every core")
+    if expect is not None:
+        if not hasattr(src, "expect"):
+            raise ValueError(f"--expect compares a corpus with its file list, and {src.name} keeps none (python-code "
+                             "does); drop --expect")
+        src.expect(expect)
     request = {"source": src.name, "tokenizer": tokenizer, "val_fraction": val_fraction, "val_tokens": val_tokens,
                **({"bpe_train_chars": bpe_train_chars} if bpe_size else {})}
     log = functools.partial(print, "[prepare]", flush=True) if verbose else None
@@ -335,6 +342,8 @@ def _prepare(src: DatasetSource, request: dict, out: str, partial: str, num_work
     }
     with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
+    if hasattr(src, "file_list"):
+        write_file_list(src.file_list(), os.path.join(partial, FILE_LIST))
     swap_in(partial, out, "prepare")
     log(f"wrote {out} in {manifest['seconds']} s: " + ", ".join(f"{k} {v['tokens']} tokens" for k, v in splits.items()))
     return manifest
@@ -381,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val_tokens", type=int, help="tokens held out for validation (the paper: 100000000)")
     p.add_argument("--num_workers", type=int, help="tokenizing processes, at least 1 (default: all cores)")
     p.add_argument("--bpe_train_chars", type=int, default=200_000_000, help="characters used to train bpe:N")
+    p.add_argument("--expect", metavar="FILES_TSV", help="a corpus file list (a prepared python-code folder's "
+                   f"{FILE_LIST}, or one kept beside published records): refuse, naming the files that differ, unless "
+                   "this machine's corpus is that one")
     p.add_argument("--overwrite", action="store_true", help="replace an output prepared for a different request")
     p.add_argument("--quiet", action="store_true")
     args = vars(p.parse_args(argv))

@@ -11,7 +11,10 @@ line: exact duplicates (vendored copies; the first in that order is kept), files
 holding NUL bytes), empty ones, and ``.py`` files in a site-packages folder that no distribution lists (nothing
 records their name, version or which split they belong to). An editable install's files are left out too: the
 installer generates them (setuptools' ``__editable__..._finder.py``) and they hold the checkout's absolute path, so
-the corpus, and its hash, would depend on where the project lives. Whole installed distributions are held out for
+the corpus, and its hash, would depend on where the project lives. So are the files a distribution installs outside
+its site-packages folder (RECORD paths that climb out with ``../``: scripts in the environment's ``bin/``): pip
+rewrites a script's first line to this interpreter's absolute path (jmespath's ``bin/jp.py``), so the corpus would
+depend on where the virtualenv lives. Whole installed distributions are held out for
 validation: those whose name's SHA-256 falls in the first :data:`VAL_SHARE` of its range, so a package gets the same
 split on every machine, whatever else is installed there. The standard library always trains: held out by its
 version's name, Python 3.12's whole library (about 30 MB) would be validation on a lent GPU's image and not on 3.11.
@@ -31,13 +34,14 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 
 SPEC = "python-code"
 VAL_SHARE = 0.05  # share of the hash range (not of the text) whose distributions are validation
 ITEM_BYTES = 1 << 22  # a work item: consecutive files of one split, about this many bytes
+FILE_LIST = "files.tsv"  # beside the manifest: every kept file (see FileRow)
 
 
 def normalized(name: str) -> str:
@@ -65,6 +69,7 @@ class Distribution:
     version: str
     split: str
     paths: tuple[str, ...]  # its .py files, in order
+    root: str  # the folder its paths are named from in the file list (stdlib or site-packages)
 
 
 def _stdlib(folder: str) -> Distribution:
@@ -77,7 +82,7 @@ def _stdlib(folder: str) -> Distribution:
         found += [os.path.join(root, n) for n in names if n.endswith(".py")]
     name = f"python-{sys.version_info.major}.{sys.version_info.minor}"
     key = {p: os.path.relpath(p, folder).replace(os.sep, "/") for p in found}
-    return Distribution(name, platform.python_version(), "train", tuple(sorted(found, key=key.__getitem__)))
+    return Distribution(name, platform.python_version(), "train", tuple(sorted(found, key=key.__getitem__)), folder)
 
 
 def _editable(dist) -> bool:
@@ -89,13 +94,14 @@ def _editable(dist) -> bool:
         return False
 
 
-def _installed(folders: list[str]) -> tuple[list[Distribution], set[str], dict[str, tuple[str, ...]]]:
+def _installed(folders: list[str]) -> tuple[list[Distribution], set[str], dict[str, tuple[str, ...]],
+                                            dict[str, tuple[str, ...]]]:
     """Every distribution in ``folders`` (the first of a name), sorted by name, the folders they live in, and the
-    files of editable installs, which are left out."""
+    files of editable installs and those installed outside site-packages, which are left out."""
     import importlib.metadata
 
     found: dict[str, Distribution] = {}
-    roots, generated = set(), {}
+    roots, generated, scripts = set(), {}, {}
     for dist in importlib.metadata.distributions(path=folders):
         where, meta = getattr(dist, "_path", dist.locate_file("")), dist.metadata
         if meta is None or not meta.get("Name"):
@@ -108,12 +114,14 @@ def _installed(folders: list[str]) -> tuple[list[Distribution], set[str], dict[s
             raise ConfigError(f"{SPEC}: distribution {name} {dist.version} lists no files (its RECORD at {where} is "
                               f"missing or unreadable); reinstall it (pip install --force-reinstall {name})")
         files = sorted({str(f): f for f in dist.files if f.suffix == ".py"}.items())
-        paths = tuple(os.path.normpath(str(dist.locate_file(f))) for _, f in files)
+        paths = tuple(os.path.normpath(str(dist.locate_file(f))) for _, f in files if f.parts[0] != "..")
+        scripts[name] = tuple(os.path.normpath(str(dist.locate_file(f))) for _, f in files if f.parts[0] == "..")
         if _editable(dist):
             generated[name], paths = paths, ()
-        found[name] = Distribution(name, dist.version, "val" if held_out(name) else "train", paths)
+        found[name] = Distribution(name, dist.version, "val" if held_out(name) else "train", paths,
+                                   os.path.normpath(str(dist.locate_file(""))))
         roots.add(os.path.normpath(str(dist.locate_file(""))))
-    return [found[name] for name in sorted(found)], roots, generated
+    return [found[name] for name in sorted(found)], roots, generated, scripts
 
 
 def _unowned(roots: set[str], owned: set[str]) -> list[str]:
@@ -137,7 +145,7 @@ class PythonCodeSource:
 
     def __init__(self, select: list[str] | None = None):
         stdlib, folders = python_environment()
-        installed, roots, generated = _installed(folders)
+        installed, roots, generated, scripts = _installed(folders)
         self.distributions = everything = [_stdlib(stdlib), *installed]
         self.unowned: list[str] | None = None
         if select is not None:
@@ -154,6 +162,7 @@ class PythonCodeSource:
             self.unowned = _unowned(roots, {p for d in installed for p in d.paths} | {p for g in generated.values()
                                                                                        for p in g})
         self.generated = [p for d in self.distributions for p in generated.get(d.name, ())]
+        self.scripts = [p for d in self.distributions for p in scripts.get(d.name, ())]
         self.name = SPEC + (f":{','.join(d.name for d in self.distributions)}" if select is not None else "")
         where = f"the standard library ({stdlib}) or the site-packages folders ({', '.join(folders) or 'none'})"
         if not any(d.paths for d in self.distributions):
@@ -175,7 +184,7 @@ class PythonCodeSource:
             return self._scan
         kept: dict[str, list[tuple[str, str, int]]] = {"train": [], "val": []}
         seen, dropped = set(), {"duplicates": [], "not_text": [], "empty": []}
-        per_dist, corpus = [], hashlib.sha256()
+        per_dist, corpus, listed = [], hashlib.sha256(), []
         for dist in self.distributions:
             files = size = 0
             for path in dist.paths:
@@ -197,6 +206,8 @@ class PythonCodeSource:
                     seen.add(digest)
                     kept[dist.split].append((path, digest, len(data)))
                     corpus.update(f"{dist.split} {digest}\n".encode())
+                    rel = os.path.relpath(path, dist.root).replace(os.sep, "/")
+                    listed.append(FileRow(dist.split, dist.name, dist.version, rel, len(data), digest))
                     files, size = files + 1, size + len(data)
             per_dist.append({"name": dist.name, "version": dist.version, "split": dist.split, "files": files,
                              "bytes": size, "py_files": len(dist.paths)})
@@ -209,12 +220,25 @@ class PythonCodeSource:
         _skipped(dropped["empty"], "empty")
         _skipped(self.unowned or [], "listed by no distribution's RECORD")
         _skipped(self.generated, "generated by an editable install, they hold the checkout's path")
+        _skipped(self.scripts, "installed outside site-packages, pip writes this interpreter's path into them")
         self._scan = {"kept": kept, "dropped": {k: len(v) for k, v in dropped.items()}, "distributions": per_dist,
-                      "corpus_hash": corpus.hexdigest()}
+                      "corpus_hash": corpus.hexdigest(), "files": listed}
         return self._scan
 
     def check(self) -> None:
         pass
+
+    def file_list(self) -> list[FileRow]:
+        return self.scan()["files"]
+
+    def expect(self, path: str) -> None:
+        """Refuse, naming the files that differ, when this machine's corpus is not the one the file list ``path``
+        holds (a published run's ``files.tsv``): before any tokenizing."""
+        here, there = self.file_list(), read_file_list(path)
+        if (mine := list_hash(here)) != (theirs := list_hash(there)):
+            raise ConfigError(f"{self.name} here (corpus hash {mine[:12]}) is not the corpus {path} lists (hash "
+                              f"{theirs[:12]}): {differences(here, there)}; install those versions (bash "
+                              "tools/install.sh) or drop --expect to prepare this machine's corpus")
 
     def work_items(self, split: str | None = None) -> list[tuple[tuple[str, str], ...]]:
         items, run, size = [], [], 0
@@ -245,9 +269,68 @@ class PythonCodeSource:
                 "py_files": sum(d["py_files"] for d in scan["distributions"]),
                 "documents": {split: len(docs) for split, docs in scan["kept"].items()},
                 "bytes": {split: sum(n for *_, n in docs) for split, docs in scan["kept"].items()},
-                "dropped": {**scan["dropped"], "editable": len(self.generated),
+                "dropped": {**scan["dropped"], "editable": len(self.generated), "scripts": len(self.scripts),
                             **({"unowned": len(self.unowned)} if self.unowned is not None else {})},
                 "distributions": scan["distributions"]}
+
+
+class FileRow(NamedTuple):
+    """One kept file of the corpus, named as on every machine: by its distribution and its path in its folder."""
+    split: str
+    distribution: str
+    version: str
+    path: str
+    bytes: int
+    sha256: str
+
+
+FILE_LIST_HEADER = "\t".join(FileRow._fields)
+
+
+def write_file_list(rows: list[FileRow], path: str) -> None:
+    """The corpus's files in corpus order, one tab-separated row each: what two machines compare when their corpus
+    hashes differ."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(FILE_LIST_HEADER + "\n" + "".join("\t".join(map(str, row)) + "\n" for row in rows))
+
+
+def read_file_list(path: str) -> list[FileRow]:
+    with open(path, encoding="utf-8") as f:
+        header, *lines = f.read().splitlines()
+    if header != FILE_LIST_HEADER:
+        raise ConfigError(f"{path} is not a corpus file list (its first line is {header[:60]!r}, not "
+                          f"{FILE_LIST_HEADER!r}); give the {FILE_LIST} of a prepared python-code folder")
+    rows = [line.split("\t") for line in lines]
+    return [FileRow(split, dist, version, rel, int(size), digest) for split, dist, version, rel, size, digest in rows]
+
+
+def list_hash(rows: list[FileRow]) -> str:
+    """The corpus hash of a file list: the same sum the scan takes over the same files."""
+    return hashlib.sha256("".join(f"{row.split} {row.sha256}\n" for row in rows).encode()).hexdigest()
+
+
+def differences(here: list[FileRow], there: list[FileRow], limit: int = 3) -> str:
+    """The files that differ between two lists, in a few words: those changed (content or split), those only here
+    and those only there."""
+    mine = {(r.distribution, r.path): r for r in here}
+    theirs = {(r.distribution, r.path): r for r in there}
+
+    def named(rows: list[FileRow], detail=lambda row: "") -> str:
+        shown = "; ".join(f"{r.distribution} {r.version} {r.path}{detail(r)}" for r in rows[:limit])
+        return shown + (f"; and {len(rows) - limit} more" if len(rows) > limit else "")
+
+    def there_too(row: FileRow) -> str:
+        other = theirs[row.distribution, row.path]
+        return f": {row.bytes} bytes here, {other.bytes} there" + (
+            f" ({other.version})" if other.version != row.version else "")
+
+    changed = [r for k, r in mine.items() if k in theirs and (r.split, r.sha256) != (theirs[k].split, theirs[k].sha256)]
+    only_here = [r for k, r in mine.items() if k not in theirs]
+    only_there = [r for k, r in theirs.items() if k not in mine]
+    parts = [f"{len(rows)} {what} ({named(rows, how)})" for rows, what, how in (
+        (changed, "changed", there_too), (only_here, "only here", lambda r: ""),
+        (only_there, "only there", lambda r: "")) if rows]
+    return ", ".join(parts) or "the same files in another order"
 
 
 def _utf8(data: bytes) -> bool:
