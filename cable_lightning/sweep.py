@@ -142,7 +142,9 @@ def commands(args) -> list[tuple[str, list[str]]]:
     return runs
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The sweep's settings from its command line (errors in one line, before any run), as :func:`commands` takes
+    them."""
     parser = ArgumentParser(prog="python -m cable_lightning sweep", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
@@ -180,6 +182,11 @@ def main(argv=None):
             parser.error(f"--stage {args.stage} takes the runs as the config trains them (the first "
                          "--retrieval_lengths is their training length): no --train_lengths or --lrs"
                          + (", and no overrides: they train nothing" if args.stage == "retrieval" else ""))
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     runs = commands(args)
     if args.print_only:
         print("\n".join(shlex.join(cmd) for _, cmd in runs))

@@ -318,6 +318,37 @@ def ratio_tokens_figure(tables: dict[int, tuple], mode: str, path: str) -> bool:
     return True
 
 
+def summary(ppl: Table, ratio: Table, train_length: int) -> str:
+    """The headline form of a length table: one row per encoding, ranked by its ratio at the longest length, with its
+    perplexity at 1x, 4x, 16x ... of the training length (and the longest) and that ratio; bold as in the full tables
+    (the best of a column and every encoding a paired test does not separate from it)."""
+    lengths = {label: cells for label, *cells in ppl[1]}
+    ratios = {label: cells for label, *cells in ratio[1]}
+    longest = max(ratios)
+    shown = [n for n in lengths if n == longest or (n % train_length == 0 and _power_of_4(n // train_length))]
+    picked = [(lengths[n], f"{format_length_ratio(n, train_length)} ({n})", 2) for n in shown]
+    picked.append((ratios[longest], f"ppl({format_length_ratio(longest, train_length)}) / ppl(1x)", 3))
+    texts = []
+    for cells, _, digits in picked:
+        marked = best_columns(cells)
+        texts.append([("**{}**" if i in marked else "{}").format(format_cell(c.estimate() if c else None, digits))
+                      for i, c in enumerate(cells)])
+    last = ratios[longest]
+    order = sorted(range(len(ppl[0])), key=lambda i: (last[i] is None or last[i].estimate() is None,
+                                                       last[i].estimate().mean if last[i] and last[i].estimate()
+                                                       else 0.0))
+    return markdown_table(["encoding", *(header for _, header, _ in picked)],
+                          [[ppl[0][i], *(column[i] for column in texts)] for i in order])
+
+
+def _power_of_4(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
+
+
+def format_length_ratio(length: int, train_length: int) -> str:
+    return f"{length // train_length}x" if length % train_length == 0 else f"{length / train_length:.2g}x"
+
+
 def annotated(table: Table, best=min, digits: int = 2) -> str:
     """A table in Markdown with its notes: what the intervals and bold mean, and each row's ranking with the paired
     test between neighbours."""
@@ -455,12 +486,13 @@ def loss_curves_figure(curves: dict[str, dict[str, dict[int, list[float]]]], pat
     plt.close(fig)
 
 
-def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> dict[str, str]:
+def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, figures: bool = True) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png, <out>_<mode>_training.png and <out>_<mode>_ratio_tokens.png for each window
     mode present, and
     <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows, and
     <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's; returns
-    {mode, "position", "task <name>", "effective length" or "runs behind their other seeds": markdown}."""
+    {mode, "<mode> summary", "position", "task <name>", "effective length" or "runs behind their other seeds":
+    markdown}. ``figures=False`` draws no figure (the tables alone, as the published-tables test builds them)."""
     files = find_records(paths)
     runs = rows_by_step(files)
     rows = latest_step(runs)
@@ -482,10 +514,13 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
         write_table(f"{out}_{mode}", tables[mode], ppl, "ppl")
         if ratio[1]:
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
-        plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
-        over_training = step_tables(runs, mode)
-        training_figure(over_training, mode, f"{out}_{mode}_training.png")
-        ratio_tokens_figure(over_training, mode, f"{out}_{mode}_ratio_tokens.png")
+            if len(trained := {r.train_length for r in rows if r.mode == mode}) == 1 and ppl[0] == ratio[0]:
+                tables[f"{mode} summary"] = write_table(f"{out}_{mode}_summary", summary(ppl, ratio, *trained))
+        if figures:
+            plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
+            over_training = step_tables(runs, mode)
+            training_figure(over_training, mode, f"{out}_{mode}_training.png")
+            ratio_tokens_figure(over_training, mode, f"{out}_{mode}_ratio_tokens.png")
     found = find_records(paths, PositionRecord.FILE, required=False)
     if found:
         table = position_table(latest_rows(found, PositionRecord, lambda r: (r.length, r.first_position)))
@@ -521,14 +556,15 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD) -> 
     for dataset in sorted({r.dataset for r in retrieval_rows}):
         text, table = retrieval_tables([r for r in retrieval_rows if r.dataset == dataset])
         tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", text, table, "ndcg10")
-        plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
-             "nDCG@10 (x100)", log_y=False)
+        if figures:
+            plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
+                 "nDCG@10 (x100)", log_y=False)
     found = find_records(paths, ThroughputRecord.FILE, required=False)
     if found:
         tables["speed"] = write_table(f"{out}_speed", speed_table(latest_rows(found, ThroughputRecord,
                                                                               lambda r: r.machine)))
     curves = loss_curves(paths)
-    if curves:
+    if curves and figures:
         loss_curves_figure(curves, f"{out}_loss_curves.png")
     tables.update(diagnostics_report(paths, out))  # attention.jsonl, long_context.jsonl: docs/diagnostics.md
     behind = behind_their_seeds(task_runs)  # an algorithmic run's key names its task; its length rows' key does not

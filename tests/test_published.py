@@ -1,0 +1,169 @@
+"""Every published table is what ``report`` makes of its committed records, and every published command trains the
+recipe its records were trained with.
+
+A table in README.md or docs/ is published from records when it sits between ``<!-- report: FOLDER BLOCK -->`` and
+``<!-- /report -->``: FOLDER is docs/records/FOLDER, BLOCK the name of one of ``report``'s tables (the ``## BLOCK``
+headings it prints). A command is published for FOLDER by ``<!-- command: FOLDER -->`` before a ```` ```bash ````
+block holding its ``python -m cable_lightning sweep`` line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import os
+import re
+import shlex
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDS = os.path.join(ROOT, "docs", "records")
+TABLE = re.compile(r"<!-- report: (\S+) (.+?) -->\n(.*?)\n<!-- /report -->", re.S)
+COMMAND = re.compile(r"<!-- command: (\S+) -->\n```bash\n(.*?)```", re.S)
+# Filled in by the fit itself from the settings compared here (the run folder, the logger, the validation interval
+# from the checkpoint interval), or the sweep's own resume flag: not part of a recipe.
+AT_RUN_TIME = ("checkpoint.dirpath", "ckpt_path", "trainer.logger", "trainer.val_check_interval",
+               "trainer.check_val_every_n_epoch")
+
+
+def published_files() -> list[str]:
+    return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                              recursive=True))]
+
+
+def marks(pattern: re.Pattern) -> list[tuple[str, tuple[str, ...]]]:
+    found = []
+    for path in published_files():
+        with open(path, encoding="utf-8") as f:
+            found += [(os.path.relpath(path, ROOT), m.groups()) for m in pattern.finditer(f.read())]
+    return found
+
+
+def records_folders() -> list[str]:
+    return sorted(d for d in os.listdir(RECORDS) if os.path.isdir(os.path.join(RECORDS, d)))
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Each records folder's tables, built once (no figures)."""
+    from cable_lightning.eval.report import report
+
+    out = tmp_path_factory.mktemp("reports")
+    return {folder: report([os.path.join(RECORDS, folder)], str(out / folder), figures=False)
+            for folder in {folder for _, (folder, *_) in marks(TABLE)}}
+
+
+def test_every_published_table_is_what_report_makes_of_its_records(reports):
+    tables = marks(TABLE)
+    assert tables, "no table in README.md or docs/ is marked as published from records"
+    for where, (folder, block, text) in tables:
+        assert os.path.isdir(os.path.join(RECORDS, folder)), f"{where}: no records folder docs/records/{folder}"
+        made = reports[folder]
+        assert block in made, f"{where}: report makes no table {block!r} of docs/records/{folder} ({sorted(made)})"
+        assert text.strip() == made[block].strip(), (
+            f"{where}: the table {block!r} differs from what `python -m cable_lightning report docs/records/{folder}` "
+            f"makes of its records; paste its output again")
+
+
+def test_every_records_folder_backs_a_published_table_and_names_its_command():
+    tabled = {folder for _, (folder, *_) in marks(TABLE)}
+    commanded = {folder for _, (folder, _) in marks(COMMAND)}
+    for folder in records_folders():
+        assert folder in tabled, f"docs/records/{folder} backs no published table (no <!-- report: {folder} ... -->)"
+        assert folder in commanded, f"docs/records/{folder} has no published command (<!-- command: {folder} -->)"
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def recipe(config: dict) -> dict:
+    return {k: v for k, v in flat(config).items() if not k.startswith(AT_RUN_TIME)}
+
+
+def resolved(fit: list[str]) -> dict:
+    """The config a fit command would train with, resolved by the fit's own parser (nothing built)."""
+    from cable_lightning.cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit):
+        main(fit + ["--print_config"])
+    return yaml.safe_load(printed.getvalue())
+
+
+def sweep_line(block: str) -> list[str]:
+    lines = block.replace("\\\n", " ").splitlines()
+    [line] = [line for line in lines if line.strip().startswith("python -m cable_lightning sweep")]
+    return shlex.split(line)[4:]
+
+
+def drift(sweep: list[str], records: str) -> list[str]:
+    """What a published sweep would train differently from its records: a line per run whose resolved config differs
+    (naming the settings), lacks records, or has records the command does not train."""
+    from cable_lightning import sweep as sweeps
+
+    found = {}
+    for path in glob.glob(os.path.join(records, "**", "config.yaml"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+        found[os.path.dirname(config["checkpoint"]["dirpath"])] = (os.path.relpath(path, ROOT), config)
+    if "--stage" in sweep:  # the fits alone: a retrieval stage trains no weights of the run (and needs its set)
+        sweep = [*sweep[:sweep.index("--stage")], "--stage", "fit", *sweep[sweep.index("--stage") + 2:]]
+    lines = []
+    for _, cmd in sweeps.commands(sweeps.parse_args(sweep)):
+        config = resolved(cmd[cmd.index("fit"):])
+        from jsonargparse import dict_to_namespace
+
+        from cable_lightning.run_setup import run_folder
+
+        run = run_folder(dict_to_namespace(config))
+        if run not in found:
+            lines.append(f"{run}: the command trains it, and no records hold it")
+            continue
+        where, kept = found.pop(run)
+        theirs, mine = recipe(kept), recipe(config)
+        differ = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
+        if differ:
+            lines.append(f"{run}: " + ", ".join(f"{k} {mine.get(k)!r} (records, {where}: {theirs.get(k)!r})"
+                                                 for k in differ))
+    lines += [f"{run}: its records ({where}) are of a run the command does not train"
+              for run, (where, _) in found.items()]
+    return lines
+
+
+def test_every_published_command_trains_its_records_recipe():
+    commands = marks(COMMAND)
+    assert commands
+    for where, (folder, block) in commands:
+        problems = drift(sweep_line(block), os.path.join(RECORDS, folder))
+        assert not problems, f"{where}: the published command for docs/records/{folder} drifted: {problems}"
+
+
+def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
+    """The nine-encoding table's case: its records trained in fp32, and the quickstart config it names became
+    bf16-mixed: the command as written trains another recipe, and the comparison names the setting."""
+    sweep = ["--config", "configs/code_long.yaml", "--experiment", "code-long", "--pes", "cable", "--seeds", "0"]
+    kept = os.path.join(tmp_path, "cable", "seed0")
+    os.makedirs(kept)
+    with contextlib.chdir(ROOT):
+        config = resolved(["fit", "--config", "configs/code_long.yaml", "--experiment", "code-long",
+                           "--seed_everything", "0", "--folder_per_seed", "true"])
+        config["checkpoint"]["dirpath"] = "runs/code-long/cable/seed0/checkpoints"
+        with open(os.path.join(kept, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f)
+        assert drift(sweep, str(tmp_path)) == []
+        config["trainer"]["precision"] = "32-true"
+        with open(os.path.join(kept, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f)
+        [line] = drift(sweep, str(tmp_path))
+    assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
+        line.endswith(": '32-true')"), line
