@@ -167,3 +167,17 @@ def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
         [line] = drift(sweep, str(tmp_path))
     assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
         line.endswith(": '32-true')"), line
+
+
+def test_the_512_token_long_table_differs_from_the_128_token_one_in_its_length_alone():
+    """The training-length comparison holds everything else fixed: the same model, schedule, precision, corpus and
+    held-out tokens, and the same tokens a step (16 x 128 = 4 x 512), evaluated at the same multiples."""
+    with contextlib.chdir(ROOT):
+        short = recipe(resolved(["fit", "--config", "configs/code_long.yaml"]))
+        long = recipe(resolved(["fit", "--config", "configs/code_long.yaml", "--config", "configs/code_long_512.yaml"]))
+    differ = {k for k in short.keys() | long.keys() if short.get(k) != long.get(k)}
+    assert differ == {"experiment", "data.block_size", "data.micro_batch_size", "data.eval_lengths"}, differ
+    assert short["data.block_size"] * short["data.micro_batch_size"] == long["data.block_size"] * \
+        long["data.micro_batch_size"]
+    assert [n // short["data.block_size"] for n in short["data.eval_lengths"]] == \
+        [n // long["data.block_size"] for n in long["data.eval_lengths"]]
