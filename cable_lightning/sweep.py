@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -142,6 +143,30 @@ def commands(args) -> list[tuple[str, list[str]]]:
     return runs
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def run_passing_signals(cmd: list[str]) -> tuple[int, int | None]:
+    """Runs ``cmd`` in a process group of its own and passes it every SIGINT or SIGTERM the sweep gets, so a Ctrl-C at
+    the terminal (which signals only the foreground group, the sweep's) or a SIGTERM to the sweep reaches the fit
+    once, and the fit saves its step as a fit stopped on its own does; returns its exit status and the first signal
+    passed on (None without one)."""
+    child = subprocess.Popen(cmd, process_group=0)
+    passed: list[int] = []
+
+    def pass_on(signum, frame):
+        passed.append(signum)
+        child.send_signal(signum)  # a second Ctrl-C too: the fit then stops at once, as its own second Ctrl-C does
+
+    previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
+    try:
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return status, passed[0] if passed else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The sweep's settings from its command line (errors in one line, before any run), as :func:`commands` takes
     them."""
@@ -193,7 +218,13 @@ def main(argv=None):
         return
     for _, cmd in runs:
         print("+", shlex.join(cmd), flush=True)
-        if (status := subprocess.run(cmd).returncode) != 0:
+        status, stopped = run_passing_signals(cmd)
+        if stopped is not None:
+            print(f"error: the sweep was stopped by {signal.Signals(stopped).name}, and so was its run `"
+                  f"{shlex.join(cmd[1:])}` (exit status {status}, its last step saved where it says above); run the "
+                  "same sweep again to continue", file=sys.stderr, flush=True)
+            sys.exit(status if status > 128 else 128 + stopped)
+        if status != 0:
             raise RunFailedError(f"the run `{shlex.join(cmd[1:])}` ended with exit status {status} (its error is "
                                  "above); running the sweep again continues it")
     out = args.report or f"{args.runs_dir}/{args.experiment}/report"

@@ -48,6 +48,26 @@ class SigtermAt(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.signame))
 
 
+class SignalSweepAt(L.Callback):
+    """Signals the sweep that started this fit as the batch after optimizer step ``step`` starts: ``group``, its
+    process group, as a Ctrl-C at the terminal signals the foreground group; else its pid alone, as ``kill`` does."""
+
+    def __init__(self, step: int, signame: str = "SIGINT", group: bool = True):
+        self.step, self.signame, self.group, self.sent = step, signame, group, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent:
+            import os
+            import signal
+
+            self.sent = True
+            signum = getattr(signal, self.signame)
+            if self.group:
+                os.killpg(os.getpgid(os.getppid()), signum)
+            else:
+                os.kill(os.getppid(), signum)
+
+
 class NanGradientsAt(L.Callback):
     """Makes the gradients of optimizer step ``step`` NaN, as a diverging update would."""
 

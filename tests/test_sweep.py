@@ -1,9 +1,14 @@
 """The sweep verb (sweep.py): one command per encoding, seed, length and learning rate, printed or run."""
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 import yaml
+from conftest import ROOT, TESTS, args, checkpoints
 
 from cable_lightning import sweep
 from cable_lightning.cli import main
@@ -39,3 +44,34 @@ def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
                     "--retrieval_lengths", "64", "--print_only"])
     assert f"--stage retrieval needs --retrieval_set, a folder from python -m cable_lightning retrieval-set; " \
            f"got '{tmp_path}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signame, group, status", [("SIGINT", True, 130), ("SIGTERM", False, 143)])
+def test_a_stopped_sweep_saves_its_fits_step_and_the_same_sweep_continues(tiny_corpus_dir, tmp_path, signame, group,
+                                                                         status):
+    """A Ctrl-C at the terminal (SIGINT to the sweep's process group) or a SIGTERM to the sweep's pid alone reaches the
+    running fit once: it saves last.ckpt one step after the signal (no periodic checkpoint before the end), the sweep
+    exits with the fit's status and one line, and the same sweep again finishes the run (checked after Ctrl-C)."""
+    base = tmp_path / "base.yaml"
+    base.write_text("trainer:\n  accelerator: cpu\n")
+    runs = str(tmp_path / "runs")
+    sweep = [sys.executable, "-m", "cable_lightning", "sweep", "--config", str(base), "--pes", "cable",
+             "--experiment", "test", "--runs_dir", runs, "--",
+             *args(tiny_corpus_dir, runs, steps=8, every=100)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "OMP_NUM_THREADS": "1"}
+    signalled = ["--trainer.callbacks+=recorders.SignalSweepAt", "--trainer.callbacks.step=3",
+                 f"--trainer.callbacks.signame={signame}", f"--trainer.callbacks.group={str(group).lower()}"]
+    done = subprocess.run(sweep + signalled, env=env, capture_output=True, text=True, timeout=300,
+                          start_new_session=True)  # its own process group, as a terminal's foreground job
+    assert done.returncode == status, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the sweep was stopped by {signame}, and so was its run "), last
+    assert f"(exit status {status}," in last and "Traceback" not in done.stderr
+    saved = os.path.join(checkpoints(runs, "cable"), "last.ckpt")
+    # the signal arrives in step 4; the fit saves at the end of the step after it (PreemptionCheckpoint)
+    assert torch.load(saved, weights_only=True)["global_step"] == 5
+    if signame == "SIGTERM":
+        return  # continuing is the same after either signal: once is enough
+    again = subprocess.run(sweep, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert torch.load(saved, weights_only=True)["global_step"] == 8
