@@ -39,6 +39,7 @@ class RunKey(NamedTuple):
     corpus: Optional[str]
     recipe: Optional[str]
     task: Optional[str] = None
+    settings: Optional[str] = None  # the weight-defining settings besides the shape (sorted JSON; Record.settings)
 
     def describe(self) -> str:
         """The run as a line of text names it."""
@@ -67,6 +68,7 @@ class RunContext:
     corpus_hash: Optional[str]
     recipe: Optional[dict]
     machine: Optional[str]
+    settings: Optional[dict] = None
 
     def keys(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self)]
@@ -102,6 +104,10 @@ class Record:
     corpus_hash: Optional[str] = None
     recipe: Optional[dict] = None
     machine: Optional[str] = None
+    # Every setting that defines the weights or their training besides the encoding's name and the recipe: the
+    # backbone's and the encoding's own (``pos_encoding.base``, ``pos_encoding.bias_activation``, ``mlp_ratio``) and
+    # dropout (None in rows an earlier version wrote): two runs that differ here are two runs, two columns
+    settings: Optional[dict] = None
 
     def run_name(self) -> str:
         """The encoding's label, with what training saw when it was not packed contiguous blocks (``[docs-train]``)
@@ -113,7 +119,9 @@ class Record:
     def run_key(self) -> RunKey:
         """What makes a run (:class:`RunKey`)."""
         recipe = None if self.recipe is None else json.dumps(self.recipe, sort_keys=True)
-        return RunKey(self.run_name(), self.train_length, self.run_seed, self.lr, self.model, self.corpus_hash, recipe)
+        settings = None if self.settings is None else json.dumps(self.settings, sort_keys=True)
+        return RunKey(self.run_name(), self.train_length, self.run_seed, self.lr, self.model, self.corpus_hash, recipe,
+                      settings=settings)
 
     def out_of_range(self) -> Optional[str]:
         """What is wrong with a row read back (a number outside what it measures), or None."""
@@ -423,7 +431,7 @@ def one_column(rows: Iterable[Record]) -> Optional[str]:
     found: dict[RunKey, set[RunKey]] = {}
     for r in rows:
         key = r.run_key()
-        found.setdefault(key._replace(corpus=None, recipe=None), set()).add(key)
+        found.setdefault(key._replace(corpus=None, recipe=None, settings=None), set()).add(key)
     for shared, keys in sorted(found.items(), key=str):
         if len(keys) < 2:
             continue
@@ -438,26 +446,49 @@ def one_column(rows: Iterable[Record]) -> Optional[str]:
                      for name in settings if len({json.dumps((recipe or {}).get(name)) for recipe in recipes}) > 1]
             differ.append("recipe (" + ", ".join(named) + ")" if None not in recipes
                           else "recipe (recorded vs none recorded)")
+        if None in {key.settings for key in keys} and len({key.settings for key in keys}) > 1:
+            differ.append("settings (recorded vs none recorded)")
+        if not differ:
+            continue  # both record their settings, and those differ: two columns (run_column names them)
         return (f"{shared.describe()} is {len(keys)} runs that differ in {'; '.join(differ)}: one table would show one "
                 "of them as that run; report them apart")
     return None
 
 
-def differing(rows: Iterable[Record]) -> tuple[bool, bool, bool]:
-    """Whether the rows' runs differ in training length, in learning rate and in backbone (then report columns name
-    what differs, :func:`run_column`). A row written before runs carried their rate or backbone (None) differs from
-    none: it joins the runs that name one."""
+class Differences(NamedTuple):
+    """What a report's runs differ in, so that its columns name it (:func:`run_column`): training length, learning rate,
+    backbone, and per encoding the settings (of :attr:`Record.settings`) whose values its runs do not share."""
+
+    length: bool
+    lr: bool
+    model: bool
+    settings: dict[str, tuple[str, ...]]
+
+
+def differing(rows: Iterable[Record]) -> Differences:
+    """What the rows' runs differ in (:class:`Differences`). A row written before runs carried their rate, backbone or
+    settings (None) differs from none: it joins the runs that name one."""
     rows = list(rows)
-    return (len({r.train_length for r in rows}) > 1, len({r.lr for r in rows if r.lr is not None}) > 1,
-            len({r.model for r in rows if r.model is not None}) > 1)
+    values: dict[str, dict[str, set[str]]] = {}
+    for r in rows:
+        for name, value in (r.settings or {}).items():
+            values.setdefault(r.run_name(), {}).setdefault(name, set()).add(json.dumps(value, sort_keys=True))
+    settings = {run: tuple(sorted(n for n, seen in named.items() if len(seen) > 1)) for run, named in values.items()}
+    return Differences(len({r.train_length for r in rows}) > 1, len({r.lr for r in rows if r.lr is not None}) > 1,
+                       len({r.model for r in rows if r.model is not None}) > 1,
+                       {run: names for run, names in settings.items() if names})
 
 
-def run_column(row: Record, differ: tuple[bool, bool, bool], with_lr: bool = True) -> str:
+def run_column(row: Record, differ: Differences, with_lr: bool = True) -> str:
     """A run's report column: its encoding's :meth:`Record.run_name`, with what the report's runs differ in
-    (:func:`differing`): ``cable@512``, ``cable (decoder L12-D768-H12)``, ``cable lr=0.0003``."""
-    name = f"{row.run_name()}@{row.train_length}" if differ[0] else row.run_name()
-    name += f" ({row.model})" if differ[2] and row.model else ""
-    return f"{name} lr={row.lr:g}" if with_lr and differ[1] and row.lr is not None else name
+    (:func:`differing`): ``cable@512``, ``cable (decoder L12-D768-H12)``, ``cable lr=0.0003``,
+    ``cable bias_activation=softplus``."""
+    name = f"{row.run_name()}@{row.train_length}" if differ.length else row.run_name()
+    name += f" ({row.model})" if differ.model and row.model else ""
+    for setting in differ.settings.get(row.run_name(), ()):
+        if row.settings and setting in row.settings:
+            name += f" {setting.removeprefix('pos_encoding.')}={row.settings[setting]}"
+    return f"{name} lr={row.lr:g}" if with_lr and differ.lr and row.lr is not None else name
 
 
 def format_value(value: float, digits: int = 2) -> str:

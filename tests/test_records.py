@@ -5,7 +5,7 @@ import glob
 import json
 
 import pytest
-from conftest import ROW, one_error_line
+from conftest import ROW, args, one_error_line
 
 from cable_lightning.__main__ import main as verb_main
 from cable_lightning.errors import ConfigError
@@ -82,3 +82,31 @@ def test_records_round_trip_through_the_one_writer_and_reader(tmp_path):
                                                     "mode": "nonoverlap", "ppl": 40.0, "retired": 1}) + "\n")
     [old] = read_records(str(tmp_path / "old.jsonl"), LengthRecord)
     assert (old.pe, old.ppl, old.stage, old.checkpoint) == ("rope", 40.0, "fit", None)
+
+
+def test_two_trained_runs_that_differ_in_an_encoding_setting_are_two_report_columns(tiny_corpus_dir, tmp_path):
+    """Two fits that differ only in CABLE's bias_activation shared one run key, and report kept one column of them
+    (the later-read run's) without a word: the key holds every weight-defining setting, so they are two columns, each
+    named by the difference. A row written before records held settings and a run that records them, otherwise the
+    same run, would be one column and seed: refused, naming it."""
+    from cable_lightning.cli import main
+    from cable_lightning.eval.report import build_table, latest_rows
+    from cable_lightning.records import find_records, incomparable
+
+    folders = []
+    for activation in ("relu", "softplus"):
+        runs = str(tmp_path / activation)
+        main(["fit", *args(tiny_corpus_dir, runs, steps=2, every=2),
+              "--model.init_args.backbone.pos_encoding.bias_activation", activation])
+        folders.append(runs)
+    rows = latest_rows(find_records(folders))
+    assert incomparable(rows) is None
+    columns, table = build_table(rows, "nonoverlap")
+    assert columns == ["cable bias_activation=relu", "cable bias_activation=softplus"]
+    relu, softplus = (table[0][1].values[7], table[0][2].values[7])
+    assert relu != softplus  # two runs' numbers, not one run's twice
+    settings = {r.settings["pos_encoding.bias_activation"] for r in rows}
+    assert settings == {"relu", "softplus"} and all(r.settings["dropout"] == 0.0 for r in rows)
+    earlier = LengthRecord(**{**vars(rows[0]), "settings": None})
+    problem = incomparable([rows[0], earlier])
+    assert problem is not None and "differ in settings (recorded vs none recorded)" in problem, problem

@@ -373,7 +373,13 @@ class LanguageModel(L.LightningModule):
                           layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
                           checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr, model=self.config.shape(),
                           corpus_hash=data.corpus_hash() if hasattr(data, "corpus_hash") else None, recipe=recipe,
-                          machine=device_name(self.device))
+                          machine=device_name(self.device), settings=self.run_settings())
+
+    def run_settings(self) -> dict:
+        """The settings a record's run key holds besides the encoding's name (:attr:`records.Record.settings`): what
+        defines the weights (the backbone's shape and the encoding's own settings) and dropout."""
+        settings = {k: v for k, v in self.config.weight_settings().items() if k != "pos_encoding"}
+        return settings | {"dropout": self.config.dropout}
 
     def recipe(self) -> Optional[dict]:
         """The settings that define this fit's training besides those a record's run key holds (encoding, training
