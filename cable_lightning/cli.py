@@ -45,6 +45,7 @@ from .lit.checkpoint_format import checkpoint_settings
 from .lit.resume import (
     RunCheckpoint,
     check_before_building,
+    check_same_recipe,
     evaluated_as_trained,
     finished_run,
     unkeepable_batch,
@@ -107,9 +108,12 @@ class CableCLI(LightningCLI):
             layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
                                           config.data.get("tasks"), subcommand, shown_name(path), named)
             config.data.layout = Namespace(**layout.as_dict())
-        if model is not None:  # the same model, length and data, before anything is built or prepared
-            check_before_building(read_checkpoint(path, mmap=True), configured_backbone(config), config.get("data"),
-                                  subcommand, shown_name(path))
+        if model is not None:  # the same model, length, data and recipe, before anything is built or prepared
+            checkpoint = read_checkpoint(path, mmap=True)
+            check_before_building(checkpoint, configured_backbone(config), config.get("data"), subcommand,
+                                  shown_name(path))
+            if subcommand == "fit":
+                check_same_recipe(checkpoint, config, shown_name(path))
         config.ckpt_path = path
 
     def add_arguments_to_parser(self, parser):

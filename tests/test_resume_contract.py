@@ -217,6 +217,25 @@ def test_a_resume_under_another_task_is_refused_before_anything_is_built(stopped
     assert sorted(os.listdir(run)) == listed
 
 
+@pytest.mark.parametrize("change, named", [
+    (["--model.init_args.lr", "1e-3"], "model.init_args.lr (checkpoint 0.0006, configured 0.001)"),
+    (["--model.init_args.warmup_steps", "5"], "model.init_args.warmup_steps (checkpoint 2, configured 5)"),
+    (["--trainer.precision", "bf16-mixed"], "trainer.precision (checkpoint '32-true', configured 'bf16-mixed')"),
+])
+def test_a_resume_that_changes_the_recipe_is_refused_before_anything_is_built(stopped_run, capsys, change, named):
+    """A run resumed with another learning rate trained on without a word, and report then showed `cable lr=0.001`
+    beside `cable lr=0.0006` with a paired test between one run's later evaluation and its own earlier one; a
+    precision change did the same. A longer max_steps is how a run trains on: it resumes."""
+    data, runs, run, listed = stopped_run
+    ckpt = os.path.join(run, "checkpoints", "last.ckpt")
+    line = user_error_line(capsys, ["fit", *args(data, runs, steps=2, every=1), "--ckpt_path", "last", *change])
+    assert line.startswith(f"error: {ckpt} was trained by another recipe than this resume gives: {named}; "), line
+    assert line.endswith(f"(--model.init_args.init_weights {ckpt}, another --experiment)")
+    assert sorted(os.listdir(run)) == listed
+    resumed = main(["fit", *args(data, runs, steps=2, every=1), "--ckpt_path", "last", "--trainer.precision", "32"])
+    assert resumed.trainer.global_step == 2  # "32" is the checkpoint's 32-true
+
+
 def test_validate_under_other_model_settings_is_refused_before_its_corpus_is_prepared(stopped_run, tiny_corpus_docs,
                                                                                       tmp_path, capsys):
     """It prepared a whole corpus first, then refused, and left an empty run folder."""

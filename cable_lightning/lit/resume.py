@@ -5,16 +5,17 @@ what it refuses, what it carries over, and which checkpoints a run writes.
   its global batch (processes x micro-batch x block x accumulation) and its data (:func:`run_data`: the data folder,
   the corpus's content hash, the tasks), beside Lightning's weights, optimizer, schedule, loop counters and stream
   position.
-- **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining
-  settings, tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from
-  another training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
-  (:func:`check_same_training`), another data folder, corpus or task on resume and another corpus in validate and
-  test (:func:`check_same_data`), a world size and micro-batch that cannot make the checkpoint's global batch
-  (:func:`unkeepable_batch`, before any step); in validate and test, another data.layout, or a task that weights
-  trained on tasks alone were not trained on (:func:`evaluated_as_trained`). What the parsed command line already
-  tells (the model, the training length, the data folder and tasks, the corpus of a folder prepared already) is
-  checked before anything is built or prepared (:func:`check_before_building`); the corpus of a folder prepared
-  first by this run, once it is prepared.
+- **Refused**, one line naming each setting with both values and how to go on: another model (weight-defining settings,
+  tokenizer, training length: :func:`check_same_model`, :func:`check_same_length`), initial weights from another
+  training length without saying so (:func:`check_lineage`), another data.layout or global batch on resume
+  (:func:`check_same_training`), another recipe on resume (learning rate, warm-up, floor, optimizer, clipping,
+  precision: :func:`check_same_recipe`; a longer max_steps trains on), another data folder, corpus or task on resume and
+  another corpus in validate and test (:func:`check_same_data`), a world size and micro-batch that cannot make the
+  checkpoint's global batch (:func:`unkeepable_batch`, before any step); in validate and test, another data.layout, or a
+  task that weights trained on tasks alone were not trained on (:func:`evaluated_as_trained`). What the parsed command
+  line already tells (the model, the training length, the data folder and tasks, the corpus of a folder prepared
+  already) is checked before anything is built or prepared (:func:`check_before_building`); the corpus of a folder
+  prepared first by this run, once it is prepared.
 - **May change**: evaluation settings, and the processes and micro-batch at the same global batch; the loop's
   micro-batch counters are then re-expressed in the new accumulation (:func:`carry_accumulation`), so the first
   resumed optimizer step trains on a whole global batch, and the run says so in one line.
@@ -162,6 +163,41 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
 
 
 SAME_MODEL = "; remove them from the command line and the config files to use the checkpoint's"
+# What a resume must keep, beside the model: the module's settings (hyper_parameters) and the trainer's (the recipe).
+RECIPE_HPARAMS = ("lr", "min_lr", "warmup_steps", "betas", "eps", "weight_decay")
+RECIPE_TRAINER = {"precision": "precision", "gradient_clip_val": "gradient_clip"}
+
+
+def check_same_recipe(checkpoint: dict, config, path: str) -> None:
+    """A resume continues one experiment: the learning rate, warm-up and floor, the optimizer's settings, clipping and
+    precision must be the checkpoint's, else its records would show one run's later evaluations as another run (a
+    learning-rate comparison between a run and itself). A longer ``max_steps`` is how a run trains on, and is kept.
+    Checked from the parsed command line (``config``, the fit's section), before anything is built."""
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    hparams, recipe = checkpoint.get("hyper_parameters") or {}, checkpoint.get("recipe") or {}
+    init = config.model.get("init_args") or {}
+    pairs = [(f"model.init_args.{name}", hparams.get(name), init.get(name)) for name in RECIPE_HPARAMS]
+    pairs += [(f"trainer.{name}", recipe.get(key), config.trainer.get(name)) for name, key in RECIPE_TRAINER.items()]
+
+    def same(name: str, saved, configured) -> bool:
+        if name == "trainer.precision":
+            unified = [_convert_precision_to_unified_args(p if p is not None else "32-true")  # Lightning's default
+                       for p in (saved, configured)]
+            return unified[0] == unified[1]
+        if isinstance(saved, (list, tuple)) or isinstance(configured, (list, tuple)):
+            return list(saved or ()) == list(configured or ())
+        return saved == configured
+
+    differ = [(name, saved, configured) for name, saved, configured in pairs
+              if saved is not None and not same(name, saved, configured)]
+    if differ:
+        raise ConfigError(f"{path} was trained by another recipe than this resume gives: "
+                          + ", ".join(f"{name} (checkpoint {saved!r}, configured {configured!r})"
+                                      for name, saved, configured in differ)
+                          + "; a resume continues its run by the same recipe (its later evaluations would be "
+                          "recorded as another run's); resume without them (the run's configs), or start a new run "
+                          f"from its weights (--model.init_args.init_weights {path}, another --experiment)")
 
 
 def check_same_model(checkpoint: dict, config: BackboneConfig, data_info, problem: str, advice: str) -> None:
