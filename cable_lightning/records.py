@@ -419,9 +419,8 @@ def incomparable(rows: Iterable[Record]) -> Optional[str]:
             twice = len({key._replace(recipe=None) for key in keys}) < len(keys)  # one run under two recipes
             return (f"these runs ({at}) were trained by different recipes, which one table cannot compare: "
                     + "; ".join(differ) + "; report them apart, or train them alike"
-                    + ("; a run named under two recipes was resumed with other settings (a longer "
-                       "trainer.max_steps): report the folder of its latest evaluation, or two lends' runs share "
-                       "its name: report each lend apart" if twice else ""))
+                    + ("; two runs of one name and seed, evaluated at the same steps, were trained by different "
+                       "recipes (two folders of one experiment): report each folder apart" if twice else ""))
     return one_column(every)
 
 
@@ -629,7 +628,30 @@ def rows_by_step(files: list[str], kind: type[Record] = LengthRecord,
     for file in files:
         for row in complete_records(file, kind):
             runs.setdefault(row.run_key(), {}).setdefault(row.step, {})[cell(row)] = row
-    return {run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()}
+    return trained_on({run: {step: list(rows.values()) for step, rows in steps.items()} for run, steps in runs.items()})
+
+
+def trained_on(runs: dict[RunKey, dict[int, list[Record]]]) -> dict[RunKey, dict[int, list[Record]]]:
+    """One run, under the key of its latest evaluation, for a run resumed with a longer ``max_steps`` (the ordinary
+    way to train on): its keys differ only in the recipe's steps, and each later key's evaluations all come after the
+    earlier's. Keys whose evaluations overlap are other runs, and stay apart (the report refuses to mix them)."""
+    def without_steps(key: RunKey) -> RunKey:
+        if key.recipe is None:
+            return key
+        return key._replace(recipe=json.dumps({k: v for k, v in json.loads(key.recipe).items() if k != "steps"},
+                                              sort_keys=True))
+
+    groups: dict[RunKey, list[RunKey]] = {}
+    for key in runs:
+        groups.setdefault(without_steps(key), []).append(key)
+    merged = {}
+    for keys in groups.values():
+        ordered = sorted(keys, key=lambda k: min(runs[k]))
+        if len(keys) > 1 and all(max(runs[a]) < min(runs[b]) for a, b in zip(ordered, ordered[1:])):
+            merged[ordered[-1]] = {step: rows for key in ordered for step, rows in runs[key].items()}
+        else:
+            merged |= {key: runs[key] for key in keys}
+    return merged
 
 
 def latest_step(runs: dict[tuple, dict[int, list[Record]]]) -> list[Record]:

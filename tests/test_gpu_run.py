@@ -98,9 +98,8 @@ def test_gpu_run_script_rehearsed_on_cpu(tmp_path):
     (("2" * 64, RECIPE), "different corpora, which one table cannot compare: corpus 111111111111: cable@1024 seed 0; "
                          "corpus 222222222222: cable@1024 seed 0"),
     (("1" * 64, {**RECIPE, "steps": 500}), "steps 1000 (cable@1024 seed 0) vs 500 (cable@1024 seed 0); report them "
-                                           "apart, or train them alike; a run named under two recipes was resumed "
-                                           "with other settings (a longer trainer.max_steps): report the folder of "
-                                           "its latest evaluation, or two lends' runs share its name"),
+                                           "apart, or train them alike; two runs of one name and seed, evaluated at "
+                                           "the same steps, were trained by different recipes"),
     ((None, None), "cable (training length 1024, seed 0) is 2 runs that differ in corpus 111111111111 vs none "
                    "recorded; recipe (recorded vs none recorded): one table would show one of them as that run"),
 ], ids=["corpus", "recipe", "unrecorded"])

@@ -202,3 +202,28 @@ def test_a_contrastive_loss_curve_without_its_export_config_is_left_out_with_a_n
     (run / LossPoint.FILE).write_text('{"step": 1, "loss": 2.5}\n')
     assert report.loss_curves([str(run)]) == {}
     assert f"{run / LossPoint.FILE}: no export's config.json beside it" in capsys.readouterr().err
+
+
+def test_a_run_trained_on_with_a_longer_max_steps_is_one_run_at_its_latest_evaluation(tmp_path):
+    """The ordinary resume, training on with a longer max_steps, made report refuse the whole folder (its evaluations
+    named two recipes): it is one run, counted at its latest evaluation, and the report says it was trained on. Two
+    runs whose evaluations overlap are still two runs, refused."""
+    recipe = {"steps": 3000, "precision": "bf16-mixed"}
+    row = {"pe": "cable", "train_length": 128, "run_seed": 0, "lr": 2e-3, "length": 128, "mode": "nonoverlap",
+           "corpus_hash": "a" * 64}
+    path = tmp_path / "run" / "length_eval.jsonl"
+    path.parent.mkdir()
+    rows = [{**row, "step": step, "ppl": 90.0 - step / 100, "recipe": recipe} for step in (1000, 3000)]
+    longer = {**recipe, "steps": 6000}
+    rows += [{**row, "step": step, "ppl": 90.0 - step / 100, "recipe": longer} for step in (4000, 6000)]
+    rows += [{**row, "pe": "alibi", "step": 6000, "ppl": 40.0, "recipe": {**recipe, "steps": 6000}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tables = report.report([str(tmp_path / "run")], str(tmp_path / "out"), figures=False)
+    assert tables["nonoverlap"].splitlines()[2] == "| 128 | 40.00 | **30.00** |"  # alibi, cable at step 6000
+    assert tables["runs trained on"].endswith("- cable (training length 128, seed 0): evaluated at step 6000, trained "
+                                              "to max_steps 3000 then 6000")
+    other = tmp_path / "other" / "length_eval.jsonl"
+    other.parent.mkdir()
+    other.write_text("".join(json.dumps({**r, "recipe": {**recipe, "steps": 5000}}) + "\n" for r in rows[:2]))
+    with pytest.raises(Exception, match="trained by different recipes"):
+        report.report([str(tmp_path / "run"), str(tmp_path / "other")], str(tmp_path / "out2"), figures=False)

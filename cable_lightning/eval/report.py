@@ -490,9 +490,11 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
     """Writes <out>_<mode>.md/.csv/.png, <out>_<mode>_training.png and <out>_<mode>_ratio_tokens.png for each window
     mode present, and
     <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows, and
-    <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's; returns
-    {mode, "<mode> summary", "position", "task <name>", "effective length" or "runs behind their other seeds":
-    markdown}. ``figures=False`` draws no figure (the tables alone, as the published-tables test builds them)."""
+    <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's, <out>_trained_on.md
+    where a run was resumed with a longer max_steps (counted at its latest evaluation); returns
+    {mode, "<mode> summary", "position", "task <name>", "effective length", "runs trained on" or "runs behind their
+    other seeds": markdown}. ``figures=False`` draws no figure (the tables alone, as the published-tables test builds
+    them)."""
     files = find_records(paths)
     runs = rows_by_step(files)
     rows = latest_step(runs)
@@ -570,6 +572,10 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
     behind = behind_their_seeds(task_runs)  # an algorithmic run's key names its task; its length rows' key does not
     behind |= {run: steps for run, steps in behind_their_seeds(runs).items()
                if not any(k._replace(task=None) == run for k in behind)}
+    if continued := trained_past_their_steps(runs):
+        tables["runs trained on"] = ("Resumed with a longer max_steps; counted at their latest evaluation:\n\n"
+                                     + "\n".join(continued))
+        write_table(f"{out}_trained_on", tables["runs trained on"])
     if behind:
         lines = [f"- {run.describe()} at step {step}, another seed at {furthest}"
                  for run, (step, furthest) in sorted(behind.items(), key=str)]
@@ -579,6 +585,18 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
     elif os.path.exists(f"{out}_behind.md"):  # an earlier report's, about runs that have since caught up
         os.remove(f"{out}_behind.md")
     return tables
+
+
+def trained_past_their_steps(runs: dict) -> list[str]:
+    """A line for each run whose evaluations name more than one max_steps (trained on: records.trained_on)."""
+    lines = []
+    for run, steps in sorted(runs.items(), key=str):
+        planned = sorted({r.recipe["steps"] for rows in steps.values() for r in rows
+                          if r.recipe and "steps" in r.recipe})
+        if len(planned) > 1:
+            lines.append(f"- {run.describe()}: evaluated at step {max(steps)}, trained to max_steps "
+                         + " then ".join(map(str, planned)))
+    return lines
 
 
 def main(argv=None):
