@@ -24,6 +24,7 @@ import sys
 import threading
 from typing import Optional
 
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
@@ -104,7 +105,8 @@ class CableCLI(LightningCLI):
             config = self.config[subcommand]
         if subcommand in ("validate", "test") and config.get("data") is not None:  # as the weights were trained
             given = self._args if self._args is not None else sys.argv[1:]
-            named = any(arg.partition("=")[0].startswith("--data.layout") for arg in given)
+            named = (any(arg.partition("=")[0].startswith("--data.layout") for arg in given)
+                     or any("layout" in (read_config(path).get("data") or {}) for path in config_files(given)))
             layout = evaluated_as_trained(trained, configured_layout(config.data.get("layout")),
                                           config.data.get("tasks"), subcommand, shown_name(path), named)
             config.data.layout = Namespace(**layout.as_dict())
@@ -235,6 +237,18 @@ class CableCLI(LightningCLI):
             logger = self.trainer.logger
             print(f"run written to {logger.log_dir if logger else '(no logger)'}, checkpoints to "
                   f"{self.config['fit'].checkpoint.dirpath}", flush=True)
+
+
+def config_files(given: list[str]) -> list[str]:
+    """The ``--config`` files a command line names (``--config FILE`` or ``--config=FILE``)."""
+    files = [arg.partition("=")[2] for arg in given if arg.startswith("--config=")]
+    return files + [given[i + 1] for i, arg in enumerate(given[:-1]) if arg == "--config"]
+
+
+def read_config(path: str) -> dict:
+    """A config file as the mapping it holds (what the parser read from it already, so it exists and parses)."""
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
 
 
 def main(args: list[str] | None = None, extra_callbacks: tuple = ()) -> CableCLI:

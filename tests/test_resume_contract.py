@@ -259,13 +259,19 @@ def test_validate_refuses_an_explicit_contiguous_layout_for_randomized_weights(t
     main(["fit", *args(tiny_corpus_dir, runs, steps=1, every=1), *RECORD, *randomized])
     ckpt = os.path.join(runs, "test", "rope", "checkpoints", "last.ckpt")
     listed = sorted(os.listdir(os.path.join(runs, "test", "rope")))
+    refused = (f"error: {ckpt} was trained with data.layout randomized256 and validate asks another: "
+               "data.layout.positions (checkpoint 'randomized', configured 'contiguous'), "
+               "data.layout.position_range (checkpoint 256, configured None); validate evaluates weights at the "
+               "layout they were trained with (its records name that one): drop the --data.layout flags or give "
+               "the checkpoint's (--data.layout.positions randomized --data.layout.position_range 256)")
     line = user_error_line(capsys, ["validate", *args(tiny_corpus_dir, runs, pe="rope"), "--ckpt_path", ckpt,
                                     "--data.layout.positions", "contiguous"])
-    assert line == (f"error: {ckpt} was trained with data.layout randomized256 and validate asks another: "
-                    "data.layout.positions (checkpoint 'randomized', configured 'contiguous'), "
-                    "data.layout.position_range (checkpoint 256, configured None); validate evaluates weights at the "
-                    "layout they were trained with (its records name that one): drop the --data.layout flags or give "
-                    "the checkpoint's (--data.layout.positions randomized --data.layout.position_range 256)")
+    assert line == refused
+    config = tmp_path / "contiguous.yaml"  # the same request from a config file, refused as the flag is
+    config.write_text("data:\n  layout:\n    positions: contiguous\n")
+    line = user_error_line(capsys, ["validate", "--config", str(config), *args(tiny_corpus_dir, runs, pe="rope"),
+                                    "--ckpt_path", ckpt])
+    assert line == refused
     assert sorted(os.listdir(os.path.join(runs, "test", "rope"))) == listed
 
 

@@ -196,8 +196,8 @@ def check_same_recipe(checkpoint: dict, config, path: str) -> None:
                           + ", ".join(f"{name} (checkpoint {saved!r}, configured {configured!r})"
                                       for name, saved, configured in differ)
                           + "; a resume continues its run by the same recipe (its later evaluations would be "
-                          "recorded as another run's); resume without them (the run's configs), or start a new run "
-                          f"from its weights (--model.init_args.init_weights {path}, another --experiment)")
+                          "recorded as another run's); resume without them (the run's configs), or "
+                          + new_run_from(path))
 
 
 def check_same_model(checkpoint: dict, config: BackboneConfig, data_info, problem: str, advice: str) -> None:
