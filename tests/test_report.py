@@ -227,3 +227,33 @@ def test_a_run_trained_on_with_a_longer_max_steps_is_one_run_at_its_latest_evalu
     other.write_text("".join(json.dumps({**r, "recipe": {**recipe, "steps": 5000}}) + "\n" for r in rows[:2]))
     with pytest.raises(Exception, match="trained by different recipes"):
         report.report([str(tmp_path / "run"), str(tmp_path / "other")], str(tmp_path / "out2"), figures=False)
+
+
+def test_each_encodings_ratio_at_a_shared_multiple_is_tabled_and_drawn_against_its_training_length(tmp_path):
+    """Runs at 128 and 512 tokens, evaluated at 1x-16x of their own length: ppl(16x) / ppl(1x) per run, by training
+    length, one column per encoding (seeds paired), and the figure of it."""
+    rows = []
+    for train, lengths in ((128, (128, 512, 2048)), (512, (512, 2048, 8192))):
+        for pe, slope in (("cable", 0.9), ("alibi", 1.1)):
+            for seed in (0, 1):
+                base = 50.0 + seed
+                rows += [{"pe": pe, "train_length": train, "step": 3000, "run_seed": seed, "length": n,
+                          "mode": "nonoverlap", "ppl": base * (slope if n == 16 * train else 1.0) + (train == 512)}
+                         for n in lengths]
+    path = tmp_path / "runs" / "length_eval.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tables = report.report([str(path.parent)], str(tmp_path / "out"))
+    text = tables["nonoverlap ratio by training length"]
+    assert text.startswith("ppl(16x) / ppl(1x) by training length, per run")
+    lines = text.splitlines()
+    assert lines[2] == "| training length | alibi | cable |"
+    cable_512 = ((50 * 0.9 + 1) / 51 + (51 * 0.9 + 1) / 52) / 2
+    assert lines[4].startswith("| 128 | 1.100 [") and "| **0.900 [" in lines[4]
+    assert lines[5].startswith("| 512 | ") and f"**{cable_512:.3f} [" in lines[5]
+    assert (tmp_path / "out_nonoverlap_training_length.png").stat().st_size > 0
+    one = tmp_path / "one" / "length_eval.jsonl"  # one training length: no such table
+    one.parent.mkdir()
+    one.write_text("".join(json.dumps(r) + "\n" for r in rows if r["train_length"] == 128))
+    assert "nonoverlap ratio by training length" not in report.report([str(one.parent)], str(tmp_path / "o"),
+                                                                      figures=False)

@@ -97,6 +97,38 @@ def ratio_table(rows: list[LengthRecord], mode: str) -> Table:
     return aggregate(rows, lambda r: r.length, ratio, windows)
 
 
+def training_length_table(rows: list[LengthRecord], mode: str) -> Optional[tuple[int, Table]]:
+    """(m, each encoding's ppl(m x T) / ppl(T) by training length T): m the largest multiple of its training length
+    that every training length evaluated, one value per seed; None unless the runs trained at two lengths or more
+    and share a multiple past 1x. What a change of training length does to extrapolation, at the same multiple."""
+    rows = [r for r in rows if r.mode == mode and r.ppl]
+    trained = sorted({r.train_length for r in rows})
+    if len(trained) < 2:
+        return None
+    multiples = set.intersection(*({r.length // t for r in rows if r.train_length == t and r.length % t == 0}
+                                   for t in trained))
+    if not (past := [m for m in multiples if m > 1]):
+        return None
+    m = max(past)
+    ppl = {(r.run_key(), r.length // r.train_length): r.ppl for r in rows if r.length % r.train_length == 0}
+    cells: dict[tuple[int, str], Cell] = {}
+    for r in rows:
+        if r.length == m * r.train_length and (r.run_key(), 1) in ppl:
+            cells.setdefault((r.train_length, r.run_name()), Cell({})).values[r.run_seed] = r.ppl / ppl[r.run_key(), 1]
+    columns = sorted({name for _, name in cells})
+    return m, (columns, [[t] + [cells.get((t, name)) for name in columns] for t in trained])
+
+
+def training_length_figure(m: int, table: Table, mode: str, path: str) -> None:
+    columns, rows = table
+    series = {name: [(row[0], e.mean) for row in rows if row[i + 1] and (e := row[i + 1].estimate())]
+              for i, name in enumerate(columns)}
+    bands = {name: [(row[0], e.low, e.high) for row in rows if row[i + 1] and (e := row[i + 1].estimate())
+                    and e.low is not None] for i, name in enumerate(columns)}
+    save_figure(line_figure(series, f"ppl({m}x) / ppl(1x) against the training length ({mode})", None,
+                            "training length (tokens)", f"ppl({m}x) / ppl(1x)", False, bands=bands), path)
+
+
 def position_table(rows: list[PositionRecord]) -> Table:
     """Mean NLL by (evaluation length, position bucket) and encoding."""
     return aggregate(rows, lambda r: (r.length, r.first_position, r.last_position), lambda r: r.loss)
@@ -488,13 +520,13 @@ def loss_curves_figure(curves: dict[str, dict[str, dict[int, list[float]]]], pat
 
 def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, figures: bool = True) -> dict[str, str]:
     """Writes <out>_<mode>.md/.csv/.png, <out>_<mode>_training.png and <out>_<mode>_ratio_tokens.png for each window
-    mode present, and
-    <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such rows, and
-    <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's, <out>_trained_on.md
-    where a run was resumed with a longer max_steps (counted at its latest evaluation); returns
-    {mode, "<mode> summary", "position", "task <name>", "effective length", "runs trained on" or "runs behind their
-    other seeds": markdown}. ``figures=False`` draws no figure (the tables alone, as the published-tables test builds
-    them)."""
+    mode present, and <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such
+    rows, and <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's,
+    <out>_trained_on.md where a run was resumed with a longer max_steps (counted at its latest evaluation), and for runs
+    at two training lengths or more <out>_<mode>_training_length.md/.csv/.png (ppl(mx) / ppl(1x) against the training
+    length); returns {mode, "<mode> summary", "<mode> ratio by training length", "position", "task <name>", "effective
+    length", "runs trained on" or "runs behind their other seeds": markdown}. ``figures=False`` draws no figure (the
+    tables alone, as the published-tables test builds them)."""
     files = find_records(paths)
     runs = rows_by_step(files)
     rows = latest_step(runs)
@@ -518,6 +550,15 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
             write_csv(f"{out}_{mode}_ratio.csv", ratio, "ratio")
             if len(trained := {r.train_length for r in rows if r.mode == mode}) == 1 and ppl[0] == ratio[0]:
                 tables[f"{mode} summary"] = write_table(f"{out}_{mode}_summary", summary(ppl, ratio, *trained))
+        if (by_length := training_length_table(rows, mode)) is not None:
+            m, table = by_length
+            tables[f"{mode} ratio by training length"] = write_table(
+                f"{out}_{mode}_training_length",
+                f"ppl({m}x) / ppl(1x) by training length, per run\n\n" + "\n\n".join(part for part in (
+                    markdown(*table, digits=3, header="training length"), describe(table, "lowest"),
+                    neighbours(*table, digits=3)) if part), table, "ratio", "training length")
+            if figures:
+                training_length_figure(m, table, mode, f"{out}_{mode}_training_length.png")
         if figures:
             plot(*ppl, f"perplexity vs evaluation length ({mode})", f"{out}_{mode}.png")
             over_training = step_tables(runs, mode)
