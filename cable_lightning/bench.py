@@ -161,6 +161,17 @@ def peer_rows(args, device, dtype) -> list[dict]:
                                        device, args.repeats)
             tokens = x.shape[0] * t
             row["tok_s"][t], row["peer_tok_s"][t], row["ratio"][t] = tokens / ours, tokens / theirs, theirs / ours
+        if PEERS[name].evaluates_longer:
+            row |= {"eval_s": {}, "peer_eval_s": {}, "eval_ratio": {}, "eval_mib": {}, "peer_eval_mib": {}}
+            model.eval(), peer.eval()
+            for t in args.eval_lengths:
+                ours, theirs = interleaved([eval_forward(model, t, device, dtype),
+                                            peer_eval_forward(peer, config.vocab_size, t, device, dtype)],
+                                           device, args.repeats)
+                row["eval_s"][t], row["peer_eval_s"][t], row["eval_ratio"][t] = ours, theirs, theirs / ours
+                if not args.skip_memory:
+                    row["eval_mib"][t] = eval_peak_mib(model, t, device, dtype)
+                    row["peer_eval_mib"][t] = eval_peak_mib(peer, t, device, dtype, peer=name)
         rows.append(row)
         print(f"measured peer {name}", flush=True)
     return rows
@@ -234,6 +245,17 @@ def eval_forward(model, t, device, dtype):
     return forward
 
 
+def peer_eval_forward(peer, vocab_size, t, device, dtype):
+    """:func:`eval_forward` of a peer: its logits at length t and their cross entropy, without gradients."""
+    x = torch.randint(0, vocab_size, (1, t + 1), device=device)
+
+    def forward():
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            F.cross_entropy(peer(input_ids=x[:, :-1]).logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    return forward
+
+
 def eval_seconds(model, t, device, dtype, repeats):
     return timed(eval_forward(model, t, device, dtype), device, repeats)
 
@@ -271,13 +293,14 @@ def padded_step_seconds(model, rows, longest, device, repeats, mode):
     return timed(step, device, repeats)
 
 
-def _cpu_eval_peak(config_dict, t, threads, out):
-    """Runs in a fresh process: peak RSS of one evaluation forward, in MiB."""
+def _cpu_eval_peak(config_dict, t, threads, out, peer=None):
+    """Runs in a fresh process: peak RSS of one evaluation forward (of the backbone, or of the peer named), in MiB."""
     torch.set_num_threads(threads)
-    model = build_backbone(BackboneConfig.from_dict(config_dict)).eval()
-    x = torch.randint(0, model.config.vocab_size, (1, t + 1))
-    with torch.no_grad():
-        model.token_nll(x[:, :-1], x[:, 1:])
+    config = BackboneConfig.from_dict(config_dict)
+    if peer is None:
+        eval_forward(build_backbone(config).eval(), t, torch.device("cpu"), torch.float32)()
+    else:
+        peer_eval_forward(build_peer(peer, config).eval(), config.vocab_size, t, torch.device("cpu"), torch.float32)()
     out.put(peak_rss_mib())
 
 
@@ -291,16 +314,19 @@ def peak_rss_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status (peak memory needs Linux)")
 
 
-def eval_peak_mib(model, t, device, dtype):
+def eval_peak_mib(model, t, device, dtype, peer=None):
+    """The peak memory of one evaluation forward at length t (``peer``: ``model`` is the peer of that name, whose
+    ``config`` is the backbone config it was built at)."""
     if device.type == "cuda":
-        forward = eval_forward(model, t, device, dtype)
+        forward = (eval_forward(model, t, device, dtype) if peer is None
+                   else peer_eval_forward(model, model.config.vocab_size, t, device, dtype))
         torch.cuda.reset_peak_memory_stats()
         forward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_cpu_eval_peak, args=(model.config.to_dict(), t, torch.get_num_threads(), queue))
+    proc = ctx.Process(target=_cpu_eval_peak, args=(model.config.to_dict(), t, torch.get_num_threads(), queue, peer))
     proc.start()
     peak = queue.get()
     proc.join()
@@ -487,7 +513,16 @@ def peer_table(rows) -> str:
     body = [[f"{r['peer']} ({r['peer_model']})", r["against"],
              f"{r['peer_params']:,} / {r['params']:,}"]
             + [f"{r['tok_s'][t]:.0f} / {r['peer_tok_s'][t]:.0f} ({r['ratio'][t]:.2f}x)" for t in ts] for r in rows]
-    return markdown_table(head, body)
+    text = markdown_table(head, body)
+    for r in (r for r in rows if "eval_s" in r):  # a peer that reads longer inputs: its evaluation too
+        memory = bool(r["eval_mib"])
+        text += "\n\n" + markdown_table(
+            ["eval length", f"{r['against']} s", f"{r['peer']} s", f"{r['peer']} / {r['against']}"]
+            + ([f"{r['against']} peak MiB", f"{r['peer']} peak MiB"] if memory else []),
+            [[t, f"{r['eval_s'][t]:.3f}", f"{r['peer_eval_s'][t]:.3f}", f"{r['eval_ratio'][t]:.2f}x"]
+             + ([f"{r['eval_mib'][t]:.0f}", f"{r['peer_eval_mib'][t]:.0f}"] if memory else [])
+             for t in r["eval_s"]])
+    return text
 
 
 def compile_table(rows) -> str:

@@ -86,6 +86,34 @@ def test_llama_peer_differs_only_where_its_block_does():
     assert llama.model.layers[0].mlp.up_proj.out_features == 128
 
 
+@pytest.mark.parametrize("activation", ["relu", "softplus"])
+def test_the_cable_paper_peer_computes_cable_nw_with_the_whole_bias_matrix(activation):
+    """The released code's CABLE (a (B, H, T, T) bias, baddbmm, softmax) given the backbone's weights gives the
+    backbone's logits on its own fold path, past the training length, in values and gradients: the bench times one
+    function two ways. Its parameter count is the backbone's."""
+    from cable_lightning.positional.cable import cable_nw
+
+    torch.manual_seed(0)
+    config = bench.BackboneConfig(preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=32, vocab_size=500, block_size=32,
+                                  pos_encoding=cable_nw(bias_activation=activation), attention_backend="fold")
+    ours, peer = bench.build_backbone(config), bench.build_peer("cable_paper", config)
+    weights = {name.replace("pe.proj.", "blocks.").replace(".weight", ".attn.bias_logit.weight")
+               if name.startswith("pe.proj.") else name: p for name, p in ours.state_dict().items()}
+    peer.load_state_dict(weights)
+    assert bench.parameter_count(peer) == bench.parameter_count(ours)
+    for p in ours.pe.parameters():
+        p.data.normal_(0, 0.5)  # biases far from zero: the sums matter
+    peer.load_state_dict({**weights, **{f"blocks.{i}.attn.bias_logit.weight": w.weight for i, w in
+                                        enumerate(ours.pe.proj)}})
+    x = torch.randint(0, 500, (2, 96))
+    a, b = ours(x), peer(input_ids=x).logits
+    torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for i, proj in enumerate(ours.pe.proj):
+        torch.testing.assert_close(peer.blocks[i].attn.bias_logit.weight.grad, proj.weight.grad, atol=1e-6, rtol=1e-3)
+
+
 def test_an_unknown_peer_is_a_one_line_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main(TINY + ["--peers", "gpt3"])
@@ -148,3 +176,14 @@ def test_bf16_speedup_times_each_step_in_both_dtypes_in_turns(monkeypatch, capsy
     assert all(r["fp32_step_s"] > 0 and r["bf16_step_s"] > 0 for r in rows)
     table = capsys.readouterr().out.split("bf16 autocast against fp32")[1]
     assert len([line for line in table.splitlines() if line.startswith("| nope") or line.startswith("| cable")]) == 4
+
+
+def test_the_cable_paper_peer_is_timed_in_training_and_evaluation(capsys):
+    """A peer that reads any length is timed at the evaluation lengths too, in turns with the project's path; the
+    table prints both."""
+    result = bench.main(TINY + ["--peers", "cable_paper", "--eval_lengths", "64", "128"])
+    [row] = result["peers"]
+    assert row["against"] == "cable_nw" and row["peer_params"] == row["params"]
+    assert list(row["eval_ratio"]) == [64, 128]
+    assert row["eval_ratio"][128] == pytest.approx(row["peer_eval_s"][128] / row["eval_s"][128])
+    assert "| eval length | cable_nw s | cable_paper s | cable_paper / cable_nw |" in capsys.readouterr().out
