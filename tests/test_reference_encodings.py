@@ -378,3 +378,93 @@ def test_fox_is_the_released_forgetting_attention():
     with torch.no_grad():
         got = attention(q, k, v, bias, causal=True)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+# --- encodings whose scores read the logits: stick-breaking, CoPE, DAPEv2; SSMax's scale ----------------------------
+
+def test_stick_breaking_weights_are_the_released_reference():
+    """shawntan/stickbreaking-attention's ``sb_ref.stickbreaking`` (the kernel's reference): z = q.k / sqrt(d),
+    log A_ij = logsigmoid(z_ij) + sum_{j < k < i} logsigmoid(-z_ik) for keys j < i, by a matrix product with the
+    strictly lower triangle; the output A v. The released models (and the kernel's own tests) add the remainder
+    (1 - sum_j A_ij) times the query's own value; the project gives it to no value (``stick_breaking``'s docstring),
+    so the oracle is A v alone. 96 tokens. Tolerance: 1e-5 absolute."""
+    pe = built(stick_breaking())
+    q, k, v = qkv()
+    logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    hidden = torch.ones(LONG, LONG, dtype=torch.bool).triu(0)  # the query itself and its future
+    log_z = F.logsigmoid(logits).masked_fill(hidden, -1e5)
+    log_beta = F.logsigmoid(-logits).masked_fill(hidden, 0.0)
+    strictly_lower = torch.ones(LONG, LONG, dtype=torch.float64).tril(-1)
+    weights = (log_z + log_beta @ strictly_lower).exp()
+    with torch.no_grad():
+        got = attention(q, k, v, pe.score_bias(None, 0, 0, None), causal=True)
+    torch.testing.assert_close(got.double(), weights @ v.double(), rtol=0, atol=1e-5)
+
+
+def test_cope_is_the_papers_listing():
+    """CoPE's listing in Golovneva et al., 2024 (class CoPE and SelfAttn): gates sigmoid of the scaled, masked logits,
+    positions their reversed cumulative sum clamped to npos - 1, the position logit q . e interpolated between
+    floor and ceil, added to the logits; causal softmax. The project divides q . e by sqrt(d) and the listing does
+    not: the same model with e scaled by 1/sqrt(d), so the oracle takes the project's table / sqrt(d). 8 positions,
+    96 tokens (most positions clamp). Tolerance: 1e-5 absolute."""
+    pe = randomised(built(cope(positions=8)), seed=9)
+    q, k, v = qkv()
+    d = q.shape[-1]
+    table = pe.table[0].detach().double() / math.sqrt(d)  # (D, positions)
+    future = torch.ones(LONG, LONG, dtype=torch.bool).triu(1)
+    logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(d)
+    logits = logits.masked_fill(future, float("-inf"))
+    position = torch.sigmoid(logits).flip(-1).cumsum(-1).flip(-1).clamp(max=7)
+    per_position = q.double() @ table
+    ceil, floor = per_position.gather(-1, position.ceil().long()), per_position.gather(-1, position.floor().long())
+    fraction = position - position.floor()
+    want = (logits + ceil * fraction + floor * (1 - fraction)).softmax(-1) @ v.double()
+    with torch.no_grad():
+        got = attention(q, k, v, pe.score_bias(None, 0, 0, None), causal=True)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_dape_v2_is_the_papers_equation():
+    """DAPEv2 (Zheng et al., 2024; the authors' repository could not be fetched here): scores = z + B + f([z, B]),
+    f two (1 x 3) convolutions along the keys through LeakyReLU (2H -> 32 -> H), the future zeroed before each, then
+    the causal softmax; here over ALiBi's B, written with F.conv2d in float64 on the project's weights. 96 tokens.
+    Tolerance: 1e-5 absolute."""
+    pe = randomised(built(dape_v2(base=alibi())), seed=10, scale=0.1)
+    q, k, v = qkv()
+    convolutions = pe.layers[0]
+    logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    i, j = torch.arange(LONG)[:, None], torch.arange(LONG)[None, :]
+    alibi_bias = (-pe.base.slopes.double()[:, None, None] * (i - j).abs()).expand(2, -1, -1, -1)
+    future = (j > i).expand(LONG, LONG)
+
+    def convolve(conv, x):
+        return F.conv2d(x.masked_fill(future, 0.0), conv.weight.double(), conv.bias.double(), padding=(0, 1))
+
+    hidden = F.leaky_relu(convolve(convolutions.expand, torch.cat([logits, alibi_bias], dim=1)))
+    scores = logits + alibi_bias + convolve(convolutions.reduce, hidden)
+    want = causal_softmax(scores) @ v.double()
+    with torch.no_grad():
+        got = attention(q, k, v, pe.score_bias(None, 0, 0, None), causal=True)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_ssmax_is_the_papers_scaled_softmax_over_rope():
+    """SSMax (Nakanishi, 2025; the equation, no released code): softmax(s log(n) z) with n the keys a query sees
+    (i + 1, causal) and s per head, over RoPE (q, k rotated by Llama's rotary embedding). 96 tokens, s drawn at
+    random. Tolerance: 1e-5 absolute."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    pe = built(ssmax())
+    with torch.no_grad():
+        pe.scale.uniform_(0.1, 0.6, generator=torch.Generator().manual_seed(11))
+    q, k, v = qkv()
+    config = hf_rope_config(16, 4, 10000.0, "none", 1.0, TRAINED)
+    cos, sin = LlamaRotaryEmbedding(config)(q, torch.arange(LONG)[None])
+    q_rotated, k_rotated = apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+    seen = torch.arange(1, LONG + 1, dtype=torch.float64)[:, None]
+    logits = (q_rotated @ k_rotated.transpose(-1, -2)) / 4.0
+    want = causal_softmax(pe.scale[0].double()[:, None, None] * torch.log(seen) * logits) @ v.double()
+    with torch.no_grad():
+        scaled_q, rotated_k = pe.rotate(q, k, 0)
+        got = attention(scaled_q, rotated_k, v, None, causal=True)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
