@@ -206,7 +206,8 @@ def test_learned_positions_are_gpt2s():
     from transformers import GPT2Config, GPT2Model
 
     pe = built("learnable", n_head=4, head_dim=16)
-    model = GPT2Model(GPT2Config(vocab_size=97, n_positions=TRAINED, n_embd=64, n_layer=1, n_head=4, embd_pdrop=0.0))
+    model = GPT2Model(GPT2Config(vocab_size=97, n_positions=TRAINED, n_embd=64, n_layer=1, n_head=4, embd_pdrop=0.0,
+                                bos_token_id=None, eos_token_id=None))
     model.eval()
     with torch.no_grad():
         model.wpe.weight.copy_(pe.table.weight)
