@@ -1,16 +1,14 @@
-"""Every encoding with a public reference against an independent implementation of it, on the same inputs, past the
-training length.
+"""Each encoding with a public reference against an independent implementation, on the same inputs, past training."""
 
-References: transformers (installed) for RoPE and its scalings (``ROPE_INIT_FUNCTIONS``, Llama's rotary embedding),
-p-RoPE (transformers' proportional RoPE), ALiBi (BLOOM's ``build_alibi_tensor``), T5 (``T5Attention``), GPT-2's
-learned table (``GPT2Model``) and the sinusoidal table (DistilBERT's ``create_sinusoidal_embeddings``). For the others
-the oracle is written here, in float64, from the authors' released code: CABLE (axiomlab/Cable), KERPLE
-(chijames/KERPLE), FoX (zhixuan-lin/forgetting-transformer), stick-breaking (shawntan/stickbreaking-attention), CoPE
-(the listing in Golovneva et al., 2024); or, where no code was published or found, from the paper's equation: K-CABLE
-and weighted CABLE (Veisi et al., 2025), FIRE (Li et al., 2024), DAPEv2 (Zheng et al., 2024), SSMax (Nakanishi,
-2025). ``cable_dir`` is the project's own and has no public reference; ``nope`` and ``layers`` add no formula of
-their own. The project runs in float32; each test states its tolerance against the reference.
-"""
+# References: transformers (installed) for RoPE and its scalings (ROPE_INIT_FUNCTIONS, Llama's rotary embedding),
+# p-RoPE (transformers' proportional RoPE), ALiBi (BLOOM's build_alibi_tensor), T5 (T5Attention), GPT-2's learned
+# table (GPT2Model) and the sinusoidal table (DistilBERT's create_sinusoidal_embeddings). For the others the oracle is
+# written in this file, in float64: from the authors' released code for CABLE (axiomlab/Cable), KERPLE
+# (chijames/KERPLE), FoX (zhixuan-lin/forgetting-transformer), stick-breaking (shawntan/stickbreaking-attention) and
+# CoPE (the listing in Golovneva et al., 2024); from the paper's equation where no code was released or could be
+# read: weighted CABLE and K-CABLE (Veisi et al., 2025), FIRE (Li et al., 2024), DAPEv2 (Zheng et al., 2024), SSMax
+# (Nakanishi, 2025). The project runs in float32; each test states its tolerance.
+# No public reference: cable_dir (the project's own form); nope and layers add no formula of their own.
 
 import math
 
@@ -426,7 +424,7 @@ def test_cope_is_the_papers_listing():
 
 
 def test_dape_v2_is_the_papers_equation():
-    """DAPEv2 (Zheng et al., 2024; the authors' repository could not be fetched here): scores = z + B + f([z, B]),
+    """DAPEv2 (Zheng et al., 2024), from the paper's equation: scores = z + B + f([z, B]),
     f two (1 x 3) convolutions along the keys through LeakyReLU (2H -> 32 -> H), the future zeroed before each, then
     the causal softmax; here over ALiBi's B, written with F.conv2d in float64 on the project's weights. 96 tokens.
     Tolerance: 1e-5 absolute."""
