@@ -209,7 +209,7 @@ def test_p_rope_rotates_the_highest_frequencies_and_leaves_the_rest(fraction):
     q = torch.randn(1, 1, positions, d, dtype=torch.float64)
     rotated = rotary(pos_encoding=p_rope(fraction=fraction, base=100.0), n_layer=1, n_head=1, n_embd=d)
     got = rotated.rotate(q.float(), q.float(), 0)[0][0, 0].double()
-    kept = round(fraction * d / 2)
+    kept = int(fraction * d // 2)
     for t in range(positions):
         for i in range(d // 2):
             angle = t * 100.0 ** (-2 * i / d) if i < kept else 0.0

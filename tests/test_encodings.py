@@ -107,7 +107,8 @@ def test_an_old_spelling_in_yaml_points_to_where_the_setting_went(tmp_path, caps
 
 
 def test_literal_settings_are_checked_outside_the_cli_too():
-    with pytest.raises(ValueError, match=r"rope.scaling='lin' is not valid; valid: none, linear, ntk, yarn"):
+    with pytest.raises(ValueError,
+                       match=r"rope.scaling='lin' is not valid; valid: none, linear, ntk, yarn, yarn_paper"):
         rope(scaling="lin")
     with pytest.raises(ValueError, match=r"cable has no setting 'activation'; its settings: bias_activation"):
         encoding_from({"class_path": "cable", "init_args": {"activation": "relu"}})

@@ -8,6 +8,12 @@ Per layer and head, from the layer's normalised input x_t:
     K-CABLE:     -log(1 + (g_i * (S_i - S_j))^2)
 With b = 1 and g = ALiBi's slope this is exactly ALiBi. The sums count tokens, not position indices: under a layout
 they restart at each document's first token (and ignore the layout's positions).
+
+The authors' released code (axiomlab/Cable, src/Cable.py) is the CABLE_NW form with softplus increments, which
+``cable_nw`` with ``bias_activation: softplus`` is (tests/test_reference_encodings.py compares them). It differs in two
+ways the project does not follow: its projection has a per-head offset (an nn.Linear bias, initialised to 0), which
+CABLE's equations do not have; and it divides q and k by sqrt(C / n_embd) = 1, leaving q.k unscaled, where the paper
+and every encoding here scale it by 1/sqrt(d).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ Positions count tokens the query finds relevant instead of all tokens. For query
 with e one learned table of position vectors per layer, shared by the heads (initialised to zero, so
 a new model starts as NoPE). The gates need every logit, so CoPE runs on blocks of query rows (the
 chunked path) and never through fused kernels. Gates use the scaled logits, as the authors' code does.
+
+One difference from the paper's listing: there the position logits are q_i . e unscaled; here they are divided by
+sqrt(d) like the q.k logits. The two are the same model up to the scale of e (e here = sqrt(d) x the listing's e),
+which starts at zero either way; under Adam, whose steps do not depend on a parameter's scale, the position logits
+here move sqrt(d) times slower per step than the listing's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""KERPLE: learned conditionally-positive-definite distance kernels (Chi et al., 2022)."""
+"""KERPLE: learned conditionally-positive-definite distance kernels (Chi et al., 2022).
+
+The kernels are the authors' released ones (chijames/KERPLE, ParallelKerpleLog and ParallelKerplePower). How r1 and r2
+are kept positive differs: the released code clamps the raw parameters in place at every forward (at 0.01, the power's
+exponent also at 2) and draws them uniformly at the start; here they are softplus (the exponent 2 sigmoid) of free
+parameters, which need no clamp and whose gradient never stops at a bound, starting at r1 = r2 = 1."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ from .rope import Rope, rope
 class PartialRope(Rope):
     def __init__(self, settings: "p_rope", config):
         super().__init__(settings, config)
-        kept = round(settings.fraction * len(self.inv_freq))  # inv_freq falls with its index: the highest come first
+        # inv_freq falls with its index: the highest come first. int(p D // 2) of them, as transformers'
+        # proportional RoPE counts them (the reference test compares the two).
+        kept = int(settings.fraction * self.head_dim // 2)
         self.inv_freq[kept:] = 0.0
 
 

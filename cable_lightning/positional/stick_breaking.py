@@ -10,6 +10,10 @@ keys taken from the query backwards (reverse order), so the weights that matter,
 terms and exact; far keys reach large negative logs, whose exp is 0 rather than a NaN or an underflowing product.
 Bidirectional encoders break one stick on each side of the query, outwards (the query's own key excluded).
 Needs the logits of every key in a row, so it runs on blocks of query rows (the chunked path); fused kernels cannot.
+
+The weights are those of the authors' reference (shawntan/stickbreaking-attention, sb_ref.py). Their released models
+and kernel tests then add the remainder, (1 - sum_j A_ij) times the query's own value v_i; here the remainder goes to
+no value, so a query whose keys take little of the stick has a small output (and the first token's output is zero).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""T5 relative bias: a learned scalar per (log-spaced distance bucket, head), shared by all layers."""
+"""T5 relative bias: a learned scalar per (log-spaced distance bucket, head), shared by all layers.
+
+The buckets and the bias are T5's (transformers' T5Attention; the reference tests compare them). T5 itself leaves
+q.k unscaled (its initialisation absorbs the 1/sqrt(d)); here the bias is added to the 1/sqrt(d)-scaled logits, as
+for every encoding."""
 
 from __future__ import annotations
 
