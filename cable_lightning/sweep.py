@@ -138,7 +138,9 @@ def commands(args) -> list[tuple[str, list[str]]]:
                     cmd += ["--data.block_size", str(length)]
                 if lr is not None:
                     cmd += ["--model.init_args.lr", f"{lr:g}"]
-                runs.append((experiment, cmd + args.extra))
+                # {seed} in an override is the run's seed: a stage that starts from each seed's earlier run
+                extra = [arg.replace("{seed}", str(seed)) for arg in args.extra] if seed is not None else args.extra
+                runs.append((experiment, cmd + extra))
                 runs += [(experiment, cmd) for cmd in retrieval]  # fit+retrieval: each run whole, one after another
     return runs
 
@@ -194,7 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--finetune_lr", type=float, default=2e-5, help="the contrastive fine-tuning's learning rate")
     parser.add_argument("--finetune_mini_batch", type=int, help="CachedMultipleNegativesRankingLoss in mini-batches "
                         "of this size (retrieval finetune --mini_batch_size)")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run; {seed} "
+                        "in them is the run's seed (--model.init_args.init_weights runs/e/rope/seed{seed}/...)")
     args = parser.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
     if "retrieval" in args.stage:
