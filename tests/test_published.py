@@ -100,26 +100,31 @@ def resolved(fit: list[str]) -> dict:
     return yaml.safe_load(printed.getvalue())
 
 
-def sweep_line(block: str) -> list[str]:
+def sweep_lines(block: str) -> list[list[str]]:
+    """The arguments of each ``python -m cable_lightning sweep`` line of a command block (continuations joined)."""
     lines = block.replace("\\\n", " ").splitlines()
-    [line] = [line for line in lines if line.strip().startswith("python -m cable_lightning sweep")]
-    return shlex.split(line)[4:]
+    return [shlex.split(line)[4:] for line in lines if line.strip().startswith("python -m cable_lightning sweep")]
 
 
-def drift(sweep: list[str], records: str) -> list[str]:
-    """What a published sweep would train differently from its records: a line per run whose resolved config differs
-    (naming the settings), lacks records, or has records the command does not train."""
-    from cable_lightning import sweep as sweeps
+def fits_of(sweep: list[str]) -> list[str]:
+    """The sweep's fits alone: a retrieval stage trains no weights of the run (and needs its set)."""
+    if "--stage" not in sweep:
+        return sweep
+    return [*sweep[:sweep.index("--stage")], "--stage", "fit", *sweep[sweep.index("--stage") + 2:]]
+
+
+def drift(sweeps: list[list[str]], records: str) -> list[str]:
+    """What published sweeps would train differently from their records: a line per run whose resolved config
+    differs (naming the settings), lacks records, or has records none of the commands trains."""
+    from cable_lightning import sweep as sweeping
 
     found = {}
     for path in glob.glob(os.path.join(records, "**", "config.yaml"), recursive=True):
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
         found[os.path.dirname(config["checkpoint"]["dirpath"])] = (os.path.relpath(path, ROOT), config)
-    if "--stage" in sweep:  # the fits alone: a retrieval stage trains no weights of the run (and needs its set)
-        sweep = [*sweep[:sweep.index("--stage")], "--stage", "fit", *sweep[sweep.index("--stage") + 2:]]
     lines = []
-    for _, cmd in sweeps.commands(sweeps.parse_args(sweep)):
+    for _, cmd in (cmd for sweep in sweeps for cmd in sweeping.commands(sweeping.parse_args(fits_of(sweep)))):
         config = resolved(cmd[cmd.index("fit"):])
         from jsonargparse import dict_to_namespace
 
@@ -144,7 +149,8 @@ def test_every_published_command_trains_its_records_recipe():
     commands = marks(COMMAND)
     assert commands
     for where, (folder, block) in commands:
-        problems = drift(sweep_line(block), os.path.join(RECORDS, folder))
+        with contextlib.chdir(ROOT):
+            problems = drift(sweep_lines(block), os.path.join(RECORDS, folder))
         assert not problems, f"{where}: the published command for docs/records/{folder} drifted: {problems}"
 
 
@@ -160,11 +166,11 @@ def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
         config["checkpoint"]["dirpath"] = "runs/code-long/cable/seed0/checkpoints"
         with open(os.path.join(kept, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f)
-        assert drift(sweep, str(tmp_path)) == []
+        assert drift([sweep], str(tmp_path)) == []
         config["trainer"]["precision"] = "32-true"
         with open(os.path.join(kept, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f)
-        [line] = drift(sweep, str(tmp_path))
+        [line] = drift([sweep], str(tmp_path))
     assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
         line.endswith(": '32-true')"), line
 

@@ -38,6 +38,15 @@ def test_sweep_prints_one_command_per_encoding_and_seed(capsys):
     assert all("--seed_everything 0 " in line for line in lines[:2]) and "alibi" in lines[1]
 
 
+def test_seed_in_an_override_is_each_runs_seed(capsys):
+    """A stage that starts from each seed's earlier run names its weights once: {seed} becomes the run's seed."""
+    sweep.main(["--config", "c.yaml", "--pes", "rope", "--seeds", "0", "2", "--print_only", "--",
+                "--model.init_args.init_weights", "runs/e/rope/seed{seed}/checkpoints/last.ckpt"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.endswith(f"--model.init_args.init_weights runs/e/rope/seed{n}/checkpoints/last.ckpt")
+            for line, n in zip(lines, (0, 2))] == [True, True]
+
+
 def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
     with pytest.raises(SystemExit):
         sweep.main(["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--retrieval_set", str(tmp_path),
