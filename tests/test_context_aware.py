@@ -47,6 +47,32 @@ def test_fox_bias_is_the_sum_of_log_forget_gates_between_query_and_key(causal):
                 assert rows[0, head, i, j] <= 0  # forgetting only ever lowers a score
 
 
+@pytest.mark.parametrize("kernel", ["linear", "log"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_cable_blocks_built_in_place_for_evaluation_are_the_pointwise_bias(kernel, weighted, causal):
+    """A block of CABLE's bias is sliced from the sums and, without gradients, built in place: the same numbers as
+    the pointwise formula (every backend's) on the same rows and keys, with gradients and without."""
+    from cable_lightning.positional.cable import CableBias
+
+    torch.manual_seed(0)
+    s_q, s_k = torch.rand(2, 3, 5).cumsum(-1), torch.rand(2, 3, 9).cumsum(-1)
+    g = torch.rand(2, 3, 5) + 0.5 if weighted else None
+    bias = CableBias(s_q.requires_grad_(), s_k, g, q_offset=4, causal=causal, kernel=kernel)
+    b, h = torch.arange(2).view(-1, 1, 1, 1), torch.arange(3).view(1, -1, 1, 1)
+    pointwise = bias(b, h, torch.arange(1, 4).view(1, 1, -1, 1), torch.arange(2, 9).view(1, 1, 1, -1))
+    with_grad = bias.rows(1, 4, 9, 2, 3, "cpu", first_key=2)
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        in_place = bias.rows(1, 4, 9, 2, 3, "cpu", first_key=2)
+    torch.testing.assert_close(with_grad, pointwise)
+    torch.testing.assert_close(in_place, pointwise.detach())
+    diff = s_q.detach()[:, :, 1:4, None] - s_k[:, :, None, 2:]  # the obvious formula
+    diff = diff if causal else diff.abs()
+    diff = diff if g is None else g[:, :, 1:4, None] * diff
+    torch.testing.assert_close(in_place, -torch.log1p(diff * diff) if kernel == "log" else -diff)
+
+
 def test_fox_starts_from_the_published_gate_initialisation():
     pe = build_positional(BackboneConfig(pos_encoding="fox", n_layer=2, n_head=4, n_embd=32))
     for proj in pe.proj:

@@ -45,15 +45,28 @@ class CableBias(ScoreBias):
         g = self.g_q if self.g_q is not None else torch.ones_like(self.s_q)
         return g.unsqueeze(-1), self.s_k.unsqueeze(-1)
 
+    def rows(self, start, end, n_keys, batch, heads, device, first_key=0):
+        """The block of the bias by slicing the sums (no index grids); built in place when nothing needs its
+        gradient (evaluation), so that a block costs one (B, H, rows, keys) tensor, not one per operation."""
+        diff = self.s_q[:, :, start:end, None] - self.s_k[:, :, None, first_key:n_keys]
+        weight = None if self.g_q is None else self.g_q[:, :, start:end, None]
+        return self._bias(diff, weight, in_place=not diff.requires_grad)
+
     def __call__(self, b, h, q_idx, kv_idx):
-        diff = self.s_q[b, h, q_idx] - self.s_k[b, h, kv_idx]
+        weight = None if self.g_q is None else self.g_q[b, h, q_idx]
+        return self._bias(self.s_q[b, h, q_idx] - self.s_k[b, h, kv_idx], weight, in_place=False)
+
+    def _bias(self, diff: Tensor, weight: Tensor | None, in_place: bool) -> Tensor:
+        """-g_i (S_i - S_j) (|S_i - S_j| bidirectional; K-CABLE through -log(1 + x^2)) from ``diff`` = S_i - S_j."""
         if not self.causal:
-            diff = diff.abs()
-        if self.g_q is not None:
-            diff = self.g_q[b, h, q_idx] * diff
+            diff = diff.abs_() if in_place else diff.abs()
         if self.kernel == "log":
-            return -torch.log1p(diff * diff)
-        return -diff
+            if weight is not None:
+                diff = diff.mul_(weight) if in_place else weight * diff
+            return diff.square_().log1p_().neg_() if in_place else -torch.log1p(diff * diff)
+        if in_place:  # one pass: the sign rides on the (small) weights
+            return diff.mul_(-weight) if weight is not None else diff.neg_()
+        return -(weight * diff) if weight is not None else -diff
 
 
 class CumulativeBias(PositionalEncoding):

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from .base import ScoreBias
 from .cable import CableBias, CumulativeBias, cable
 
 
@@ -33,6 +34,8 @@ class SidedBias(CableBias):
     def __init__(self, s_q, s_k, g_q, right, order: str, q_offset: int, layout=None):
         super().__init__(s_q, s_k, g_q, q_offset, causal=False, layout=layout)
         self.right, self.order = right, order
+
+    rows = ScoreBias.rows  # its blocks from its own pointwise formula below (CableBias slices CABLE's)
 
     def __call__(self, b, h, q_idx, kv_idx):
         s_q, g = self.s_q[b, h, q_idx], self.g_q[b, h, q_idx]
