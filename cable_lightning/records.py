@@ -412,8 +412,8 @@ def incomparable(rows: Iterable[Record]) -> Optional[str]:
             return (f"these runs ({at}) were trained by different recipes, which one table cannot compare: "
                     + "; ".join(differ) + "; report them apart, or train them alike"
                     + ("; a run named under two recipes was resumed with other settings (a longer "
-                       "trainer.max_steps): report the folder of its latest evaluation, or two lends' runs share "
-                       "its name: report each lend apart" if twice else ""))
+                       "trainer.max_steps): report the folder of its latest evaluation, or two machines' runs share "
+                       "its name: report each machine's runs apart" if twice else ""))
     return one_column(every)
 
 
