@@ -180,7 +180,7 @@ def test_the_design_document_draws_the_same_layers():
 # while, work sessions, helpers, a new user, hashes named after a branch, paths outside the repository).
 HOW_IT_WAS_BUILT = re.compile(
     r"\bissues? #?\d+|\blent\b|\blends?\b|\blending\b|\bloans?\b|\bsessions?\b|\bhelpers?\b|\bnew users?\b"
-    r"|\b(?:main|branch) [0-9a-f]{7,40}\b|\.\./shared\b", re.IGNORECASE)
+    r"|\b(?:main|branch) [0-9a-f]{7,40}\b|\bthis branch\b|\.\./shared\b", re.IGNORECASE)
 # Technical uses of those words, each (file, what the line holds): pytest's fixture scope, TensorBoard's hparams
 # session records, boto3's Session, and a test's fake source files.
 TECHNICAL = [

@@ -3,7 +3,7 @@ knows litdata's processes.
 
 litdata 0.2.76 does not notice a worker that dies without raising (killed for memory, say): it finishes without that
 worker's share of the data, or waits for it. Here a watchdog thread ends the run on such a death, every process the
-run started (litdata's child processes included) is ended when it stops, and litdata's own SIGINT handler, which would end
+run started (litdata's children included) is ended when it stops, and litdata's own SIGINT handler, which would end
 the process with status 0 mid-run, is kept out of the way.
 """
 
@@ -76,7 +76,7 @@ class Watchdog(threading.Thread):
     """Watches the processes ``optimize`` starts. litdata 0.2.76 does not notice a worker that dies without raising
     (killed for memory, say): it finishes without that worker's share of the data, or waits for it. On such a death
     this thread ends the other workers, so ``optimize`` returns, and keeps the cause. :meth:`finish` also ends the
-    workers' own children (litdata's child processes), which a dead worker leaves behind holding our stdout. While it watches,
+    workers' own children (litdata's), which a dead worker leaves behind holding our stdout. While it watches,
     this process is the children's subreaper (Linux): a child whose worker exited before a look saw it comes back to
     us instead of to init, and is ended with the rest rather than outliving the run holding our stdout."""
 
@@ -103,7 +103,8 @@ class Watchdog(threading.Thread):
         for proc in _started_children():
             if proc not in self.before:
                 self.workers.setdefault(proc.pid, proc)
-                self.grandchildren.update((pid, _start_time(pid)) for pid in _children(proc.pid) if pid not in self.grandchildren)
+                self.grandchildren.update((pid, _start_time(pid)) for pid in _children(proc.pid)
+                                          if pid not in self.grandchildren)
         if self.stopping:  # a worker forked while the stop interrupted start() was never registered: end it too
             forked = set(_children(os.getpid())) - self.before_pids - set(self.workers) - set(self.grandchildren)
             self.grandchildren.update((pid, _start_time(pid)) for pid in forked)
