@@ -41,7 +41,7 @@ def quiet_library_chatter() -> None:
     # The token stream is a litdata StreamingDataset: an IterableDataset with __len__ (Lightning's epoch length)
     # that gives each loader worker its own share, so Lightning's caution about duplicated data does not apply.
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
-    # Lightning's own pytree helper builds torch's LeafSpec, which torch deprecates; nothing a user can change. Only
+    # Lightning's own pytree function builds torch's LeafSpec, which torch deprecates; nothing a user can change. Only
     # when raised from that Lightning module: the same deprecation anywhere else still shows.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")

@@ -16,7 +16,8 @@ COMMANDS = {
     "sweep": ("cable_lightning.sweep", "train one config across encodings, lengths and seeds, then report"),
     "report": ("cable_lightning.eval.report", "tables and figures over runs, with intervals and paired tests"),
     "bench": ("cable_lightning.bench", "speed and memory of every encoding (the paper's Figure 3)"),
-    "gpu-check": ("cable_lightning.gpu_check", "on a lent GPU: timed fits of every attention backend, in 6 minutes"),
+    "gpu-check": ("cable_lightning.gpu_check", "CUDA: timed bf16 compiled fits of every attention backend, "
+                  "recompiles, memory, 16k evaluation"),
     "retrieval-set": ("cable_lightning.data.retrieval_set", "build a long-document retrieval set from a corpus"),
     "retrieval": ("cable_lightning.hf.retrieval", "fine-tune an exported encoder and score nDCG@10 by length"),
     "lm-eval": ("cable_lightning.hf.lm_eval_lengths", "lm-evaluation-harness tasks on an export at several lengths"),

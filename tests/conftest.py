@@ -150,8 +150,8 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """One server for the session, its endpoint and credentials in the environment (where boto3 and LitData read
-    them, also in the processes tests start), stopped at the session's end."""
+    """One server for the whole test run, its endpoint and credentials in the environment (where boto3 and LitData
+    read them, also in the processes tests start), stopped at the run's end."""
     server, env = S3Server(), pytest.MonkeyPatch()
     for name, value in server.env.items():
         env.setenv(name, value)
@@ -179,7 +179,7 @@ def tiny_corpus_s3(s3_server, tiny_corpus_docs) -> str:
     return url
 
 
-# --- helpers shared by the test modules (imported as `from conftest import ...`) ---------------------------------
+# --- functions shared by the test modules (imported as `from conftest import ...`) ---------------------------------
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

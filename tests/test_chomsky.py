@@ -346,7 +346,7 @@ def chomsky_batch(dm, batch_number=3):
                                     {"positions": "pose", "position_range": 2048}, {"documents": "train"}])
 def test_a_layout_trains_a_long_output_row_whole_not_cut_at_the_block_size(layout):
     """A reverse-string row (filler, n input symbols, n answer masks) is up to 2 x 40 + 1 tokens at block_size 40: a
-    layout cut at block_size trained most of its answers in a segment without their input (issue 66)."""
+    layout cut at block_size trained most of its answers in a segment without their input."""
     dm = TokenDataModule(path=None, tasks={"reverse_string": {}}, block_size=40, micro_batch_size=2, layout=layout)
     model = MaskedLM(BackboneConfig(preset="bert-base", pos_encoding="rope", n_layer=1, n_head=2, n_embd=32),
                      data=dm.describe())

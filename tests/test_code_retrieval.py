@@ -1,4 +1,4 @@
-"""The long-file code retrieval set (issue 71) on a fake Python environment: CodeSearchNet's filters, the docstring
+"""The long-file code retrieval set on a fake Python environment: CodeSearchNet's filters, the docstring
 removed from exactly its own lines, the split by distribution (no held-out function in a training pair), each
 query's function at its recorded token offset, the same files and hash from the same environment, one-line
 errors."""

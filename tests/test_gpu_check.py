@@ -258,7 +258,7 @@ def test_out_replaces_only_a_file_gpu_check_wrote_and_only_with_overwrite(tmp_pa
 @pytest.mark.parametrize("stopped_in", ["bench", "pytest"], ids=["before-its-first-row", "after-rows"])
 def test_a_sigterm_keeps_the_earlier_file_until_the_first_row_and_says_what_out_holds(tmp_path, capsys, monkeypatch,
                                                                                        stopped_in):
-    """``--overwrite`` stopped by SIGTERM before its first row left an earlier file (a lent GPU's rows) as its heading
+    """``--overwrite`` stopped by SIGTERM before its first row left an earlier file (a GPU run's rows) as its heading
     line alone, and said nothing (SIGTERM's default ended the process)."""
     results = tmp_path / "gpu_check.md"
     earlier = "## gpu-check: NVIDIA H200, torch 2.11, 2026-11-27\n\n| bench | nope | a GPU's row |\n"

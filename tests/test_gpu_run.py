@@ -1,5 +1,5 @@
-"""The paper's experiment on a lent GPU (issue 67): the script a GPU runs, rehearsed on the CPU at toy sizes, and the
-records that let the runs of several lends join one table, or refuse to."""
+"""The paper's experiment on one CUDA machine: the script a GPU runs, rehearsed on the CPU at toy sizes, and the
+records that let the runs of several machines join one table, or refuse to."""
 
 import json
 import os
@@ -32,7 +32,7 @@ def write_run(folder, pe, corpus_hash=None, recipe=None, machine=None):
 
 
 def test_report_refuses_runs_of_different_corpora_or_recipes(tmp_path):
-    """Runs of two lends join one table when their corpus and recipe agree (the machines may differ); another corpus,
+    """Runs of two machines join one table when their corpus and recipe agree (the machines may differ); another corpus,
     or another recipe at the same training length, is one line naming the runs and what differs, before anything is
     written. Rows without a corpus hash (an earlier version's) are compared as before."""
     runs = tmp_path / "runs"
@@ -104,12 +104,12 @@ def test_gpu_run_script_rehearsed_on_cpu(tmp_path):
                    "recorded; recipe (recorded vs none recorded): one table would show one of them as that run"),
 ], ids=["corpus", "recipe", "unrecorded"])
 def test_report_never_drops_one_of_two_runs_that_share_encoding_length_and_seed(tmp_path, second, named):
-    """Two lends' results joined: both start with cable, seed 0. Their rows were merged by a run key of encoding,
+    """Two machines' results joined: both start with cable, seed 0. Their rows were merged by a run key of encoding,
     training length and seed before the corpus check looked, so the table showed the later-written run alone. Now
     each run keeps its key (corpus and recipe in it) and the report refuses in one line naming what differs."""
     runs = tmp_path / "runs"
-    write_run(runs / "lend1", "cable", "1" * 64, RECIPE, "NVIDIA H100 80GB HBM3")
-    write_run(runs / "lend2", "cable", *second, "NVIDIA H200")
+    write_run(runs / "machine1", "cable", "1" * 64, RECIPE, "NVIDIA H100 80GB HBM3")
+    write_run(runs / "machine2", "cable", *second, "NVIDIA H200")
     with pytest.raises(ConfigError) as refused:
         report.report([str(runs)], str(tmp_path / "joined"))
     line = str(refused.value)

@@ -1,4 +1,4 @@
-"""The increment diagnostics (issue 53, docs/diagnostics.md#increments): a CABLE whose mask-token increment is forced
+"""The increment diagnostics (docs/diagnostics.md#increments): a CABLE whose mask-token increment is forced
 to zero reads as such, the figures against a slow reference, the answer pair's hidden difference, what `validate` on
 an encoder checkpoint prints and records, and the report's tables and figure."""
 

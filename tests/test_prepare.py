@@ -172,7 +172,7 @@ sys.exit(prep.main(sys.argv[2:]))
 
 def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir, tmp_path):
     """A worker killed mid-run (say, for memory): prepare stops with one line, writes no <out>, releases the lock,
-    leaves no helper process holding its output pipe, and the same command then succeeds."""
+    leaves no child process holding its output pipe, and the same command then succeeds."""
     import subprocess
     import sys
 
@@ -194,7 +194,7 @@ def test_killed_worker_fails_fast_with_one_line_and_a_rerun_works(small_txt_dir,
 
 
 def test_a_process_a_worker_leaves_behind_is_ended_with_the_run(small_txt_dir, tmp_path, monkeypatch):
-    """A process a worker started whose parent exits before the watchdog looks (litdata starts helpers in its workers)
+    """A process a worker started whose parent exits before the watchdog looks (litdata forks in its workers)
     was re-parented to init, unseen, holding our stdout: the suite's `pytest | tail` once waited on such a process.
     Here a worker's child forks it and exits at once; it must be gone (ended and reaped) when prepare returns."""
     import signal

@@ -161,7 +161,7 @@ def test_python_code_reads_each_text_file_once_in_order(fake_python, capsys):
 def test_python_code_holds_out_whole_distributions(fake_python, tmp_path, monkeypatch):
     """Validation is every file of the held-out distributions and nothing else; the manifest says which went where.
     The standard library always trains, whatever its version's name hashes to (python-3.12's is in the held-out
-    share: a lent GPU's image would otherwise validate on its whole library)."""
+    share: a Python 3.12 machine would otherwise validate on its whole library)."""
     from types import SimpleNamespace
 
     from cable_lightning.data import python_code

@@ -1,4 +1,4 @@
-"""What a fit's steady training step asks of the device through the CLI, progress bar on (issue 52, item 3): no read
+"""What a fit's steady training step asks of the device through the CLI, progress bar on: no read
 back that waits (the divergence check's flag is copied without waiting and read a step later), no upload of a logged
 number, and a synchronize only where a throughput rate is computed (the logging steps)."""
 

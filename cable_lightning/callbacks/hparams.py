@@ -45,7 +45,7 @@ class RunHParams(L.Callback):
         metrics = [val_tag("ppl", r.length, r.mode) for r in rows if r.ppl is not None]
         scored = [cb.results for cb in trainer.callbacks if isinstance(cb, TaskAccuracy) and cb.active(trainer)]
         metrics += dict.fromkeys(task_tag(r.task, r.length) for results in scored for r in results)
-        # torch's summary takes the metric tags only; a session end (its "success") is not written for a running fit
+        # torch's summary takes the metric tags only; the end record (its "success") is not written for a running fit
         experiment, session_start, _ = hparams(params, dict.fromkeys(metrics))
         writer = logger.experiment._get_file_writer()  # as Lightning's own log_hyperparams writes them
         writer.add_summary(experiment)

@@ -3,7 +3,7 @@ knows litdata's processes.
 
 litdata 0.2.76 does not notice a worker that dies without raising (killed for memory, say): it finishes without that
 worker's share of the data, or waits for it. Here a watchdog thread ends the run on such a death, every process the
-run started (litdata's helpers included) is ended when it stops, and litdata's own SIGINT handler, which would end
+run started (litdata's children included) is ended when it stops, and litdata's own SIGINT handler, which would end
 the process with status 0 mid-run, is kept out of the way.
 """
 
@@ -76,8 +76,8 @@ class Watchdog(threading.Thread):
     """Watches the processes ``optimize`` starts. litdata 0.2.76 does not notice a worker that dies without raising
     (killed for memory, say): it finishes without that worker's share of the data, or waits for it. On such a death
     this thread ends the other workers, so ``optimize`` returns, and keeps the cause. :meth:`finish` also ends the
-    workers' own children (litdata's helpers), which a dead worker leaves behind holding our stdout. While it watches,
-    this process is the children's subreaper (Linux): a helper whose worker exited before a look saw it comes back to
+    workers' own children (litdata's), which a dead worker leaves behind holding our stdout. While it watches,
+    this process is the children's subreaper (Linux): a child whose worker exited before a look saw it comes back to
     us instead of to init, and is ended with the rest rather than outliving the run holding our stdout."""
 
     def __init__(self) -> None:
@@ -86,7 +86,7 @@ class Watchdog(threading.Thread):
         self.before = set(_started_children())
         self.before_pids = set(_children(os.getpid()))
         self.workers: dict[int, Any] = {}  # pid -> Process, every child started while watching
-        self.helpers: dict[int, str | None] = {}  # pid -> start time of the workers' children
+        self.grandchildren: dict[int, str | None] = {}  # pid -> start time of the workers' children
         self.cause: str | None = None
         self.stopping = False  # set when a stop signal ends optimize
         self.done = threading.Event()
@@ -103,10 +103,11 @@ class Watchdog(threading.Thread):
         for proc in _started_children():
             if proc not in self.before:
                 self.workers.setdefault(proc.pid, proc)
-                self.helpers.update((pid, _start_time(pid)) for pid in _children(proc.pid) if pid not in self.helpers)
+                self.grandchildren.update((pid, _start_time(pid)) for pid in _children(proc.pid)
+                                          if pid not in self.grandchildren)
         if self.stopping:  # a worker forked while the stop interrupted start() was never registered: end it too
-            forked = set(_children(os.getpid())) - self.before_pids - set(self.workers) - set(self.helpers)
-            self.helpers.update((pid, _start_time(pid)) for pid in forked)
+            forked = set(_children(os.getpid())) - self.before_pids - set(self.workers) - set(self.grandchildren)
+            self.grandchildren.update((pid, _start_time(pid)) for pid in forked)
         for pid, proc in self.workers.items():
             if proc.exitcode and self.cause is None:  # None: running, 0: done, < 0: killed by that signal
                 self.cause = _death(pid, proc.exitcode)
@@ -116,7 +117,7 @@ class Watchdog(threading.Thread):
         for proc in self.workers.values():
             if proc.is_alive():
                 proc.terminate()
-        for pid, started in self.helpers.items():
+        for pid, started in self.grandchildren.items():
             if started is not None and _start_time(pid) == started:  # still that process, not a reused pid
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -126,7 +127,7 @@ class Watchdog(threading.Thread):
 
     def reap_adopted(self) -> None:
         """End and reap every child of ours that is neither from before nor a worker: an orphan of a worker that the
-        subreaper took back (a process, or a killed helper's zombie). They are not multiprocessing's to reap."""
+        subreaper took back (a process, or a killed child's zombie). They are not multiprocessing's to reap."""
         for pid in set(_children(os.getpid())) - self.before_pids - set(self.workers):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -179,7 +179,7 @@ def prepare(source: str = "python-docs", tokenizer: str = "bpe:4096", out: str =
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".lock", "a") as lock:
         # A second prepare of this out waits here, then finds it done. A POSIX lock belongs to this process alone:
-        # forked litdata helpers that outlive a killed worker cannot keep it (an flock would stay held by them).
+        # forked litdata child processes that outlive a killed worker cannot keep it (an flock would stay held by them).
         fcntl.lockf(lock, fcntl.LOCK_EX)
         if (done := _existing(out, request, overwrite, [*(src.files or ()), tokenizer_file(tokenizer)])) is not None:
             (log or _silent)(f"{out} is already prepared for this request "

@@ -17,7 +17,7 @@ rewrites a script's first line to this interpreter's absolute path (jmespath's `
 depend on where the virtualenv lives. Whole installed distributions are held out for
 validation: those whose name's SHA-256 falls in the first :data:`VAL_SHARE` of its range, so a package gets the same
 split on every machine, whatever else is installed there. The standard library always trains: held out by its
-version's name, Python 3.12's whole library (about 30 MB) would be validation on a lent GPU's image and not on 3.11.
+version's name, Python 3.12's whole library (about 30 MB) would be validation on a Python 3.12 machine and not on 3.11.
 The manifest records every distribution (version, split, files, bytes) and ``corpus_hash``, over the documents'
 contents and splits in order: two machines prepared the same data when their hashes agree.
 """

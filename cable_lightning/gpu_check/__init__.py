@@ -1,4 +1,5 @@
-"""``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent (its plan in
+"""``python -m cable_lightning gpu-check``: timed bf16 compiled fits of every attention backend on a CUDA GPU,
+with recompiles, memory and a 16k evaluation, within a time budget (its plan in
 ``run``'s docstring and docs/speed.md, "On a GPU"). Its parts, each read in one sitting: ``plan`` (encodings, sizes,
 parts and budgets), ``fits`` (a timed fit per encoding), ``evaluation`` (the bench's evaluation at 16,384 tokens),
 ``memory`` (the estimate beside a fit's peak), ``dynamo`` (counters, the recompile watch, the rehearsal's backend),

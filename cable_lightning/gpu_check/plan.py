@@ -23,7 +23,7 @@ FLEX_EVAL_COMPILE_BUDGET_S = 40.0
 BENCH_BUDGET_S = 24.0  # the bench's timed forwards, all encodings together
 BENCH_COMPILE_BUDGET_S = 30.0  # the bench's first forward of an encoding on the flex path (compiling: 11-34 s measured)
 PYTEST_BUDGET_S = 60.0  # the CUDA FlexAttention tests (FLEX_TESTS)
-RUN_BUDGET_S = 425.0  # nothing starts after it (a run then ends within one fit of it, inside a 600 s device call)
+RUN_BUDGET_S = 425.0  # --time_budget's default: nothing starts after it (a run ends within one fit of it, in 600 s)
 FLEX_TESTS = ("tests/test_attention.py", "-k", "flex")  # FlexAttention's values and gradients on CUDA
 
 

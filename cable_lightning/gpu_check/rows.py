@@ -16,7 +16,7 @@ from ..eval.tables import markdown_row, markdown_table
 class Report:
     """The results file: each line written and flushed as it comes, and echoed. Its first line, the heading, marks it
     as gpu-check's (``owned.FILE_MARKS``): a later run replaces it only with ``--overwrite``. Until its first row it is
-    written beside ``path`` (``.<name>.partial``) and then renamed over it, so that an earlier file (a lent GPU's rows)
+    written beside ``path`` (``.<name>.partial``) and then renamed over it, so that an earlier file (a GPU run's rows)
     stays whole when the new run stops before it has a row to show; closed before that, the partial file is removed."""
 
     def __init__(self, path: str, heading: str):

@@ -1,4 +1,5 @@
-"""``python -m cable_lightning gpu-check``: what a lent GPU must show, in the minutes it is lent. docs/speed.md ("On a
+"""``python -m cable_lightning gpu-check``: on one CUDA GPU, timed bf16 compiled fits of every attention backend, their
+recompiles and memory, and the evaluation at 16,384 tokens, within ``--time_budget`` seconds. docs/speed.md ("On a
 GPU") tells the plan whole: the parts, their budgets, how steps, memory and compiles are measured.
 
 Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short keeps what
@@ -110,7 +111,7 @@ def run_parts(args, parts: dict[str, list[str]], sizes: Sizes, cuda: bool, repor
     report.line(f"{sizes.preset}{f' ({shape})' if shape else ''} at {sizes.block} tokens, {sizes.micro} sequences a "
                 f"step, {sizes.precision}, compile true, {sizes.warmup} warm-up and {sizes.steady} steady steps; MFU "
                 f"against {run.peak_source}" + (f" ({run.peak / 1e12:.3g} TFLOP/s)" if run.peak else ""))
-    scale, run_deadline = args.budget_scale, started + RUN_BUDGET_S * args.budget_scale
+    scale, run_deadline = args.budget_scale, started + args.time_budget
     with run.watch.watching(), (eager_dynamo() if args.rehearse_on_cpu else nullcontext()):
         # the bench first: bounded and cheap, so a fit that overruns cannot take the evaluation targets with it
         head = ["part", "encoding", "backend", "compile s (first forward)", f"eval s @{sizes.eval_length}", "x NoPE",
@@ -158,8 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
                         help="the fits' shapes: GPT-2's vocabulary (the paper's, with their targets) and the "
                         "prepared data's own (default: %(default)s)")
+    parser.add_argument("--time_budget", type=float, default=None, metavar="SECONDS",
+                        help=f"nothing starts after this many seconds from the start (default: {RUN_BUDGET_S:.0f} x "
+                        "--budget_scale; a run ends within one fit of it)")
     parser.add_argument("--budget_scale", type=float, default=1.0,
-                        help="multiplies every time budget (a slower GPU, or a longer loan)")
+                        help="multiplies every part's time budget (a slower GPU, or a longer time budget)")
     parser.add_argument("--rehearse_on_cpu", action="store_true",
                         help="every part on the CPU at toy sizes, to check this command (not GPU figures)")
     args = parser.parse_args(argv)
@@ -167,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     started, cuda = time.monotonic(), not args.rehearse_on_cpu
     if not args.budget_scale > 0:
         raise ConfigError(f"--budget_scale must be > 0, got {args.budget_scale}")
+    if args.time_budget is None:
+        args.time_budget = RUN_BUDGET_S * args.budget_scale
+    if not args.time_budget > 0:
+        raise ConfigError(f"--time_budget must be > 0 seconds, got {args.time_budget}")
     if cuda and not torch.cuda.is_available():
         raise ConfigError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                           "--rehearse_on_cpu runs its parts on the CPU at toy sizes")

@@ -2,7 +2,7 @@
 
 CABLE's bidirectional bias -g_i |S_i - S_j| is symmetric: a key k tokens to the left of a query and one k tokens to
 its right look the same to it whenever the increments between them are equal. Two adjacent [MASK] tokens then differ
-only by g x b at [MASK], which training can switch off (docs/results.md, "Synthetic tasks for encoders"). Here the
+only by g x b at [MASK], which training can switch off (docs/results/tasks-encoders.md). Here the
 bias depends on the side of the key (j <= i: left, j > i: right; the order of the tokens, no position index):
 
 - ``order: weights``: separate per-token weights for the two sides,

@@ -1,5 +1,5 @@
 """The Python parts of tools/gpu/run.sh, each a subcommand that prints what it found and appends one JSON line to
-``--results`` (the lent GPU's results file, written as each part finishes):
+``--results`` (the run's results file, written as each part finishes):
 
 - ``env``: Python, torch, the device, and every package the runs import (from the carried wheels or the image); exit
   1 when one is missing.
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-# What a lent GPU's image lacks (carried as wheels: ../shared/gpu/README.md) and what the runs import from the image
+# What the runs import: installed on the machine, or installed from wheels in .whl/ (run.sh)
 PACKAGES = ["litdata", "jsonargparse", "docstring_parser", "typeshed_client", "lightning", "torchmetrics",
             "tensorboard", "tokenizers", "matplotlib", "scipy", "numpy", "yaml"]
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# What a lent GPU runs (tools/gpu/README.md): the paper's experiment at a GPU's scale,
+# The paper's experiment at a GPU's scale on one CUDA machine (tools/gpu/README.md):
 # configs/paper/gpt2_small_code.yaml, one encoding after another, in the minutes one call gives. Parts, in order, each
 # under its own `timeout` inside a total cap, each writing its line to $OUT/results.jsonl as it finishes (a part cut
 # short keeps what finished before):
-#   env        the device, torch, and every package the runs import (the image's, or the carried wheels' in .whl/)
+#   env        the device, torch, and every package the runs import (installed, or from wheels in .whl/)
 #   gpu-check  (GPU_CHECK=1 only) `gpu-check` on GC_ENCODINGS
 #   prepare    `prepare --source python-code --tokenizer bpe:16384 --num_workers 16` into $DATA, unless it was carried
 #   fit X      for each of ENCODINGS: `fit --config configs/paper/gpt2_small_code.yaml --config
@@ -18,13 +18,13 @@
 # (`timeout` leads a process group of its own and passes SIGTERM to all of it: a fit saves last.ckpt and stops),
 # removes its work folder and exits with 128 + the signal; what $OUT holds by then stays.
 #
-# Device call (from the project root, the wheels fetched by ../shared/gpu/fetch_wheels.sh):
-#     run, carry [".whl"], timeout_s 600:   bash tools/gpu/run.sh
+# On the CUDA machine, from the project root (wheels of missing packages, if any, in .whl/ or $WHL):
+#     OUT=/tmp/gpu-out bash tools/gpu/run.sh
 # CPU rehearsal at toy sizes (every part, seconds; tests/test_gpu_run.py runs it):
 #     REHEARSE=1 OUT=/tmp/out PY=$(which python) bash tools/gpu/run.sh
 #
-# Knobs (environment): ENCODINGS (default: cable alibi kerple_log rope nope t5 fire), TOTAL_S (the cap, 575 s: one
-# 600 s call of a 15-minute lend, its start spent outside it, 25 s kept for a part's kill and the last copy),
+# Knobs (environment): ENCODINGS (default: cable alibi kerple_log rope nope t5 fire), TOTAL_S (the cap, 575 s: fits a
+# 600 s time limit with 25 s kept for a part's kill and the last copy),
 # REPORT_S (the seconds kept for the report and the last copy: 20, 60 in a rehearsal), GPU_CHECK (0; 1 runs
 # gpu-check first), GC_ENCODINGS, GC_SHAPES (gpu-check's --shapes: gpt2-vocab, the paper's
 # vocabulary, alone by default, as both shapes of gpu-check's default plan do not fit one call), SOURCE (python-code, or a slice python-code:NAME,...) and DATA
