@@ -43,6 +43,19 @@ def built(encoding, n_head=4, head_dim=16, n_layer=1, causal=True, block_size=TR
     return config.pos_encoding.build(config).eval()
 
 
+def assert_causal_layer(pe, x, qkv, want_bias, want, bias_atol, out_atol, bias_rtol=0.0, backend="auto"):
+    """The encoding's causal bias at ``x`` (the seen part of its matrix) and one attention layer's output on ``qkv``
+    with it, against an oracle's ``want_bias`` and ``want``."""
+    q, k, v = qkv
+    bias = pe.score_bias(x, 0, 0, None)
+    seen = torch.ones(LONG, LONG, dtype=torch.bool).tril()
+    got_bias = bias_matrix(bias, LONG, batch=2).double()
+    torch.testing.assert_close(got_bias[..., seen], want_bias[..., seen], rtol=bias_rtol, atol=bias_atol)
+    with torch.no_grad():
+        got = attention(q, k, v, bias, causal=True, backend=backend)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=out_atol)
+
+
 def bias_matrix(bias, length, batch=1, heads=4):
     """(batch|1, heads, length, length) of a ScoreBias for queries and keys at 0..length-1."""
     return bias.rows(0, length, length, batch, heads, torch.device("cpu"))
@@ -320,14 +333,8 @@ def test_cable_nw_with_softplus_is_the_released_cable():
     with torch.no_grad():
         pe.proj[0].weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(6))
     x, (q, k, v) = layer_input(), qkv()
-    bias = pe.score_bias(x, 0, 0, None)
     want_bias, want = released_cable_layer(x, pe.proj[0].weight.detach(), torch.zeros(4), q, k, v)
-    seen = torch.ones(LONG, LONG, dtype=torch.bool).tril()
-    got_bias = bias_matrix(bias, LONG, batch=2).double()
-    torch.testing.assert_close(got_bias[..., seen], want_bias[..., seen], rtol=0, atol=2e-5)
-    with torch.no_grad():
-        got = attention(q, k, v, bias, causal=True)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert_causal_layer(pe, x, (q, k, v), want_bias, want, bias_atol=2e-5, out_atol=1e-5)
 
 
 @pytest.mark.parametrize("encoding", [cable(), k_cable()], ids=["cable", "k_cable"])
@@ -346,13 +353,8 @@ def test_cable_and_k_cable_are_the_papers_equations(encoding):
     distance = g[..., :, None] * (s[..., :, None] - s[..., None, :])
     want_bias = -distance if encoding.kernel == "linear" else -torch.log(1 + distance**2)
     want = causal_softmax((q.double() @ k.double().transpose(-1, -2)) / 4.0 + want_bias) @ v.double()
-    bias = pe.score_bias(x, 0, 0, None)
-    seen = torch.ones(LONG, LONG, dtype=torch.bool).tril()
-    got_bias = bias_matrix(bias, LONG, batch=2).double()
-    torch.testing.assert_close(got_bias[..., seen], want_bias[..., seen], rtol=1e-4, atol=1e-6)
-    with torch.no_grad():
-        got = attention(q, k, v, bias, causal=True, backend="materialized")
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-5)
+    assert_causal_layer(pe, x, (q, k, v), want_bias, want, bias_atol=1e-6, out_atol=5e-5, bias_rtol=1e-4,
+                        backend="materialized")
 
 
 def test_fox_is_the_released_forgetting_attention():
@@ -370,13 +372,7 @@ def test_fox_is_the_released_forgetting_attention():
     log_lambda = torch.cumsum(F.logsigmoid(x.double() @ w.T + b), dim=1).transpose(1, 2)
     want_bias = log_lambda[..., :, None] - log_lambda[..., None, :]
     want = causal_softmax((q.double() @ k.double().transpose(-1, -2)) / 4.0 + want_bias) @ v.double()
-    bias = pe.score_bias(x, 0, 0, None)
-    seen = torch.ones(LONG, LONG, dtype=torch.bool).tril()
-    got_bias = bias_matrix(bias, LONG, batch=2).double()
-    torch.testing.assert_close(got_bias[..., seen], want_bias[..., seen], rtol=0, atol=2e-5)
-    with torch.no_grad():
-        got = attention(q, k, v, bias, causal=True)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert_causal_layer(pe, x, (q, k, v), want_bias, want, bias_atol=2e-5, out_atol=1e-5)
 
 
 # --- encodings whose scores read the logits: stick-breaking, CoPE, DAPEv2; SSMax's scale ----------------------------
