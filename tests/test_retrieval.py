@@ -331,3 +331,40 @@ def test_rows_name_the_run_its_fine_tuning_and_the_set_and_a_rerun_does_nothing_
     assert retrieval.evaluated_already({"cable": str(tuned)}, [8, 16], str(run), "set", [], rebuilt)[0] is None
     again = {**settings, "max_steps": 2}  # another --max_steps (or any setting): fine-tuned again
     assert retrieval.finetuned_already(str(base), str(tuned), again) is None
+
+
+def test_a_sweep_run_again_skips_each_finished_stage_and_writes_each_row_once(tiny_corpus_dir, tmp_path, monkeypatch,
+                                                                               capsys):
+    """`sweep --stage fit+retrieval` run again after it finished redid every run's export, fine-tuning and evaluation
+    and appended its retrieval rows again; each command now sees its output there for the same input and settings
+    and says so in one line (the sweep stays a list of commands, here run in this process)."""
+    from cable_lightning import sweep
+    from cable_lightning.__main__ import main as run_verb
+
+    config = tmp_path / "enc.yaml"
+    config.write_text(json.dumps({
+        "model": {"class_path": "cable_lightning.lit.MaskedLM", "init_args": {
+            "backbone": {"preset": "bert-base", "n_layer": 1, "n_head": 2, "n_embd": 32}, "warmup_steps": 1}},
+        "data": {"path": tiny_corpus_dir, "block_size": 16, "micro_batch_size": 2, "eval_lengths": [16],
+                 "eval_tokens": 64},
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "num_sanity_val_steps": 0,
+                    "enable_progress_bar": False, "enable_model_summary": False}}))
+    retrieval_set = tmp_path / "set"
+    write_beir(retrieval_set, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    (retrieval_set / "train_pairs.jsonl").write_text(
+        "".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p, _ in EXTRA_TRIPLES))
+    monkeypatch.setattr(sweep, "run_passing_signals", lambda cmd: (run_verb(cmd[3:]) or 0, None))
+    monkeypatch.setattr(sweep, "report", lambda paths, out: {})  # the report's tables are tested elsewhere
+    argv = ["--config", str(config), "--pes", "cable", "--experiment", "enc", "--runs_dir", str(tmp_path / "runs"),
+            "--stage", "fit+retrieval", "--retrieval_set", str(retrieval_set), "--retrieval_lengths", "16", "32",
+            "--finetune_steps", "1", "--finetune_batch", "3"]
+    sweep.main(argv)
+    records = tmp_path / "runs" / "enc" / "cable" / RetrievalRecord.FILE
+    rows = records.read_text()
+    assert [r.length for r in read_records(str(records), RetrievalRecord)] == [16, 32]
+    capsys.readouterr()
+    sweep.main(argv)
+    said = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("+ ")]
+    assert said[0].startswith("the run is finished: ") and len(said) == 4, said
+    assert all(line.endswith(": already done; nothing to do") for line in said[1:]), said  # export, tuning, evaluation
+    assert records.read_text() == rows
