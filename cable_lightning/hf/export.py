@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--data_path", default=None, help="the prepared data the run trained on (default: the run's "
                         "data.path from its config.yaml); its tokenizer is exported")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder (one that is "
+                        "already an export of this checkpoint is left as it is: nothing to do)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as transformers_logging
 

@@ -423,7 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     tune.add_argument("--seed", type=int, default=42)
     tune.add_argument("--mini_batch_size", type=int, help="CachedMultipleNegativesRankingLoss in mini-batches of this "
                       "size (the same loss over the whole --batch_size, for a batch that would not fit at once)")
-    tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input)")
+    tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input; "
+                      "one that is already this fine-tuning, the same export with the same settings, is left as it "
+                      "is: nothing to do)")
     ev = commands.add_parser("evaluate", help="nDCG@10 at several maximum input lengths (Table 3)")
     ev.add_argument("--models", nargs="+", required=True, help="NAME=EXPORTED_FOLDER, one per table column")
     ev.add_argument("--lengths", nargs="+", type=int, required=True)
