@@ -91,8 +91,9 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and, where the rows have them, hard
     negatives; with ``mini_batch_size``, its cached form, CachedMultipleNegativesRankingLoss: the same loss over the
     whole batch, computed in mini-batches of that size, for a batch whose activations would not fit); save the result
-    as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
-    (``overwrite``) that holds neither input, swapped in by rename."""
+    as an export (the input folder's files with the new weights, its provenance with the fine-tuning's settings:
+    :func:`tuned_provenance`) at ``out``, which may replace only an export (``overwrite``) that holds neither input,
+    swapped in by rename."""
     if mini_batch_size is not None and not 0 < mini_batch_size <= batch_size:
         raise ConfigError(f"--mini_batch_size must be from 1 to --batch_size ({batch_size}), got {mini_batch_size}")
     if not os.path.isdir(model):  # transformers would take it for a hub id and fail in a traceback
@@ -109,10 +110,10 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     )
 
     check_replaceable(out, "export", overwrite, (model, triples))  # before any work
-    settings = finetune_settings(triples, max_seq_length, batch_size, max_steps, lr, warmup_ratio, seed,
-                                 mini_batch_size)
     st_model = encoder(model, max_seq_length, trust_remote_code=trust_remote_code)
     dataset = load_triples(triples)
+    settings = finetune_settings(triples, max_seq_length, batch_size, max_steps, lr, warmup_ratio, seed,
+                                 mini_batch_size)
     with tempfile.TemporaryDirectory() as scratch:
         args = SentenceTransformerTrainingArguments(
             output_dir=scratch, max_steps=max_steps, per_device_train_batch_size=batch_size, learning_rate=lr,
