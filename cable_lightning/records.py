@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
@@ -40,6 +41,7 @@ class RunKey(NamedTuple):
     recipe: Optional[str]
     task: Optional[str] = None
     settings: Optional[str] = None  # the weight-defining settings besides the shape (sorted JSON; Record.settings)
+    finetune: Optional[str] = None  # a retrieval row's fine-tuning settings (sorted JSON; RetrievalRecord.finetune)
 
     def describe(self) -> str:
         """The run as a line of text names it."""
@@ -212,13 +214,29 @@ class RetrievalRecord(Record):
                                                           "visible": (0, 1), "mrr": (0, 1), "recall": (0, 1)}
 
     stage: str = "retrieval"
-    dataset: str
+    dataset: str  # the set's name (its folder's; a display name: dataset_hash says which set it is)
     length: int
     ndcg: float
     queries: int = 0
     visible: Optional[float] = None
     mrr: Optional[float] = None  # None: rows an earlier version wrote, and MLDR (nDCG@10 only)
     recall: Optional[float] = None
+    # The set's content (:func:`content_hash` of its corpus, queries and qrels; None: MLDR, and rows an earlier
+    # version wrote), and the contrastive fine-tuning the evaluated encoder had (``retrieval finetune``'s settings:
+    # max_steps, batch_size, lr, warmup_ratio, seed, max_seq_length, mini_batch_size, and the triples' content hash or
+    # "msmarco"; None: an encoder not fine-tuned here, and rows an earlier version wrote)
+    dataset_hash: Optional[str] = None
+    finetune: Optional[dict] = None
+
+    def run_key(self) -> RunKey:
+        """Two fine-tunings of one pre-trained run are two runs: the fine-tuning settings are part of the key."""
+        key = super().run_key()
+        return key if self.finetune is None else key._replace(finetune=json.dumps(self.finetune, sort_keys=True))
+
+    def evaluation(self) -> tuple:
+        """What one row measured: the run and its fine-tuning, the checkpoint and step, the set and the length (a
+        row with the same evaluation is one already written: ``retrieval evaluate --records`` writes it once)."""
+        return self.run_key(), self.step, self.checkpoint, self.dataset, self.dataset_hash, self.length
 
 
 @dataclass(kw_only=True)
@@ -430,7 +448,7 @@ def one_column(rows: Iterable[Record]) -> Optional[str]:
     found: dict[RunKey, set[RunKey]] = {}
     for r in rows:
         key = r.run_key()
-        found.setdefault(key._replace(corpus=None, recipe=None, settings=None), set()).add(key)
+        found.setdefault(key._replace(corpus=None, recipe=None, settings=None, finetune=None), set()).add(key)
     for shared, keys in sorted(found.items(), key=str):
         if len(keys) < 2:
             continue
@@ -445,8 +463,9 @@ def one_column(rows: Iterable[Record]) -> Optional[str]:
                      for name in settings if len({json.dumps((recipe or {}).get(name)) for recipe in recipes}) > 1]
             differ.append("recipe (" + ", ".join(named) + ")" if None not in recipes
                           else "recipe (recorded vs none recorded)")
-        if None in {key.settings for key in keys} and len({key.settings for key in keys}) > 1:
-            differ.append("settings (recorded vs none recorded)")
+        for field, name in (("settings", "settings"), ("finetune", "fine-tuning settings")):
+            if None in {getattr(key, field) for key in keys} and len({getattr(key, field) for key in keys}) > 1:
+                differ.append(f"{name} (recorded vs none recorded)")
         if not differ:
             continue  # both record their settings, and those differ: two columns (run_column names them)
         return (f"{shared.describe()} is {len(keys)} runs that differ in {'; '.join(differ)}: one table would show one "
@@ -456,37 +475,53 @@ def one_column(rows: Iterable[Record]) -> Optional[str]:
 
 class Differences(NamedTuple):
     """What a report's runs differ in, so that its columns name it (:func:`run_column`): training length, learning rate,
-    backbone, and per encoding the settings (of :attr:`Record.settings`) whose values its runs do not share."""
+    backbone, and per encoding the settings (of :attr:`Record.settings`) and the fine-tuning settings (of
+    :attr:`RetrievalRecord.finetune`) whose values its runs do not share."""
 
     length: bool
     lr: bool
     model: bool
     settings: dict[str, tuple[str, ...]]
+    finetune: dict[str, tuple[str, ...]] = {}
 
 
 def differing(rows: Iterable[Record]) -> Differences:
     """What the rows' runs differ in (:class:`Differences`). A row written before runs carried their rate, backbone or
-    settings (None) differs from none: it joins the runs that name one."""
+    settings (None) differs from none: it joins the runs that name one. A fine-tuning's seed follows its run's (the
+    sweep fine-tunes each seed's run with that seed), so it differs only where one run of one seed was fine-tuned
+    with two."""
     rows = list(rows)
     values: dict[str, dict[str, set[str]]] = {}
+    tunings: dict[str, dict[str, set[tuple]]] = {}
     for r in rows:
         for name, value in (r.settings or {}).items():
             values.setdefault(r.run_name(), {}).setdefault(name, set()).add(json.dumps(value, sort_keys=True))
+        for name, value in (getattr(r, "finetune", None) or {}).items():
+            seen = (r.run_seed, json.dumps(value)) if name == "seed" else (None, json.dumps(value))
+            tunings.setdefault(r.run_name(), {}).setdefault(name, set()).add(seen)
+
     settings = {run: tuple(sorted(n for n, seen in named.items() if len(seen) > 1)) for run, named in values.items()}
+    tuned = {run: tuple(sorted(n for n, seen in named.items() if len({key for key, _ in seen}) < len(seen)))
+             for run, named in tunings.items()}  # some run (or run seed) under two values
     return Differences(len({r.train_length for r in rows}) > 1, len({r.lr for r in rows if r.lr is not None}) > 1,
                        len({r.model for r in rows if r.model is not None}) > 1,
-                       {run: names for run, names in settings.items() if names})
+                       {run: names for run, names in settings.items() if names},
+                       {run: names for run, names in tuned.items() if names})
 
 
 def run_column(row: Record, differ: Differences, with_lr: bool = True) -> str:
     """A run's report column: its encoding's :meth:`Record.run_name`, with what the report's runs differ in
     (:func:`differing`): ``cable@512``, ``cable (decoder L12-D768-H12)``, ``cable lr=0.0003``,
-    ``cable bias_activation=softplus``."""
+    ``cable bias_activation=softplus``, ``cable finetune.max_steps=400``."""
     name = f"{row.run_name()}@{row.train_length}" if differ.length else row.run_name()
     name += f" ({row.model})" if differ.model and row.model else ""
     for setting in differ.settings.get(row.run_name(), ()):
         if row.settings and setting in row.settings:
             name += f" {setting.removeprefix('pos_encoding.')}={row.settings[setting]}"
+    tuned = getattr(row, "finetune", None) or {}
+    for setting in differ.finetune.get(row.run_name(), ()):
+        if setting in tuned:
+            name += f" finetune.{setting}={tuned[setting]}"
     return f"{name} lr={row.lr:g}" if with_lr and differ.lr and row.lr is not None else name
 
 
@@ -494,6 +529,24 @@ def format_value(value: float, digits: int = 2) -> str:
     """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
     model's perplexity would otherwise print hundreds of digits)."""
     return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.3g}"
+
+
+def content_hash(paths: Iterable[str]) -> str:
+    """sha256 over the files' contents, in order (each preceded by its size, so that where one ends counts): what
+    names a retrieval set (its corpus, queries and qrels) and the checkpoint an export came from, whatever folder
+    they are in."""
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                digest.update(f"{os.fstat(f.fileno()).st_size}\n".encode())
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            raise MissingFileError(f"{path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
+    return digest.hexdigest()
 
 
 def append_records(folder: str, records: list[Record]) -> None:

@@ -28,7 +28,9 @@ Runs go to runs/<experiment>/<pe>/ (with ``--train_lengths``: experiment <experi
 run per seed in runs/<experiment>/<pe>/seed<N>/, trained with ``--seed_everything N``: seeds change the weights'
 initialisation, not the data order, so the report can pair them across encodings), and the
 report to runs/<experiment>/report_<mode>.{md,csv,png}. Each run is started with ``--ckpt_path auto``: running the
-same sweep again continues the runs that were interrupted and leaves finished ones as they are (one line each).
+same sweep again continues the runs that were interrupted and leaves finished ones as they are (one line each). The
+retrieval stage's commands do the same: an export of the same checkpoint, a fine-tuning with the same settings and an
+evaluation whose rows the run's ``retrieval.jsonl`` already holds each say they are done and write nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ at 4x, the same greedy generation (transformers' generate on our KV cache) and t
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from cable_lightning.hf import export_backbone, load_backbone
 from cable_lightning.hf.export import hf_tokenizer, write_tiktoken_ranks
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available, from_label, score_bias_encodings
+from cable_lightning.records import content_hash
 
 SEPARATED = "one document<|endoftext|>the next"
 # Every registered encoding, DAPEv2 over every encoding it wraps, and a pattern of windowed layers.
@@ -308,10 +310,26 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(tiny_corpus_dir, t
     assert config["max_position_embeddings"] == 32 and config["auto_map"]["AutoModelForCausalLM"]
     assert config["provenance"] == provenance and provenance["step"] == 2 and provenance["checkpoint"] == str(ckpt)
     assert (out / "tokenizer.json").is_file() and (out / "cable_core" / "positional" / "registry.py").is_file()
+    # the run's identity, as its length records name it, for the retrieval rows measured on the export
+    saved = torch.load(ckpt, weights_only=True)
+    assert provenance["checkpoint_hash"] == content_hash([str(ckpt)]) and provenance["lr"] == 6e-4
+    assert provenance["recipe"] == saved["recipe"] and provenance["recipe"]["steps"] == 2
+    assert provenance["corpus_hash"] == saved["run_data"]["corpus_hash"]
+    assert provenance["settings"]["dropout"] == 0.0 and provenance["settings"]["n_layer"] == 2
+    # exported again from the same checkpoint (a sweep run again): nothing to do, nothing rewritten
+    written = os.stat(out / "model.safetensors").st_mtime_ns
+    capsys.readouterr()
+    export(["--ckpt_path", str(ckpt), "--out", str(out), "--overwrite"])
+    assert capsys.readouterr().out == (
+        f"{out} is an export of {ckpt} (the same checkpoint): already done; nothing to do\n")
+    assert os.stat(out / "model.safetensors").st_mtime_ns == written
 
-    # `python -m cable_lightning export` (the module's __main__, in this process): an existing folder is a one-line
-    # error with exit status 2
-    monkeypatch.setattr(sys, "argv", ["cable_lightning", "export", "--ckpt_path", str(ckpt), "--out", str(out)])
+    # `python -m cable_lightning export` (the module's __main__, in this process): an existing folder of another
+    # checkpoint (the same bytes elsewhere: records name the path) is a one-line error with exit status 2
+    other = tmp_path / "other.ckpt"
+    shutil.copyfile(ckpt, other)
+    monkeypatch.setattr(sys, "argv", ["cable_lightning", "export", "--ckpt_path", str(other), "--out", str(out),
+                                      "--data_path", tiny_corpus_dir])
     with pytest.raises(SystemExit) as exit_status:
         runpy.run_module("cable_lightning", run_name="__main__")
     assert exit_status.value.code == 2

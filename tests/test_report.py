@@ -5,6 +5,7 @@ import json
 import pytest
 from scipy import stats
 
+from cable_lightning.errors import ConfigError
 from cable_lightning.eval import report
 from cable_lightning.eval.intervals import seed_interval
 from cable_lightning.eval.tables import Cell, markdown, markdown_table, neighbours
@@ -257,3 +258,53 @@ def test_each_encodings_ratio_at_a_shared_multiple_is_tabled_and_drawn_against_i
     one.write_text("".join(json.dumps(r) + "\n" for r in rows if r["train_length"] == 128))
     assert "nonoverlap ratio by training length" not in report.report([str(one.parent)], str(tmp_path / "o"),
                                                                       figures=False)
+
+
+def retrieval_run(folder, pe: str, seed: int, finetune: dict | None = None, dataset_hash: str | None = None,
+                  ndcg: float = 0.2) -> str:
+    """A run folder with one length row and its retrieval rows at two lengths (as ``retrieval evaluate --records``
+    writes them)."""
+    append_records(str(folder), [LengthRecord(pe=pe, train_length=128, step=500, run_seed=seed, length=128,
+                                              mode="nonoverlap", ppl=9.0)])
+    append_records(str(folder), [RetrievalRecord(pe=pe, train_length=128, step=500, run_seed=seed, dataset="code",
+                                                 dataset_hash=dataset_hash, finetune=finetune, length=length,
+                                                 ndcg=ndcg + length / 1e4, mrr=0.1, recall=0.5)
+                                 for length in (128, 512)])
+    return str(folder)
+
+
+def test_two_fine_tunings_of_one_run_are_two_columns_named_by_their_difference(tmp_path):
+    """Fine-tunings of one pre-trained run with other --finetune_steps shared a key, so the report showed whichever
+    was read last as the run's; they are two columns named by the setting that differs. The fine-tuning seed follows
+    the run's seed (the sweep's), which names no column."""
+    paths = []
+    for seed in (0, 1):
+        for steps in (200, 400):
+            tuning = {"max_steps": steps, "batch_size": 32, "lr": 2e-5, "seed": seed, "max_seq_length": 128,
+                      "mini_batch_size": None}
+            paths.append(retrieval_run(tmp_path / f"s{seed}" / f"t{steps}", "cable", seed, tuning,
+                                       ndcg=0.1 if steps == 200 else 0.3))
+    tables = report.report([str(tmp_path)], str(tmp_path / "report"), figures=False)
+    header = tables["retrieval code"].split("\n\n")[1].splitlines()[0]
+    assert header == "| length | cable finetune.max_steps=200 | cable finetune.max_steps=400 |"
+    first = tables["retrieval code"].split("\n\n")[1].splitlines()[2]
+    assert first.startswith("| 128 | 11.28 [") and "| **31.28 [" in first, first
+
+
+def test_two_sets_of_one_name_with_other_contents_are_refused_in_one_line_naming_both_hashes(tmp_path):
+    """A set built again under the same folder name was recorded as the same set: its rows carry its content hash,
+    and two hashes under one name are refused, before anything is written; rows an earlier version wrote (no hash)
+    report as before."""
+    retrieval_run(tmp_path / "cable", "cable", 0, dataset_hash="a" * 64)
+    retrieval_run(tmp_path / "alibi", "alibi", 0, dataset_hash="b" * 64)
+    with pytest.raises(ConfigError) as refused:
+        report.report([str(tmp_path)], str(tmp_path / "out" / "report"), figures=False)
+    assert str(refused.value) == (
+        f"report {tmp_path}: two retrieval sets are named code, with other contents: set aaaaaaaaaaaa (cable@128 "
+        "seed 0) vs set bbbbbbbbbbbb (alibi@128 seed 0); report them apart, or give one of them another folder name")
+    assert not (tmp_path / "out").exists()
+    old = tmp_path / "old"
+    retrieval_run(old / "cable", "cable", 0)
+    retrieval_run(old / "alibi", "alibi", 0)
+    tables = report.report([str(old)], str(tmp_path / "report"), figures=False)
+    assert tables["retrieval code"].split("\n\n")[1].splitlines()[0] == "| length | alibi | cable |"

@@ -277,3 +277,94 @@ def test_mrr_recall_and_the_in_view_share_by_length(encoder_folder, tmp_path):
     for row in metrics:
         assert float(row["mrr"]) <= 1 and float(row["recall"]) == 1.0  # 8 documents: every answer in the top 100
         assert float(row["ndcg"]) >= float(row["mrr"])  # one relevant each: 1/log2(1+r) >= 1/r
+
+
+def test_rows_name_the_run_its_fine_tuning_and_the_set_and_a_rerun_does_nothing_twice(encoder_folder, tmp_path,
+                                                                                        capsys):
+    """An export's provenance (the pre-trained run's identity) and the fine-tuning's settings reach every retrieval
+    row, with the set's content hash; finetune and evaluate --records run again with the same settings say they are
+    done and write nothing (a new length adds its rows alone); other settings fine-tune again, and a set rebuilt
+    under its folder name is evaluated again under its new hash. Without these a rerun appended every row again,
+    and the rows told neither apart."""
+    base, tuned, run = tmp_path / "base", tmp_path / "tuned", tmp_path / "run"
+    shutil.copytree(encoder_folder[0], base)
+    config = json.loads((base / "config.json").read_text())
+    provenance = {"step": 4, "run_seed": 0, "checkpoint": "/runs/enc/cable/last.ckpt", "checkpoint_hash": "c" * 64,
+                  "lr": 3e-4, "corpus_hash": "d" * 64, "recipe": {"steps": 4}, "settings": {"dropout": 0.0}}
+    (base / "config.json").write_text(json.dumps({**config, "provenance": provenance}))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p, _ in EXTRA_TRIPLES))
+    tune = ["finetune", "--model", str(base), "--triples", str(pairs), "--out", str(tuned), "--max_seq_length", "16",
+            "--batch_size", "3", "--max_steps", "1", "--seed", "0", "--overwrite", "--trust_remote_code"]
+    retrieval.main(tune)
+    assert capsys.readouterr().out.splitlines()[-1] == f"saved {tuned}"
+    settings = {"max_steps": 1, "batch_size": 3, "lr": 2e-5, "warmup_ratio": 0.1, "seed": 0, "max_seq_length": 16,
+                "mini_batch_size": None, "triples": retrieval.content_hash([str(pairs)])[:16]}
+    assert json.loads((tuned / "config.json").read_text())["provenance"] == {**provenance, "finetune": settings}
+    written = os.stat(tuned / "model.safetensors").st_mtime_ns
+    retrieval.main(tune)
+    assert capsys.readouterr().out == f"{tuned} is {base} fine-tuned with these settings: already done; nothing to do\n"
+    assert os.stat(tuned / "model.safetensors").st_mtime_ns == written
+
+    corpus, queries, qrels = write_beir(tmp_path / "set", {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    evaluate = ["evaluate", "--models", f"cable={tuned}", "--lengths", "8", "16", "--corpus", corpus, "--queries",
+                queries, "--qrels", qrels, "--records", str(run), "--out", str(tmp_path / "table"),
+                "--trust_remote_code"]
+    retrieval.main(evaluate)
+    rows = read_records(str(run / RetrievalRecord.FILE), RetrievalRecord)
+    first_hash = retrieval.content_hash([corpus, queries, qrels])
+    assert [(r.length, r.dataset, r.dataset_hash, r.finetune) for r in rows] == [
+        (8, "set", first_hash, settings), (16, "set", first_hash, settings)]
+    assert {(r.lr, r.corpus_hash, json.dumps(r.recipe), json.dumps(r.settings), r.step, r.run_seed) for r in rows} == {
+        (3e-4, "d" * 64, '{"steps": 4}', '{"dropout": 0.0}', 4, 0)}
+    capsys.readouterr()
+    retrieval.main(evaluate)
+    assert capsys.readouterr().out == (f"{run / RetrievalRecord.FILE} holds cable on set at 8 16: already done; "
+                                       "nothing to do\n")
+    retrieval.main([*evaluate[:5], "16", "32", *evaluate[6:]])  # one length new: only its row is written
+    assert [r.length for r in read_records(str(run / RetrievalRecord.FILE), RetrievalRecord)] == [8, 16, 32]
+
+    with open(qrels, "a") as f:  # the set built again under its name, with other contents: evaluated again
+        f.write("q1\tx0\t1\n")
+    rebuilt = retrieval.set_hash((corpus, queries, qrels))
+    assert rebuilt != first_hash
+    assert retrieval.evaluated_already({"cable": str(tuned)}, [8, 16], str(run), "set", [], rebuilt)[0] is None
+    again = {**settings, "max_steps": 2}  # another --max_steps (or any setting): fine-tuned again
+    assert retrieval.finetuned_already(str(base), str(tuned), again) is None
+
+
+def test_a_sweep_run_again_skips_each_finished_stage_and_writes_each_row_once(tiny_corpus_dir, tmp_path, monkeypatch,
+                                                                               capsys):
+    """`sweep --stage fit+retrieval` run again after it finished redid every run's export, fine-tuning and evaluation
+    and appended its retrieval rows again; each command now sees its output there for the same input and settings
+    and says so in one line (the sweep stays a list of commands, here run in this process)."""
+    from cable_lightning import sweep
+    from cable_lightning.__main__ import main as run_verb
+
+    config = tmp_path / "enc.yaml"
+    config.write_text(json.dumps({
+        "model": {"class_path": "cable_lightning.lit.MaskedLM", "init_args": {
+            "backbone": {"preset": "bert-base", "n_layer": 1, "n_head": 2, "n_embd": 32}, "warmup_steps": 1}},
+        "data": {"path": tiny_corpus_dir, "block_size": 16, "micro_batch_size": 2, "eval_lengths": [16],
+                 "eval_tokens": 64},
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "num_sanity_val_steps": 0,
+                    "enable_progress_bar": False, "enable_model_summary": False}}))
+    retrieval_set = tmp_path / "set"
+    write_beir(retrieval_set, {qid: doc_id for qid, (_, doc_id, _) in ANSWERS.items()})
+    (retrieval_set / "train_pairs.jsonl").write_text(
+        "".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p, _ in EXTRA_TRIPLES))
+    monkeypatch.setattr(sweep, "run_passing_signals", lambda cmd: (run_verb(cmd[3:]) or 0, None))
+    monkeypatch.setattr(sweep, "report", lambda paths, out: {})  # the report's tables are tested elsewhere
+    argv = ["--config", str(config), "--pes", "cable", "--experiment", "enc", "--runs_dir", str(tmp_path / "runs"),
+            "--stage", "fit+retrieval", "--retrieval_set", str(retrieval_set), "--retrieval_lengths", "16", "32",
+            "--finetune_steps", "1", "--finetune_batch", "3"]
+    sweep.main(argv)
+    records = tmp_path / "runs" / "enc" / "cable" / RetrievalRecord.FILE
+    rows = records.read_text()
+    assert [r.length for r in read_records(str(records), RetrievalRecord)] == [16, 32]
+    capsys.readouterr()
+    sweep.main(argv)
+    said = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("+ ")]
+    assert said[0].startswith("the run is finished: ") and len(said) == 4, said
+    assert all(line.endswith(": already done; nothing to do") for line in said[1:]), said  # export, tuning, evaluation
+    assert records.read_text() == rows

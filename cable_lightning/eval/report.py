@@ -52,6 +52,7 @@ from cable_lightning.records import (
     read_records,
     rows_by_step,
     run_column,
+    run_label,
 )
 from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
 
@@ -409,6 +410,25 @@ def retrieval_tables(rows: list[RetrievalRecord]) -> tuple[str, Table]:
     return "\n\n".join(sections), first
 
 
+def retrieval_incomparable(rows: list[RetrievalRecord]) -> Optional[str]:
+    """Why the retrieval rows cannot make their tables, or None: two sets of one name whose contents differ (their
+    ``dataset_hash``: a set built again under the same folder name), or, within one set's table, runs that
+    :func:`incomparable` keeps apart. Rows without a set hash (MLDR, an earlier version's) are taken by their name."""
+    for dataset in sorted({r.dataset for r in rows}):
+        named = [r for r in rows if r.dataset == dataset]
+        hashes = sorted({r.dataset_hash for r in named if r.dataset_hash is not None})
+        if len(hashes) > 1:
+            def runs(h: str) -> str:
+                return ", ".join(sorted({run_label(r) for r in named if r.dataset_hash == h}))
+
+            return (f"two retrieval sets are named {dataset}, with other contents: "
+                    + " vs ".join(f"set {h[:12]} ({runs(h)})" for h in hashes)
+                    + "; report them apart, or give one of them another folder name")
+        if problem := incomparable(named):
+            return f"retrieval on {dataset}: {problem}"
+    return None
+
+
 def length_change(table: Table, name: str) -> str:
     """Each encoding's change from the table's first length to its last, per seed: the mean with a t-interval, and
     whether a paired t-test over the seeds says it rises or falls. The CABLE paper's Table 2 is read by this shape
@@ -472,7 +492,8 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
             named[rows[0].run_key()] = rows[0]
             curve = per_run["pre-training loss"].setdefault(rows[0].run_key(), {})
             curve.update({event.step: event.value for event in events.Scalars(TRAIN_LOSS_TAG)})
-    runs = {row.checkpoint: row for file in find_records(paths, RetrievalRecord.FILE, required=False)
+    runs = {(row.checkpoint, row.run_key().finetune): row
+            for file in find_records(paths, RetrievalRecord.FILE, required=False)
             for row in read_records(file, RetrievalRecord)}
     for file in find_records(paths, LossPoint.FILE, required=False):
         config = os.path.join(os.path.dirname(file), "config.json")
@@ -481,7 +502,9 @@ def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]
                   "left out", file=sys.stderr)
             continue
         with open(config, encoding="utf-8") as f:
-            run = runs.get(json.load(f).get("provenance", {}).get("checkpoint"))
+            provenance = json.load(f).get("provenance") or {}
+        tuned = provenance.get("finetune")
+        run = runs.get((provenance.get("checkpoint"), None if tuned is None else json.dumps(tuned, sort_keys=True)))
         if run is not None:
             named[run.run_key()] = run
             per_run["contrastive loss"][run.run_key()] = {p.step: p.loss for p in read_records(file, LossPoint)}
@@ -535,7 +558,10 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
     found = find_records(paths, TaskRecord.FILE, required=False)
     task_runs = rows_by_step(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else {}
     task_rows = latest_step(task_runs)
-    if problem := incomparable(rows + task_rows):  # before anything is written
+    found = find_records(paths, RetrievalRecord.FILE, required=False)
+    retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
+    # before anything is written
+    if problem := incomparable(rows + task_rows) or retrieval_incomparable(retrieval_rows):
         raise ConfigError(f"report {' '.join(paths)}: {problem}")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tables = {}
@@ -594,8 +620,6 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
                                       f"(mean over seeds and depths) stays at or above {threshold}; each seed's in "
                                       "brackets; -: even the training length falls short._")
         write_table(f"{out}_effective", tables["effective length"])
-    found = find_records(paths, RetrievalRecord.FILE, required=False)
-    retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
     for dataset in sorted({r.dataset for r in retrieval_rows}):
         text, table = retrieval_tables([r for r in retrieval_rows if r.dataset == dataset])
         tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", text, table, "ndcg10")

@@ -20,7 +20,7 @@ import tempfile
 
 from safetensors import SafetensorError
 
-from ..checkpoints import check_exists, run_configs
+from ..checkpoints import check_exists, is_url, run_configs
 from ..data.manifest import read_manifest
 from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
@@ -29,6 +29,7 @@ from ..lit.checkpoint_format import checkpoint_backbone
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..models.config import upgrade_state_dict
 from ..owned import check_replaceable, discard, staging_folder, swap_in
+from ..records import content_hash
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")
@@ -147,7 +148,7 @@ def training_length(config: BackboneConfig) -> int:
 def export_backbone(backbone: Backbone, out: str, tokenizer=None, overwrite: bool = False,
                     inputs: tuple = (), provenance: dict | None = None) -> str:
     """Write ``backbone`` (and ``tokenizer``, one of this package's tokenizers) as a Hugging Face folder ``out``;
-    ``provenance`` (the checkpoint's step, run seed and path) goes into ``config.json``.
+    ``provenance`` (the checkpoint's and its run's identity: :func:`checkpoint_backbone`) goes into ``config.json``.
 
     ``overwrite`` replaces only a folder an export wrote (its marker, :mod:`cable_lightning.owned`), never one that
     holds ``inputs`` (the checkpoint, the data). The folder is built in a private folder beside ``out`` and renamed
@@ -202,6 +203,22 @@ def export_checkpoint(ckpt_path: str, out: str, data_path: str | None = None, ov
     backbone, data, provenance = checkpoint_backbone(ckpt_path)
     return export_backbone(backbone, out, data_tokenizer(data_path, data["tokenizer"]), overwrite=overwrite,
                            inputs=(ckpt_path, data_path), provenance=provenance)
+
+
+def exported_already(ckpt_path: str, out: str) -> str | None:
+    """The line ``export`` says instead of exporting when ``out`` is a complete export of this very checkpoint (its
+    provenance names the checkpoint's path and content hash, and its weights are there: an export is swapped in
+    whole), so that a sweep run again exports nothing twice; None otherwise (a checkpoint URL is exported anew)."""
+    if is_url(ckpt_path) or not os.path.isfile(ckpt_path) or not os.path.isfile(os.path.join(out, WEIGHTS)):
+        return None
+    try:
+        provenance = read_export_config(out).get("provenance") or {}
+    except (ConfigError, MissingFileError):
+        return None
+    if (provenance.get("checkpoint"), provenance.get("checkpoint_hash")) != (os.path.abspath(ckpt_path),
+                                                                              content_hash([ckpt_path])):
+        return None
+    return f"{out} is an export of {ckpt_path} (the same checkpoint): already done; nothing to do"
 
 
 def read_export_config(folder: str) -> dict:
@@ -264,12 +281,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--data_path", default=None, help="the prepared data the run trained on (default: the run's "
                         "data.path from its config.yaml); its tokenizer is exported")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder (one that is "
+                        "already an export of this checkpoint is left as it is: nothing to do)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one line of output: what was written where
     with error_boundary():
+        if done := exported_already(args.ckpt_path, args.out):
+            print(done)
+            return
         out = export_checkpoint(args.ckpt_path, args.out, args.data_path, args.overwrite)
     print(f"exported {args.ckpt_path} to {out}")
 

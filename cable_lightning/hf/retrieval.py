@@ -26,13 +26,22 @@ and prints the tables. Training rows without a ``negative`` (the code set's) tra
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 
 from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
 from cable_lightning.eval.tables import markdown_table, write_markdown
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
-from cable_lightning.records import LossPoint, RetrievalRecord, append_records, read_jsonl, write_records
+from cable_lightning.records import (
+    LossPoint,
+    RetrievalRecord,
+    append_records,
+    content_hash,
+    read_jsonl,
+    read_records,
+    write_records,
+)
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
 MLDR = "MultiLongDocRetrieval"
@@ -82,8 +91,9 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     """Fine-tune an exported encoder with MultipleNegativesRankingLoss (in-batch and, where the rows have them, hard
     negatives; with ``mini_batch_size``, its cached form, CachedMultipleNegativesRankingLoss: the same loss over the
     whole batch, computed in mini-batches of that size, for a batch whose activations would not fit); save the result
-    as an export (the input folder's files with the new weights) at ``out``, which may replace only an export
-    (``overwrite``) that holds neither input, swapped in by rename."""
+    as an export (the input folder's files with the new weights, its provenance with the fine-tuning's settings:
+    :func:`tuned_provenance`) at ``out``, which may replace only an export (``overwrite``) that holds neither input,
+    swapped in by rename."""
     if mini_batch_size is not None and not 0 < mini_batch_size <= batch_size:
         raise ConfigError(f"--mini_batch_size must be from 1 to --batch_size ({batch_size}), got {mini_batch_size}")
     if not os.path.isdir(model):  # transformers would take it for a hub id and fail in a traceback
@@ -102,6 +112,8 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     check_replaceable(out, "export", overwrite, (model, triples))  # before any work
     st_model = encoder(model, max_seq_length, trust_remote_code=trust_remote_code)
     dataset = load_triples(triples)
+    settings = finetune_settings(triples, max_seq_length, batch_size, max_steps, lr, warmup_ratio, seed,
+                                 mini_batch_size)
     with tempfile.TemporaryDirectory() as scratch:
         args = SentenceTransformerTrainingArguments(
             output_dir=scratch, max_steps=max_steps, per_device_train_batch_size=batch_size, learning_rate=lr,
@@ -117,6 +129,12 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     try:
         shutil.copytree(model, staged, dirs_exist_ok=True)
         save_file(weights, os.path.join(staged, WEIGHTS), metadata={"format": "pt"})
+        config_path = os.path.join(staged, "config.json")
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        config["provenance"] = tuned_provenance(config, settings)  # what the rows measured on it record
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
         write_records(os.path.join(staged, LossPoint.FILE),  # the contrastive loss curve
                       [LossPoint(step=row["step"], loss=row["loss"]) for row in trainer.state.log_history
                        if "loss" in row])
@@ -124,6 +142,38 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     finally:
         discard(staged)
     return out
+
+
+def finetune_settings(triples: str, max_seq_length: int, batch_size: int, max_steps: int, lr: float,
+                      warmup_ratio: float, seed: int, mini_batch_size: int | None) -> dict:
+    """What defines a fine-tuning besides the export it starts from, as a tuned export's ``config.json`` keeps it
+    (``provenance["finetune"]``) and its retrieval rows record it (:attr:`RetrievalRecord.finetune`): the settings,
+    and the triples' content hash (``msmarco``: the hub's set)."""
+    return {"max_steps": max_steps, "batch_size": batch_size, "lr": lr, "warmup_ratio": warmup_ratio, "seed": seed,
+            "max_seq_length": max_seq_length, "mini_batch_size": mini_batch_size,
+            "triples": triples if triples == "msmarco" else content_hash([triples])[:16]}
+
+
+def tuned_provenance(config: dict, settings: dict) -> dict:
+    """A tuned export's provenance: its input's (the pre-trained run's identity) with the fine-tuning's settings."""
+    return {**(config.get("provenance") or {}), "finetune": settings}
+
+
+def finetuned_already(model: str, out: str, settings: dict) -> str | None:
+    """The line ``retrieval finetune`` says instead of training when ``out`` is a complete tuned export (its weights
+    and loss curve are there: it is swapped in whole) of ``model``'s run with these settings (its provenance is
+    :func:`tuned_provenance`'s); None otherwise."""
+    from cable_lightning.hf.export import read_export_config
+
+    if not all(os.path.isfile(os.path.join(out, name)) for name in (WEIGHTS, LossPoint.FILE)):
+        return None
+    try:
+        done, start = read_export_config(out), read_export_config(model)
+    except (ConfigError, MissingFileError):
+        return None
+    if done.get("provenance") != tuned_provenance(start, settings):
+        return None
+    return f"{out} is {model} fine-tuned with these settings: already done; nothing to do"
 
 
 def _cuda() -> bool:
@@ -251,10 +301,19 @@ def passage_ends(local: tuple[str, str, str] | None) -> tuple[str, list]:
     return (f"{os.path.basename(os.path.dirname(folder))}-short" if name == "short" else name), ends
 
 
-def retrieval_records(folder: str, scores: dict[int, dict | None], dataset: str, ends: list) -> list:
+def set_hash(local: tuple[str, str, str] | None) -> str | None:
+    """A local set's content hash (:func:`content_hash` of its corpus, queries and qrels), which names the set in
+    its rows whatever its folder is called; None for MLDR."""
+    return content_hash(local) if local else None
+
+
+def retrieval_records(folder: str, scores: dict[int, dict | None], dataset: str, ends: list,
+                      dataset_hash: str | None = None) -> list:
     """One :class:`RetrievalRecord` per length for the export ``folder``: its encoding and training length from its
-    config, the step and run seed of the checkpoint it came from (``provenance``), and where the set records where
-    its passages end (:func:`passage_ends`), the share of queries whose passage fits the length."""
+    config, the run it came from as its length records name it (``provenance``: the checkpoint's step and path, the
+    run's seed, learning rate, corpus hash, recipe and settings) and the fine-tuning it had (``provenance``'s
+    ``finetune``), the set's name and content hash, and where the set records where its passages end
+    (:func:`passage_ends`), the share of queries whose passage fits the length."""
     from cable_lightning.hf.export import read_export_config
     from cable_lightning.models import BackboneConfig
 
@@ -264,9 +323,30 @@ def retrieval_records(folder: str, scores: dict[int, dict | None], dataset: str,
     return [RetrievalRecord(pe=backbone.pos_encoding.label(), model=backbone.shape(),
                             train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
                             run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),
-                            dataset=dataset, length=length, ndcg=found["ndcg"], mrr=found.get("mrr"),
-                            recall=found.get("recall"), queries=len(ends), visible=in_view(ends, length))
+                            lr=provenance.get("lr"), corpus_hash=provenance.get("corpus_hash"),
+                            recipe=provenance.get("recipe"), settings=provenance.get("settings"),
+                            finetune=provenance.get("finetune"), dataset=dataset, dataset_hash=dataset_hash,
+                            length=length, ndcg=found["ndcg"], mrr=found.get("mrr"), recall=found.get("recall"),
+                            queries=len(ends), visible=in_view(ends, length))
             for length, found in scores.items() if found is not None]
+
+
+def evaluated_already(models: dict[str, str], lengths: list[int], records: str, dataset: str, ends: list,
+                      dataset_hash: str | None) -> tuple[str | None, set]:
+    """What ``<records>/retrieval.jsonl`` already holds of this evaluation (:meth:`RetrievalRecord.evaluation`: the
+    same run, fine-tuning, set content and length), and the line to say instead of evaluating when it holds every
+    row the evaluation would write (each model at each length it can serve), else None."""
+    path = os.path.join(records, RetrievalRecord.FILE)
+    written = {r.evaluation() for r in read_records(path, RetrievalRecord)} if os.path.isfile(path) else set()
+    planned = []
+    for folder in models.values():
+        longest = longest_length(folder)  # past it, evaluate writes no row
+        served = {length: {"ndcg": 0.0} for length in lengths if longest is None or length <= longest}
+        planned += retrieval_records(folder, served, dataset, ends, dataset_hash)
+    if not planned or any(record.evaluation() not in written for record in planned):
+        return None, written
+    return (f"{path} holds {', '.join(models)} on {dataset} at {' '.join(map(str, lengths))}: already done; nothing "
+            "to do"), written
 
 
 def in_view(ends: list, length: int) -> float | None:
@@ -344,7 +424,9 @@ def main(argv: list[str] | None = None) -> None:
     tune.add_argument("--seed", type=int, default=42)
     tune.add_argument("--mini_batch_size", type=int, help="CachedMultipleNegativesRankingLoss in mini-batches of this "
                       "size (the same loss over the whole --batch_size, for a batch that would not fit at once)")
-    tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input)")
+    tune.add_argument("--overwrite", action="store_true", help="replace an existing --out export (never an input; "
+                      "one that is already this fine-tuning, the same export with the same settings, is left as it "
+                      "is: nothing to do)")
     ev = commands.add_parser("evaluate", help="nDCG@10 at several maximum input lengths (Table 3)")
     ev.add_argument("--models", nargs="+", required=True, help="NAME=EXPORTED_FOLDER, one per table column")
     ev.add_argument("--lengths", nargs="+", type=int, required=True)
@@ -364,6 +446,12 @@ def main(argv: list[str] | None = None) -> None:
                              "export's modeling_cable.py needs it), as transformers' trust_remote_code=True")
     args = parser.parse_args(argv)
     if args.command == "finetune":
+        if os.path.isfile(args.triples) or args.triples == "msmarco":
+            settings = finetune_settings(args.triples, args.max_seq_length, args.batch_size, args.max_steps, args.lr,
+                                         args.warmup_ratio, args.seed, args.mini_batch_size)
+            if done := finetuned_already(args.model, args.out, settings):
+                print(done)
+                return
         out = finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
                        args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite,
                        args.mini_batch_size)
@@ -377,13 +465,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.bm25 and not local:
         parser.error("--bm25 needs a local set (--corpus, --queries, --qrels); MLDR's own BM25 is in its paper")
     models = _named_models(args.models)
-    scores = evaluate(models, args.lengths, local, args.batch_size, args.trust_remote_code, args.bm25)
     dataset, ends = passage_ends(local)  # read once for every model
-    print(write_table(scores, args.out, ends), end="")
+    dataset_hash, written = set_hash(local), set()
     if args.records:
+        done, written = evaluated_already(models, args.lengths, args.records, dataset, ends, dataset_hash)
+        if done:
+            print(done)
+            return
+    scores = evaluate(models, args.lengths, local, args.batch_size, args.trust_remote_code, args.bm25)
+    print(write_table(scores, args.out, ends), end="")
+    if args.records:  # each row once: those already written are not written again
         append_records(args.records, [record for name, folder in models.items()
                                       for record in retrieval_records(folder, {n: row[name] for n, row in
-                                                                               scores.items()}, dataset, ends)])
+                                                                               scores.items()}, dataset, ends,
+                                                                      dataset_hash)
+                                      if record.evaluation() not in written])
 
 
 if __name__ == "__main__":  # an entry point once: say which verb replaced it, never exit 0 having done nothing

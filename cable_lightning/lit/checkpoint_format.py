@@ -16,10 +16,11 @@ from typing import Optional
 
 import lightning as L
 
-from ..checkpoints import read_checkpoint
+from ..checkpoints import fetch_checkpoint, is_url, read_checkpoint
 from ..errors import ConfigError
 from ..models import Backbone, BackboneConfig
 from ..models.config import upgrade_backbone_dict, upgrade_state_dict
+from ..records import content_hash
 
 MODELS_PACKAGE = __package__  # cable_lightning.lit: where this package's models are defined
 
@@ -68,8 +69,10 @@ def checkpoint_settings(ckpt_path: str) -> tuple[Optional[dict], dict]:
 
 def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:
     """The trained backbone of a fit checkpoint (built by its LightningModule class, as validate does), the
-    data description it was trained with (vocabulary, ids, tokenizer identity, training length), and its provenance
-    (step, run seed, path), which export keeps so that what is measured on it is recorded as that run's."""
+    data description it was trained with (vocabulary, ids, tokenizer identity, training length), and its provenance,
+    which export keeps so that what is measured on it is recorded as that run's (as its length records name it:
+    :meth:`LanguageModel.record_context`): the step, run seed, path and content hash of the checkpoint, and the run's
+    peak learning rate, corpus hash, recipe and settings (None where the checkpoint was written before it held them)."""
     ckpt = read_checkpoint(ckpt_path, weights_only=True)
     hparams = dict(ckpt.get("hyper_parameters") or {})
     class_path = hparams.get("_class_path")
@@ -79,6 +82,9 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:
     model = package_model_class(class_path, ckpt_path)(
         backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
     model.load_state_dict(saved_weights(ckpt))
+    local = fetch_checkpoint(ckpt_path) if is_url(ckpt_path) else ckpt_path  # read_checkpoint's copy of a URL
     provenance = {"step": ckpt.get("global_step"), "run_seed": ckpt.get("run_seed"),
-                  "checkpoint": os.path.abspath(ckpt_path)}
+                  "checkpoint": os.path.abspath(ckpt_path), "checkpoint_hash": content_hash([local]),
+                  "lr": hparams.get("lr"), "corpus_hash": (ckpt.get("run_data") or {}).get("corpus_hash"),
+                  "recipe": ckpt.get("recipe"), "settings": model.run_settings()}
     return model.backbone.eval(), hparams["data"], provenance
