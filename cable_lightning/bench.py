@@ -431,12 +431,12 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
     loop's overhead. The fit runs through the CLI (LitData's stream of ``data_path``, Lightning's loop, the project's
     callbacks and logging, no validation inside the steps timed); the bare step is forward, backward, the optimizer's
     step and zero_grad on one fixed batch (the fit's optimizer, built by the same function). Medians of the steps after
-    ``warmup``; the fit's step also counts the gap to the next batch (loading, callbacks). With ``compile``, both
+    ``warmup``; the fit's step also counts the gap to the next batch (loading, callbacks). The bare step clips the
+    gradients as the fit does. With ``compile``, both
     steps run the compiled blocks, and ``warmup_s`` (the fit's first ``warmup`` steps) holds the compilation."""
     import tempfile
 
     from cable_lightning.cli import main as cli_main
-    from cable_lightning.lit.optim import build_optimizer
 
     n_layer, n_head, n_embd = shape
     with tempfile.TemporaryDirectory() as runs:
@@ -456,11 +456,14 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
     fit_step = statistics.median(b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1:]))
     model = cli.model
     device = model.device
-    optimizer = build_optimizer(model.backbone, 1e-4, 1e-5, 10, steps, (0.9, 0.95), 1e-8, 0.1)["optimizer"]
+    optimizer = model.configure_optimizers()["optimizer"]  # the fit's own recipe, built by the fit's own code
+    clip = cli.trainer.gradient_clip_val  # and its clipping (norm), which Lightning applies before each step
     x = torch.randint(0, model.config.vocab_size, (batch, block_size + 1), device=device)
 
     def step():
         model.backbone.loss(x[:, :-1], x[:, 1:]).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.backbone.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -468,7 +471,7 @@ def loop_overhead(data_path: str, pe: str = "cable", steps: int = 40, warmup: in
         step()
     bare_step = timed(step, device, repeats)
     return {"pe": pe, "shape": shape, "block_size": block_size, "batch": batch, "compile": compile,
-            "warmup_s": clock.starts[warmup] - clock.starts[0], "fit_step_s": fit_step,
+            "gradient_clip": clip, "warmup_s": clock.starts[warmup] - clock.starts[0], "fit_step_s": fit_step,
             "bare_step_s": bare_step, "ratio": fit_step / bare_step, "fit_steps_timed": len(clock.starts) - warmup - 1,
             "threads": torch.get_num_threads(), "device": str(device)}
 

@@ -41,12 +41,19 @@ def test_the_flops_mfu_divides_are_the_matmul_flops_torch_counts_in_a_training_s
     assert counted[256] - counted[64] == estimated[256] - estimated[64]
 
 
-def test_loop_overhead_times_a_fit_through_the_cli_against_the_bare_step(tiny_corpus_dir):
+def test_loop_overhead_times_a_fit_through_the_cli_against_the_bare_step(tiny_corpus_dir, monkeypatch):
     """The loop-overhead benchmark (docs/speed.md) runs a real fit with its clock and a bare step of the same model:
-    every step between the warm-up and the end is timed, and the ratio is of the two medians.
-    No timing is asserted: the ratio is the benchmark's output, read on a quiet machine."""
+    every step between the warm-up and the end is timed, and the ratio is of the two medians. The bare step does
+    what the fit's step does: it clips the gradients to the fit's own norm (it once did not). No timing is asserted:
+    the ratio is the benchmark's output, read on a quiet machine."""
+    clipped = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, norm, *a, **k: (clipped.append(norm),
+                                                                                        real_clip(params, norm))[1])
     result = bench.loop_overhead(tiny_corpus_dir, steps=6, warmup=2, repeats=2, block_size=32, batch=4)
-    assert result["fit_steps_timed"] == 3 and result["fit_step_s"] > 0 and result["bare_step_s"] > 0
+    assert result["fit_steps_timed"] == 3
+    bare_steps = 2 + 1 + 2  # its warm-up, the timer's warm-up call, the timed repeats (Lightning clips on its own)
+    assert result["gradient_clip"] == 1.0 and clipped == [1.0] * bare_steps
     # the measurement names what it ran: the arguments given, on the device the fit's model ended on
     assert {key: result[key] for key in ("pe", "shape", "block_size", "batch", "compile", "device")} == {
         "pe": "cable", "shape": (2, 4, 128), "block_size": 32, "batch": 4, "compile": False, "device": "cpu"}
