@@ -1,6 +1,7 @@
 """jsonargparse's reports of a bad command line or config, translated into one line each: an unknown encoding or
 setting, a value outside a setting's choices or types, a config file that is not YAML, validate or test without the
-run's configs. :class:`TerseParser` is the parser that says them."""
+run's configs. :class:`TerseParser` is the parser that says them, and reads encodings by their names
+(:func:`read_encoding_names`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import sys
 from typing import Optional
 
 import yaml
+from jsonargparse import _typehints
 from lightning.pytorch.cli import LightningArgumentParser
 
 from .checkpoints import run_configs
 from .errors import KeepsWriteErrors
 from .models.config import BackboneConfig, moved_setting
-from .positional import ENCODING_FLAG, available, encoding_class
+from .positional import ENCODING_FLAG, Encoding, available
+from .positional.registry import class_path, named_class
 
 SETTING_ERRORS = re.compile(r"(unknown positional encoding |positional encoding |unknown \w+ setting |unknown value )")
 
@@ -47,13 +50,14 @@ def setting_error(message: str) -> Optional[str]:
     setting = re.search(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted", message)
     if not setting:
         return None
-    class_path, option = setting.groups()
-    name = class_path.rpartition(".")[2]
-    if name in available():
-        settings = ", ".join(f.name for f in dataclasses.fields(encoding_class(name))) or "none"
-        return (f"positional encoding {name!r} has no setting {option!r} (its settings: {settings}); name the encoding "
-                f"before its settings ({ENCODING_FLAG} NAME), also with --ckpt_path")
-    module, _, attribute = class_path.rpartition(".")
+    given, option = setting.groups()
+    encoding = named_class(given)
+    if encoding is not None:
+        settings = ", ".join(f.name for f in dataclasses.fields(encoding)) or "none"
+        return (f"positional encoding {encoding.name!r} has no setting {option!r} (its settings: {settings}); name the "
+                f"encoding before its settings ({ENCODING_FLAG} NAME), also with --ckpt_path")
+    name = given.rpartition(".")[2]
+    module, _, attribute = given.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError, ValueError):
@@ -142,6 +146,28 @@ def missing_model(message: str, given: list[str]) -> Optional[str]:
             f"the data section or the trainer's); {advice}")
 
 
+JSONARGPARSE_RESOLVE = _typehints.resolve_class_path_by_name
+
+
+def resolve_class_path(cls, name: str) -> str:
+    """jsonargparse's resolution of a class given without its module (by the class's own name, ``Rope``), and also,
+    for a setting typed :class:`Encoding`, of every name :func:`registry.named_class` reads: the encoding's name
+    (``rope``) and the class paths records and checkpoints hold. Each becomes its class's path before jsonargparse
+    imports anything, so the parsed config names every encoding by that path."""
+    types = cls if isinstance(cls, tuple) else (cls,)
+    if isinstance(name, str) and any(isinstance(t, type) and issubclass(t, Encoding) for t in types):
+        found = named_class(name)
+        if found is not None:
+            return class_path(found)
+    return JSONARGPARSE_RESOLVE(cls, name)
+
+
+def read_encoding_names() -> None:
+    """Makes jsonargparse resolve class names through :func:`resolve_class_path` (jsonargparse 4.53 has no hook of
+    its own for it: the function is looked up in its ``_typehints`` module at every call)."""
+    _typehints.resolve_class_path_by_name = resolve_class_path
+
+
 class TerseParser(KeepsWriteErrors, LightningArgumentParser):
     """A usage error is two lines (what was wrong, how to get help), not the hundred-line usage first; a bad encoding
     name or unknown setting is one line (:func:`setting_error`), not jsonargparse's report of every type it tried, and
@@ -149,6 +175,10 @@ class TerseParser(KeepsWriteErrors, LightningArgumentParser):
 
     reading: Optional[str] = None  # the --config file being parsed
     given: list[str] = []  # the command line being parsed
+
+    def __init__(self, *args, **kwargs):
+        read_encoding_names()
+        super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, *rest, **kwargs):
         self.given = list(sys.argv[1:] if args is None else args)

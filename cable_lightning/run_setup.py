@@ -15,6 +15,7 @@ from .data.datamodule import TokenDataModule
 from .errors import ConfigError, RunFailedError
 from .models.config import BackboneConfig
 from .positional import ENCODING_FLAG
+from .positional.registry import named_class
 from .tasks.generation import TaskMix
 
 
@@ -100,7 +101,7 @@ def carried_settings(args: list[str], encoding) -> Optional[str]:
             switched, given = value or (args[i + 1] if i + 1 < len(args) else None), set()
         elif key.startswith(ENCODING_FLAG + ".") and switched is not None:
             given.add(key[len(ENCODING_FLAG) + 1 :])
-    if switched is None or switched.rpartition(".")[2] != encoding.name:
+    if switched is None or named_class(switched) is not type(encoding):
         return None
     defaults = type(encoding)()
     carried = [f"{f.name}={getattr(encoding, f.name)!r} (its default: {getattr(defaults, f.name)!r})"

@@ -12,8 +12,8 @@ from cable_lightning.models import attention as attn_mod
 from cable_lightning.models import backbone as backbone_mod
 from cable_lightning.models.attention import attention
 from cable_lightning.positional import UnsupportedLengthError, available, from_label, score_bias_encodings
-from cable_lightning.positional.absolute import learnable
-from cable_lightning.positional.rope import rope
+from cable_lightning.positional.absolute import Learnable
+from cable_lightning.positional.rope import Rope
 
 # Every encoding, and DAPEv2 over every encoding it can wrap: the properties below hold for all of them.
 VARIANTS = sorted({from_label(pe).label() for pe in available() + [f"dape_v2+{pe}" for pe in score_bias_encodings()]})
@@ -164,7 +164,7 @@ def rotary(**shape):
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    pe = rotary(pos_encoding=rope(), n_layer=1, n_head=1, n_embd=16)
+    pe = rotary(pos_encoding=Rope(), n_layer=1, n_head=1, n_embd=16)
     torch.manual_seed(0)
     q = torch.randn(16).expand(1, 1, 40, 16)
     k = torch.randn(16).expand(1, 1, 40, 16)
@@ -181,10 +181,10 @@ def test_rope_scaling_with_factor_one_is_plain_rope(mode):
     torch.manual_seed(0)
     q, k = torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
     shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=32)
-    plain = rotary(pos_encoding=rope(), **shape).rotate(q, k, 3)
-    scaled = rotary(pos_encoding=rope(scaling=mode, scaling_factor=1.0), **shape).rotate(q, k, 3)
+    plain = rotary(pos_encoding=Rope(), **shape).rotate(q, k, 3)
+    scaled = rotary(pos_encoding=Rope(scaling=mode, scaling_factor=1.0), **shape).rotate(q, k, 3)
     torch.testing.assert_close(scaled, plain)
-    stretched = rotary(pos_encoding=rope(scaling=mode, scaling_factor=4.0), **shape).rotate(q, k, 3)
+    stretched = rotary(pos_encoding=Rope(scaling=mode, scaling_factor=4.0), **shape).rotate(q, k, 3)
     assert not torch.allclose(stretched[0], plain[0])
 
 
@@ -192,8 +192,8 @@ def test_linear_rope_scaling_is_position_interpolation():
     torch.manual_seed(0)
     q = torch.randn(1, 1, 8, 16)
     shape = dict(n_layer=1, n_head=1, n_embd=16)
-    scaled = rotary(pos_encoding=rope(scaling="linear", scaling_factor=2.0), **shape).rotate(q, q, 0)[0]
-    plain = rotary(pos_encoding=rope(), **shape)
+    scaled = rotary(pos_encoding=Rope(scaling="linear", scaling_factor=2.0), **shape).rotate(q, q, 0)[0]
+    plain = rotary(pos_encoding=Rope(), **shape)
     # Position 2p under factor 2 rotates like position p unscaled.
     torch.testing.assert_close(scaled[:, :, 2:3], plain.rotate(q[:, :, 2:3], q[:, :, 2:3], 1)[0], atol=1e-5, rtol=1e-5)
 
@@ -202,12 +202,12 @@ def test_linear_rope_scaling_is_position_interpolation():
 def test_p_rope_rotates_the_highest_frequencies_and_leaves_the_rest(fraction):
     """Each pair (i, i + D/2) against a 2x2 rotation written out by hand: angle position * base^(-2i/D) for the first
     round(fraction * D/2) pairs (the highest frequencies), no rotation for the others."""
-    from cable_lightning.positional.p_rope import p_rope
+    from cable_lightning.positional.p_rope import PRope
 
     torch.manual_seed(0)
     d, positions = 16, 9
     q = torch.randn(1, 1, positions, d, dtype=torch.float64)
-    rotated = rotary(pos_encoding=p_rope(fraction=fraction, base=100.0), n_layer=1, n_head=1, n_embd=d)
+    rotated = rotary(pos_encoding=PRope(fraction=fraction, base=100.0), n_layer=1, n_head=1, n_embd=d)
     got = rotated.rotate(q.float(), q.float(), 0)[0][0, 0].double()
     kept = int(fraction * d // 2)
     for t in range(positions):
@@ -240,7 +240,7 @@ def test_presets_pad_vocab_and_allow_overrides():
 
 
 def test_learnable_positions_refuse_longer_inputs_in_one_line():
-    model = tiny(learnable(max_positions=16))
+    model = tiny(Learnable(max_positions=16))
     model(torch.zeros(1, 16, dtype=torch.long))
     with pytest.raises(UnsupportedLengthError) as err:
         model(torch.zeros(1, 17, dtype=torch.long))

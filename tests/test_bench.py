@@ -115,11 +115,11 @@ def test_the_cable_paper_peer_computes_cable_nw_with_the_whole_bias_matrix(activ
     """The released code's CABLE (a (B, H, T, T) bias, baddbmm, softmax) given the backbone's weights gives the
     backbone's logits on its own fold path, past the training length, in values and gradients: the bench times one
     function two ways. Its parameter count is the backbone's."""
-    from cable_lightning.positional.cable import cable_nw
+    from cable_lightning.positional.cable import CableNw
 
     torch.manual_seed(0)
     config = bench.BackboneConfig(preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=32, vocab_size=500, block_size=32,
-                                  pos_encoding=cable_nw(bias_activation=activation), attention_backend="fold")
+                                  pos_encoding=CableNw(bias_activation=activation), attention_backend="fold")
     ours, peer = bench.build_backbone(config), bench.build_peer("cable_paper", config)
     weights = {name.replace("pe.proj.", "blocks.").replace(".weight", ".attn.bias_logit.weight")
                if name.startswith("pe.proj.") else name: p for name, p in ours.state_dict().items()}

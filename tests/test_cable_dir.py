@@ -10,7 +10,7 @@ from conftest import randomised
 
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import build_positional
-from cable_lightning.positional.cable_dir import cable_dir
+from cable_lightning.positional.cable_dir import CableDir
 
 HEADS, WIDTH = 2, 16
 
@@ -23,7 +23,7 @@ def config(pe, causal=False, **overrides):
 @pytest.mark.parametrize("order", ["weights", "increments"])
 @torch.no_grad()
 def test_bias_against_a_loop_over_the_definition(order):
-    pe = randomised(build_positional(config(cable_dir(order=order))))
+    pe = randomised(build_positional(config(CableDir(order=order))))
     t = 7
     h = torch.randn(1, t, WIDTH)
     rows = pe.score_bias(h, 1, 0, None).rows(0, t, t, 1, HEADS, "cpu")
@@ -44,7 +44,7 @@ def test_bias_against_a_loop_over_the_definition(order):
 @torch.no_grad()
 def test_with_equal_sides_it_is_cables_bidirectional_bias():
     """Right weights equal to the left ones give -g_i |S_i - S_j|: CABLE's bidirectional form."""
-    pe = randomised(build_positional(config(cable_dir())))
+    pe = randomised(build_positional(config(CableDir())))
     reference = build_positional(config("cable"))
     for mine, theirs in zip(pe.proj, reference.proj):
         mine.weight[2 * HEADS:] = mine.weight[HEADS:2 * HEADS]
@@ -61,7 +61,7 @@ def test_two_identical_neighbours_are_told_apart_where_cable_cannot(order):
     """Two [MASK]-like tokens side by side with every increment equal: CABLE gives their rows mirror images (each
     sees the other at the same bias); the sided form gives the left one's right neighbour another bias than the
     right one's left neighbour."""
-    pe = randomised(build_positional(config(cable_dir(order=order))))
+    pe = randomised(build_positional(config(CableDir(order=order))))
     h = torch.randn(1, 6, WIDTH)
     h[0, 3] = h[0, 2]  # positions 2 and 3 hold the same input
     rows = pe.score_bias(h, 0, 0, None).rows(0, 6, 6, 1, HEADS, "cpu")[0]
@@ -75,7 +75,7 @@ def test_two_identical_neighbours_are_told_apart_where_cable_cannot(order):
 
 def test_the_causal_form_is_cables_module_weights_and_output():
     torch.manual_seed(0)
-    ours = build_backbone(config(cable_dir(), causal=True))
+    ours = build_backbone(config(CableDir(), causal=True))
     torch.manual_seed(0)
     cables = build_backbone(config("cable", causal=True))
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in cables.state_dict().items()}
@@ -89,4 +89,4 @@ def test_the_causal_form_is_cables_module_weights_and_output():
 
 def test_a_bad_order_is_named_with_the_valid_ones():
     with pytest.raises(Exception, match=r"cable_dir.order='left' is not valid; valid: weights, increments"):
-        cable_dir(order="left")
+        CableDir(order="left")

@@ -25,7 +25,8 @@ def test_configs_compose_and_parse(base, trainer, capsys):
               "--print_config"])
     assert done.value.code in (None, 0)
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["model"]["init_args"]["backbone"]["pos_encoding"]["class_path"].rpartition(".")[2] == "alibi"
+    encoding = config["model"]["init_args"]["backbone"]["pos_encoding"]
+    assert encoding["class_path"] == "cable_lightning.positional.alibi.Alibi"
     assert config["trainer"]["devices"] == yaml.safe_load(open(trainer))["trainer"]["devices"]
 
 

@@ -16,8 +16,8 @@ from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention
 from cable_lightning.positional import build_positional, from_label, score_bias_encodings
-from cable_lightning.positional.cope import CopeScores, cope
-from cable_lightning.positional.dape import DapeConvolutions, DapeScores, dape_v2
+from cable_lightning.positional.cope import Cope, CopeScores
+from cable_lightning.positional.dape import DapeConvolutions, DapeScores, DapeV2
 
 HEADS, WIDTH = 2, 16
 
@@ -277,9 +277,9 @@ def test_dape_without_a_score_bias_is_a_one_line_error_naming_the_valid_encoding
         assert "\n" not in message and repr(pe) in message and ", ".join(score_bias_encodings()) in message
 
 
-@pytest.mark.parametrize("make, bad", [(lambda: dape_v2(kernel=4), "kernel=4"), (lambda: dape_v2(width=0), "width=0"),
+@pytest.mark.parametrize("make, bad", [(lambda: DapeV2(kernel=4), "kernel=4"), (lambda: DapeV2(width=0), "width=0"),
                                        (lambda: {"class_path": "dape_v2", "init_args": {"version": 3}}, "'version'"),
-                                       (lambda: cope(positions=1), "got 1")])
+                                       (lambda: Cope(positions=1), "got 1")])
 def test_bad_dape_and_cope_settings_are_named(make, bad):
     with pytest.raises(ValueError, match=bad):
         BackboneConfig(pos_encoding=make())

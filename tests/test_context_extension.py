@@ -14,7 +14,7 @@ from cable_lightning.cli import main
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval import report
 from cable_lightning.models import BackboneConfig, build_backbone
-from cable_lightning.positional.rope import rope
+from cable_lightning.positional.rope import Rope
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_an_extension_stage_records_its_lineage_and_keeps_yarns_original_length(
                                   ["--model.init_args.backbone.trained_length", "32"])])
     assert cli.trainer.global_step == 2 and cli.model.config.block_size == 64
     # YaRN interpolates relative to the length the weights were trained at, not the new block size
-    trained_at_32 = build_backbone(BackboneConfig(pos_encoding=rope(scaling="yarn", scaling_factor=2.0), n_layer=2,
+    trained_at_32 = build_backbone(BackboneConfig(pos_encoding=Rope(scaling="yarn", scaling_factor=2.0), n_layer=2,
                                                   n_head=2, n_embd=32, vocab_size=97, block_size=32))
     torch.testing.assert_close(cli.model.backbone.pe.inv_freq, trained_at_32.pe.inv_freq)
     rows = [json.loads(line) for f in glob.glob(os.path.join(runs, "test", "rope", "version_*", "length_eval.jsonl"))

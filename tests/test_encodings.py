@@ -20,9 +20,9 @@ from cable_lightning.lit.resume import weight_setting_differences
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models.config import upgrade_backbone_dict
 from cable_lightning.positional import Encoding, available, encoding_class, encoding_from, from_label
-from cable_lightning.positional.cable import cable
-from cable_lightning.positional.dape import dape_v2
-from cable_lightning.positional.rope import rope
+from cable_lightning.positional.cable import Cable
+from cable_lightning.positional.dape import DapeV2
+from cable_lightning.positional.rope import Rope
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -49,7 +49,7 @@ def test_an_encodings_settings_are_set_by_name_on_the_command_line(capsys):
     backbone = printed_backbone(capsys, "--model.init_args.backbone.pos_encoding", "rope",
                                 "--model.init_args.backbone.pos_encoding.scaling", "yarn",
                                 "--model.init_args.backbone.pos_encoding.scaling_factor", "4")
-    assert BackboneConfig.from_dict(backbone).pos_encoding == rope(scaling="yarn", scaling_factor=4.0)
+    assert BackboneConfig.from_dict(backbone).pos_encoding == Rope(scaling="yarn", scaling_factor=4.0)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -109,17 +109,17 @@ def test_an_old_spelling_in_yaml_points_to_where_the_setting_went(tmp_path, caps
 def test_literal_settings_are_checked_outside_the_cli_too():
     with pytest.raises(ValueError,
                        match=r"rope.scaling='lin' is not valid; valid: none, linear, ntk, yarn, yarn_paper"):
-        rope(scaling="lin")
+        Rope(scaling="lin")
     with pytest.raises(ValueError, match=r"cable has no setting 'activation'; its settings: bias_activation"):
         encoding_from({"class_path": "cable", "init_args": {"activation": "relu"}})
 
 
 def test_runtime_settings_label_records_but_not_runs_and_may_differ_from_the_checkpoint():
-    scaled = rope(scaling="linear", scaling_factor=4.0)
+    scaled = Rope(scaling="linear", scaling_factor=4.0)
     assert (scaled.label(), scaled.label(runtime=False)) == ("rope+linear4", "rope")
-    saved = BackboneConfig(pos_encoding=rope(), **SHAPE).to_dict()
+    saved = BackboneConfig(pos_encoding=Rope(), **SHAPE).to_dict()
     assert weight_setting_differences(saved, BackboneConfig(pos_encoding=scaled, **SHAPE)) == []
-    differ = weight_setting_differences(saved, BackboneConfig(pos_encoding=rope(base=500.0), **SHAPE))
+    differ = weight_setting_differences(saved, BackboneConfig(pos_encoding=Rope(base=500.0), **SHAPE))
     assert differ == [("pos_encoding.base", 10000.0, 500.0)]
     differ = weight_setting_differences(saved, BackboneConfig(pos_encoding="dape_v2+cable", **SHAPE))
     assert ("pos_encoding", "rope", "dape_v2") in differ
@@ -141,7 +141,7 @@ def legacy_form(config: BackboneConfig, state: dict) -> tuple[dict, dict]:
     encoding, old_state = config.pos_encoding, dict(state)
     saved.update(dape="none", dape_width=32, dape_kernel=3, rope_base=10000.0, rope_scaling="none",
                  rope_scaling_factor=1.0, cable_bias_activation="relu", cope_positions=64, max_positions=None)
-    if isinstance(encoding, dape_v2):
+    if isinstance(encoding, DapeV2):
         saved.update(dape="v2", dape_width=encoding.width, dape_kernel=encoding.kernel)
         old_state = {}
         for key, value in state.items():
@@ -149,22 +149,22 @@ def legacy_form(config: BackboneConfig, state: dict) -> tuple[dict, dict]:
             old_state[key.replace("pe.base.", "pe.")] = value
         encoding = encoding.base
     saved["pos_encoding"] = encoding.name
-    if isinstance(encoding, rope):
+    if isinstance(encoding, Rope):
         saved.update(rope_base=encoding.base, rope_scaling=encoding.scaling,
                      rope_scaling_factor=encoding.scaling_factor)
-    if isinstance(encoding, cable):
+    if isinstance(encoding, Cable):
         saved.update(cable_bias_activation=encoding.bias_activation)
     return saved, old_state
 
 
-@pytest.mark.parametrize("encoding", [dape_v2(base=cable(bias_activation="softplus"), width=4),
-                                      rope(base=500.0, scaling="linear", scaling_factor=2.0), "learnable", "cope"],
+@pytest.mark.parametrize("encoding", [DapeV2(base=Cable(bias_activation="softplus"), width=4),
+                                      Rope(base=500.0, scaling="linear", scaling_factor=2.0), "learnable", "cope"],
                          ids=str)
 def test_an_earlier_versions_checkpoint_loads_with_the_same_weights(encoding):
     torch.manual_seed(0)
     model = build_backbone(BackboneConfig(pos_encoding=encoding, **SHAPE)).eval()
     saved, old_state = legacy_form(model.config, model.state_dict())
-    assert "blocks.0.attn.dape.expand.weight" in old_state or not isinstance(model.config.pos_encoding, dape_v2)
+    assert "blocks.0.attn.dape.expand.weight" in old_state or not isinstance(model.config.pos_encoding, DapeV2)
     checkpoint = {"hyper_parameters": {"backbone": saved},
                   "state_dict": {f"backbone.{k}": v for k, v in old_state.items()}}
     loaded_config = BackboneConfig.from_dict(saved)
@@ -201,11 +201,12 @@ class Toy(PositionalEncoding):
 
 
 @dataclass
-class toy_distance(Encoding):
+class ToyDistance(Encoding):
     """A fixed distance penalty per head."""
 
     slope: float = 0.1
 
+    name = "toy_distance"
     module = Toy
     scores = "bias"
 '''

@@ -87,7 +87,12 @@ def flat(tree: dict, prefix: str = "") -> dict:
 
 
 def recipe(config: dict) -> dict:
-    return {k: v for k, v in flat(config).items() if not k.startswith(AT_RUN_TIME)}
+    """The flat settings that define a run; an encoding's class path as its class's own path, so that records whose
+    paths end in the encoding's name (``cable_lightning.positional.rope.rope``) name the same encoding as they did."""
+    from cable_lightning.positional.registry import class_path, encoding_class
+
+    return {k: class_path(encoding_class(v)) if k.endswith("pos_encoding.class_path") else v
+            for k, v in flat(config).items() if not k.startswith(AT_RUN_TIME)}
 
 
 def resolved(fit: list[str]) -> dict:
@@ -173,6 +178,29 @@ def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
         [line] = drift([sweep], str(tmp_path))
     assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
         line.endswith(": '32-true')"), line
+
+
+def test_a_record_naming_its_encoding_by_another_path_matches_and_another_encoding_does_not(tmp_path):
+    """Records hold class paths ending in the encoding's name (``...positional.cable.cable``): the same encoding as
+    the command's ``...positional.cable.Cable``; a record of another encoding is a drift naming the setting."""
+    sweep = ["--config", "configs/code_long.yaml", "--experiment", "code-long", "--pes", "cable", "--seeds", "0"]
+    kept = os.path.join(tmp_path, "cable", "seed0")
+    os.makedirs(kept)
+    with contextlib.chdir(ROOT):
+        config = resolved(["fit", "--config", "configs/code_long.yaml", "--experiment", "code-long",
+                           "--seed_everything", "0", "--folder_per_seed", "true"])
+        config["checkpoint"]["dirpath"] = "runs/code-long/cable/seed0/checkpoints"
+        encoding = config["model"]["init_args"]["backbone"]["pos_encoding"]
+        assert encoding["class_path"] == "cable_lightning.positional.cable.Cable"
+        for path, drifted in [("cable_lightning.positional.cable.cable", False),
+                              ("cable_lightning.positional.cable.cable_nw", True)]:
+            encoding["class_path"] = path
+            with open(os.path.join(kept, "config.yaml"), "w") as f:
+                yaml.safe_dump(config, f)
+            lines = drift([sweep], str(tmp_path))
+            assert bool(lines) == drifted, lines
+    assert "model.init_args.backbone.pos_encoding.class_path 'cable_lightning.positional.cable.Cable' (records" in \
+        lines[0] and lines[0].endswith(": 'cable_lightning.positional.cable.CableNw')"), lines
 
 
 def test_the_512_token_long_table_differs_from_the_128_token_one_in_its_length_alone():

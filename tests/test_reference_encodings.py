@@ -19,18 +19,18 @@ from torch import nn
 
 from cable_lightning.models import BackboneConfig
 from cable_lightning.models.attention import attention
-from cable_lightning.positional.alibi import alibi
-from cable_lightning.positional.cable import cable, cable_nw, k_cable
-from cable_lightning.positional.cope import cope
-from cable_lightning.positional.dape import dape_v2
-from cable_lightning.positional.fire import HIDDEN, fire
-from cable_lightning.positional.fox import fox
-from cable_lightning.positional.kerple import kerple_log, kerple_power
-from cable_lightning.positional.p_rope import p_rope
-from cable_lightning.positional.rope import rope
-from cable_lightning.positional.ssmax import ssmax
-from cable_lightning.positional.stick_breaking import stick_breaking
-from cable_lightning.positional.t5 import t5
+from cable_lightning.positional.alibi import Alibi
+from cable_lightning.positional.cable import Cable, CableNw, KCable
+from cable_lightning.positional.cope import Cope
+from cable_lightning.positional.dape import DapeV2
+from cable_lightning.positional.fire import HIDDEN, Fire
+from cable_lightning.positional.fox import Fox
+from cable_lightning.positional.kerple import KerpleLog, KerplePower
+from cable_lightning.positional.p_rope import PRope
+from cable_lightning.positional.rope import Rope
+from cable_lightning.positional.ssmax import Ssmax
+from cable_lightning.positional.stick_breaking import StickBreaking
+from cable_lightning.positional.t5 import T5
 
 TRAINED = 32  # the training length every module below is built for; the tests run past it
 LONG = 3 * TRAINED
@@ -99,12 +99,12 @@ def test_yarn_frequencies_and_temperature_are_transformers(head_dim, base, facto
 
     config = hf_rope_config(head_dim, 2, base, "yarn", factor, original_length)
     reference, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
-    pe = built(rope(base=base, scaling="yarn", scaling_factor=factor), n_head=2, head_dim=head_dim,
+    pe = built(Rope(base=base, scaling="yarn", scaling_factor=factor), n_head=2, head_dim=head_dim,
                block_size=original_length)
     torch.testing.assert_close(pe.inv_freq, reference, rtol=4e-7, atol=0)
     assert pe.mscale == pytest.approx(attention_factor, rel=1e-12)
     assert pe.mscale == pytest.approx(0.1 * math.log(factor) + 1) and pe.position_divisor == 1.0
-    paper = built(rope(base=base, scaling="yarn_paper", scaling_factor=factor), n_head=2, head_dim=head_dim,
+    paper = built(Rope(base=base, scaling="yarn_paper", scaling_factor=factor), n_head=2, head_dim=head_dim,
                   block_size=original_length)
     assert not torch.allclose(paper.inv_freq, reference, rtol=1e-3)
 
@@ -132,7 +132,7 @@ def test_rope_rotations_are_llamas(scaling, factor):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     head_dim, heads = 32, 4
-    pe = built(rope(scaling=scaling, scaling_factor=factor), n_head=heads, head_dim=head_dim)
+    pe = built(Rope(scaling=scaling, scaling_factor=factor), n_head=heads, head_dim=head_dim)
     config = hf_rope_config(head_dim, heads, 10000.0, scaling, factor, TRAINED)
     q, k, _ = qkv(heads=heads, head_dim=head_dim)
     positions = torch.arange(LONG)[None].expand(2, -1)
@@ -162,7 +162,7 @@ def test_p_rope_frequencies_are_transformers_proportional_rope(fraction):
     config = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64, rope_parameters={
         "rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": fraction})
     reference, _ = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
-    pe = built(p_rope(fraction=fraction), n_head=2, head_dim=64)
+    pe = built(PRope(fraction=fraction), n_head=2, head_dim=64)
     torch.testing.assert_close(pe.inv_freq, reference, rtol=4e-7, atol=0)
 
 
@@ -178,7 +178,7 @@ def test_alibi_is_blooms(heads):
 
     bloom = build_alibi_tensor(torch.ones(1, LONG), heads, torch.float64).view(heads, LONG)
     reference = bloom[:, None, :] - bloom[:, :, None]  # (heads, i, j): m_h j - m_h i
-    pe = built(alibi(), n_head=heads)
+    pe = built(Alibi(), n_head=heads)
     got = bias_matrix(pe.score_bias(None, 0, 0, None), LONG, heads=heads)[0].double()
     seen = torch.ones(LONG, LONG, dtype=torch.bool).tril()
     torch.testing.assert_close(got[:, seen], reference[:, seen], rtol=0, atol=2e-5)
@@ -198,7 +198,7 @@ def test_t5_buckets_and_bias_are_t5attentions(causal):
     want = T5Attention._relative_position_bucket(-rel, bidirectional=not causal, num_buckets=32, max_distance=128)
     assert torch.equal(relative_bucket(rel, causal), want)
 
-    pe = built(t5(), causal=causal)
+    pe = built(T5(), causal=causal)
     with torch.no_grad():
         pe.table.copy_(torch.randn(pe.table.shape, generator=torch.Generator().manual_seed(1)))
     config = T5Config(d_model=64, d_kv=16, num_heads=4, relative_attention_num_buckets=32,
@@ -258,7 +258,7 @@ def randomised(pe, seed=0, scale=1.0):
     return pe
 
 
-@pytest.mark.parametrize("encoding", [kerple_log(), kerple_power()], ids=["log", "power"])
+@pytest.mark.parametrize("encoding", [KerpleLog(), KerplePower()], ids=["log", "power"])
 def test_kerple_is_the_released_kernel(encoding):
     """chijames/KERPLE's ParallelKerpleLog and ParallelKerplePower (megatron/mpu/layers.py): with d = tril(i - j),
     log: -p log(1 + a d); power: -a d^p (0 < p <= 2), per head, p and a the project's r1, r2 (log) and r2, r1
@@ -285,7 +285,7 @@ def test_fire_is_the_papers_equation(causal):
     f an MLP 1 -> 32 -> heads with ReLU; bidirectional, |i - j| over psi(max(L, i, j)). Written here with nn.Linear
     layers holding the project's weights, c and L. L = 20 below 96 positions, so the normaliser's max is exercised.
     Tolerance: 1e-5 absolute (float32)."""
-    pe = randomised(built(fire(), causal=causal), seed=4)
+    pe = randomised(built(Fire(), causal=causal), seed=4)
     with torch.no_grad():
         pe.c_raw.fill_(0.3)
         pe.threshold.fill_(20.0)
@@ -329,7 +329,7 @@ def test_cable_nw_with_softplus_is_the_released_cable():
     and attention output (the fold backend ``auto`` picks for it), 96 tokens against a training length of 32. The
     released projection also has a per-head offset (its nn.Linear bias, initialised to 0); the project's CABLE has
     none, so the oracle's is 0. Tolerance: 2e-5 absolute on the bias (sums of 96 softplus terms), 1e-5 on outputs."""
-    pe = built(cable_nw(bias_activation="softplus"))
+    pe = built(CableNw(bias_activation="softplus"))
     with torch.no_grad():
         pe.proj[0].weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(6))
     x, (q, k, v) = layer_input(), qkv()
@@ -337,7 +337,7 @@ def test_cable_nw_with_softplus_is_the_released_cable():
     assert_causal_layer(pe, x, (q, k, v), want_bias, want, bias_atol=2e-5, out_atol=1e-5)
 
 
-@pytest.mark.parametrize("encoding", [cable(), k_cable()], ids=["cable", "k_cable"])
+@pytest.mark.parametrize("encoding", [Cable(), KCable()], ids=["cable", "k_cable"])
 def test_cable_and_k_cable_are_the_papers_equations(encoding):
     """CABLE (the paper's final form): b = ReLU(w_c . x), S its cumulative sum, g = softplus(w_s . x):
     bias = -g_i (S_i - S_j); K-CABLE: -log(1 + (g_i (S_i - S_j))^2). No released code has the weight g or the kernel;
@@ -362,7 +362,7 @@ def test_fox_is_the_released_forgetting_attention():
     per head, log_lambda its cumulative sum, scores q.k / sqrt(d) + log_lambda_i - log_lambda_j, causal softmax. The
     project's gate offset c is b. Bias and the attention output (fold backend), 96 tokens. Tolerance: 2e-5 absolute on
     the bias, 1e-5 on outputs."""
-    pe = built(fox())
+    pe = built(Fox())
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
         pe.proj[0].weight.normal_(0, 0.3, generator=g)
@@ -383,7 +383,7 @@ def test_stick_breaking_weights_are_the_released_reference():
     strictly lower triangle; the output A v. The released models (and the kernel's own tests) add the remainder
     (1 - sum_j A_ij) times the query's own value; the project gives it to no value (``stick_breaking``'s docstring),
     so the oracle is A v alone. 96 tokens. Tolerance: 1e-5 absolute."""
-    pe = built(stick_breaking())
+    pe = built(StickBreaking())
     q, k, v = qkv()
     logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     hidden = torch.ones(LONG, LONG, dtype=torch.bool).triu(0)  # the query itself and its future
@@ -402,7 +402,7 @@ def test_cope_is_the_papers_listing():
     floor and ceil, added to the logits; causal softmax. The project divides q . e by sqrt(d) and the listing does
     not: the same model with e scaled by 1/sqrt(d), so the oracle takes the project's table / sqrt(d). 8 positions,
     96 tokens (most positions clamp). Tolerance: 1e-5 absolute."""
-    pe = randomised(built(cope(positions=8)), seed=9)
+    pe = randomised(built(Cope(positions=8)), seed=9)
     q, k, v = qkv()
     d = q.shape[-1]
     table = pe.table[0].detach().double() / math.sqrt(d)  # (D, positions)
@@ -424,7 +424,7 @@ def test_dape_v2_is_the_papers_equation():
     f two (1 x 3) convolutions along the keys through LeakyReLU (2H -> 32 -> H), the future zeroed before each, then
     the causal softmax; here over ALiBi's B, written with F.conv2d in float64 on the project's weights. 96 tokens.
     Tolerance: 1e-5 absolute."""
-    pe = randomised(built(dape_v2(base=alibi())), seed=10, scale=0.1)
+    pe = randomised(built(DapeV2(base=Alibi())), seed=10, scale=0.1)
     q, k, v = qkv()
     convolutions = pe.layers[0]
     logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -449,7 +449,7 @@ def test_ssmax_is_the_papers_scaled_softmax_over_rope():
     random. Tolerance: 1e-5 absolute."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    pe = built(ssmax())
+    pe = built(Ssmax())
     with torch.no_grad():
         pe.scale.uniform_(0.1, 0.6, generator=torch.Generator().manual_seed(11))
     q, k, v = qkv()

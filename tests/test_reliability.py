@@ -19,7 +19,7 @@ from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, clai
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
 from cable_lightning.eval import report
-from cable_lightning.positional.rope import rope
+from cable_lightning.positional.rope import Rope
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,8 @@ def test_validate_ckpt_path_applies_eval_settings_and_refuses_weight_settings(ti
     scaled = main(["validate", *args(tiny_corpus_dir, rope_run, pe="rope"), *longer,
                    "--model.init_args.backbone.pos_encoding.scaling", "linear",
                    "--model.init_args.backbone.pos_encoding.scaling_factor", "4"])
-    assert scaled.model.config.pos_encoding == rope(scaling="linear", scaling_factor=4.0)
-    assert plain.model.config.pos_encoding == rope()
+    assert scaled.model.config.pos_encoding == Rope(scaling="linear", scaling_factor=4.0)
+    assert plain.model.config.pos_encoding == Rope()
     ppl = {name: {r.length: r.ppl for r in cli.model.length_results}
            for name, cli in [("plain", plain), ("scaled", scaled)]}
     assert ppl["plain"][128] != ppl["scaled"][128]  # the scaling reached the model that was evaluated

@@ -16,7 +16,7 @@ from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention
 from cable_lightning.positional import build_positional, from_label
-from cable_lightning.positional.layers import layers
+from cable_lightning.positional.layers import Layers
 from cable_lightning.positional.ssmax import keys_seen
 from cable_lightning.positional.stick_breaking import StickBreakingScores
 
@@ -280,7 +280,7 @@ def test_pattern_labels_round_trip_through_from_label():
                   "layers-dape_v2+cable@6-cope", "dape_v2+ssmax+cable"]:
         assert from_label(label).label() == label
     assert from_label("layers-dape_v2@6x1-cope").label() == "layers-dape_v2+cable@6-cope"  # written the one way
-    assert layers(pattern="rope@64x3-nope") == from_label("layers-rope@64x3-nope")
+    assert Layers(pattern="rope@64x3-nope") == from_label("layers-rope@64x3-nope")
 
 
 @pytest.mark.parametrize("make, message", [

@@ -12,7 +12,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..positional import ENCODING_FLAG, Encoding, encoding_from
-from ..positional.cable import cable
+from ..positional.cable import Cable
 from .attention import Backend, check_backend
 
 PRESETS: dict[str, dict] = {
@@ -32,11 +32,11 @@ RUNTIME_FIELDS = ("dropout", "attention_backend")
 class BackboneConfig:
     """Shape and positional encoding of a backbone. Fields left ``None`` come from ``preset``.
 
-    ``pos_encoding``: an encoding's settings (``rope``, ``rope(scaling="linear")``), its label (``"dape_v2+cable"``),
+    ``pos_encoding``: an encoding's settings (``Rope()``, ``Rope(scaling="linear")``), its label (``"dape_v2+cable"``),
     or the ``{"class_path": ..., "init_args": ...}`` form configs and checkpoints hold."""
 
     preset: str = "gpt2-tiny"
-    pos_encoding: Encoding = field(default_factory=cable)
+    pos_encoding: Encoding = field(default_factory=Cable)
     n_layer: Optional[int] = None
     n_head: Optional[int] = None
     n_embd: Optional[int] = None

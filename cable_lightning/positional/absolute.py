@@ -28,12 +28,13 @@ class LearnedTable(PositionalEncoding):
 
 
 @dataclass
-class learnable(Encoding):
+class Learnable(Encoding):
     """A learned table of ``max_positions`` vectors (GPT-2's; default: the training length); it cannot extrapolate
     past its size."""
 
     max_positions: Optional[int] = None
 
+    name = "learnable"
     module = LearnedTable
 
     def __post_init__(self):
@@ -73,9 +74,10 @@ class SinusoidalTable(PositionalEncoding):
 
 
 @dataclass
-class sinusoidal(Encoding):
+class Sinusoidal(Encoding):
     """The original Transformer's fixed sinusoidal table, computed for any length, at the token embeddings' scale."""
 
+    name = "sinusoidal"
     module = SinusoidalTable
 
 
@@ -84,7 +86,8 @@ class OrderOnly(PositionalEncoding):
 
 
 @dataclass
-class nope(Encoding):
+class Nope(Encoding):
     """No positional information (causal masking alone carries order)."""
 
+    name = "nope"
     module = OrderOnly

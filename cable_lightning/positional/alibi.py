@@ -44,7 +44,7 @@ class AlibiBias(PositionalBias):
         return self.slopes.view(1, -1, 1, 1), positions.view(1, 1, -1, 1)
 
 
-class Alibi(PositionalEncoding):
+class AlibiModule(PositionalEncoding):
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
@@ -54,8 +54,9 @@ class Alibi(PositionalEncoding):
 
 
 @dataclass
-class alibi(Encoding):
+class Alibi(Encoding):
     """ALiBi: bias -m_h |i - j| with fixed geometric slopes, not scaled by 1/sqrt(d)."""
 
-    module = Alibi
+    name = "alibi"
+    module = AlibiModule
     scores = "foldable_bias"

@@ -1,12 +1,12 @@
 """The positional-encoding contract (docs/design.md#the-encoding-contract tells it whole).
 
-An encoding is two classes in one file: its settings, a dataclass subclass of :class:`Encoding` named as configs and
-run folders name the encoding (``rope``), which jsonargparse reads and which says everything the rest of the package
-asks about the encoding; and its module, a :class:`PositionalEncoding` with four hooks the backbone calls without
-knowing which encoding it holds: ``embed`` (once, on the token embeddings), ``rotate`` (every layer, on q and k),
-``window`` (every layer, its sliding window or None) and ``score_bias`` (every layer, a :class:`ScoreBias` that
-describes an additive bias instead of materialising a (T x T) tensor, or :class:`LogitScores`). Every score object
-maps a block's scaled logits to scores (:meth:`~ScoreBias.scores`) and masked scores to weights
+An encoding is two classes in one file: its settings, a dataclass subclass of :class:`Encoding` whose ``name`` is how
+configs, command lines and run folders name the encoding (``rope``), which jsonargparse reads and which says everything
+the rest of the package asks about the encoding; and its module, a :class:`PositionalEncoding` with four hooks the
+backbone calls without knowing which encoding it holds: ``embed`` (once, on the token embeddings), ``rotate`` (every
+layer, on q and k), ``window`` (every layer, its sliding window or None) and ``score_bias`` (every layer, a
+:class:`ScoreBias` that describes an additive bias instead of materialising a (T x T) tensor, or :class:`LogitScores`).
+Every score object maps a block's scaled logits to scores (:meth:`~ScoreBias.scores`) and masked scores to weights
 (:meth:`~ScoreBias.weights`): the reference attention path and the diagnostics read weights through them alone.
 ``embed``, ``rotate`` and ``score_bias`` also take a :class:`~.layout.Layout` (None: positions 0..T-1, one document).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import typing
 from typing import Callable, ClassVar, Literal, Optional
 
@@ -216,15 +217,18 @@ class LogitScores:
 
 
 class Encoding:
-    """One encoding's settings. Concrete subclasses are dataclasses whose class name is the encoding's name; defining
-    one registers it (:func:`registry.available`), so an encoding is its own file and nothing else.
+    """One encoding's settings. Concrete subclasses are dataclasses named (PEP 8) after their ``name``, the name
+    configs, command lines, records and reports use; defining one registers it under that name
+    (:func:`registry.available`), so an encoding is its own file and nothing else.
 
     Class attributes a subclass sets (not dataclass fields):
+    ``name``: the encoding's name (``rope``), its own: a subclass of another encoding names itself again;
     ``module``: its :class:`PositionalEncoding`; ``scores``: what it adds to the logits (:data:`ScoreKind`);
     ``runtime``: the settings that change how the weights are run, not what they are (they may differ from a
     checkpoint's, and they label evaluation records, not runs).
     """
 
+    name: ClassVar[str]
     module: ClassVar[type]
     scores: ClassVar[str] = "none"
     runtime: ClassVar[tuple[str, ...]] = ()
@@ -232,7 +236,14 @@ class Encoding:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        Encoding.registered[cls.__name__] = cls
+        name = cls.__dict__.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise TypeError(f"encoding class {cls.__name__} must set its own name, lowercase letters, digits and "
+                            f"underscores (name = \"rope\"); got {name!r}")
+        known = Encoding.registered.get(name)
+        if known is not None and known.__qualname__ != cls.__qualname__:
+            raise TypeError(f"encoding name {name!r} of {cls.__name__} is taken by {known.__name__}")
+        Encoding.registered[name] = cls
 
     def __post_init__(self):
         """Every Literal-typed setting is checked against its type, which is where its allowed values are written."""
@@ -242,10 +253,6 @@ class Encoding:
             if allowed and getattr(self, field.name) not in allowed:
                 raise ConfigError(f"{self.name}.{field.name}={getattr(self, field.name)!r} is not valid; "
                                   f"valid: {', '.join(map(str, allowed))}")
-
-    @property
-    def name(self) -> str:
-        return type(self).__name__
 
     def label(self, runtime: bool = True) -> str:
         """How runs (``runtime=False``), records, report columns, sweep and bench rows name the encoding."""
@@ -258,8 +265,8 @@ class Encoding:
 
     def to_dict(self) -> dict:
         """The form jsonargparse, checkpoints and exported config.json files hold; read back by
-        :func:`registry.encoding_from` (by the class path's last part). The class path is whole because jsonargparse
-        resolves short names only at the top level, not for an encoding that another wraps."""
+        :func:`registry.encoding_from` (through :func:`registry.encoding_class`). The class path is whole because
+        jsonargparse resolves short names only at the top level, not for an encoding that another wraps."""
         return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": self.settings()}
 
     def weight_settings(self, prefix: str = "pos_encoding") -> dict:
@@ -277,7 +284,7 @@ class Encoding:
     def from_label_text(cls, text: str) -> "Encoding":
         """The encoding from the text after ``<name>-`` in a label that carries settings (``layers-rope@512x3-nope``);
         only encodings whose label carries settings accept one."""
-        raise ConfigError(f"label {cls.__name__ + '-' + text!r}: {cls.__name__}'s label carries no settings; give its "
+        raise ConfigError(f"label {cls.name + '-' + text!r}: {cls.name}'s label carries no settings; give its "
                           "name alone")
 
     def longest_length(self, block_size: int) -> Optional[int]:

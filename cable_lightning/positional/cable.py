@@ -132,12 +132,13 @@ class CumulativeBias(PositionalEncoding):
 
 
 @dataclass
-class cable(Encoding):
+class Cable(Encoding):
     """CABLE (Veisi et al., 2025): per-token biases b = ``bias_activation``(w . x) summed along the sequence, times a
     softplus per-token weight: bias[i, j] = -g_i (S_i - S_j)."""
 
     bias_activation: Literal["relu", "softplus"] = "relu"
 
+    name = "cable"
     module = CumulativeBias
     scores = "foldable_bias"
     weighted = True
@@ -149,15 +150,17 @@ class cable(Encoding):
 
 
 @dataclass
-class cable_nw(cable):
+class CableNw(Cable):
     """CABLE_NW: CABLE without the per-token weight (g = 1)."""
 
+    name = "cable_nw"
     weighted = False
 
 
 @dataclass
-class k_cable(cable):
+class KCable(Cable):
     """K-CABLE: CABLE's weighted distance through the kernel -log(1 + x^2) (which the fold cannot split)."""
 
+    name = "k_cable"
     scores = "bias"
     kernel = "log"

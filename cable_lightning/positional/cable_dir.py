@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ScoreBias
-from .cable import CableBias, CumulativeBias, cable
+from .cable import Cable, CableBias, CumulativeBias
 
 
 class SidedBias(CableBias):
@@ -69,10 +69,11 @@ class SidedCumulativeBias(CumulativeBias):
 
 
 @dataclass
-class cable_dir(cable):
+class CableDir(Cable):
     """Order-aware bidirectional CABLE (the project's own, not the paper's): the bias to a key on the right has its
     own per-token weight (``order: weights``) or its own increments (``order: increments``); causal: CABLE."""
 
     order: Literal["weights", "increments"] = "weights"
 
+    name = "cable_dir"
     module = SidedCumulativeBias

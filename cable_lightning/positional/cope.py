@@ -69,7 +69,7 @@ class CopeScores(LogitScores):
         return torch.addcmul(logits + position_logits.gather(-1, below), slopes.gather(-1, below), positions - below)
 
 
-class Cope(PositionalEncoding):
+class CopeModule(PositionalEncoding):
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.table = nn.Parameter(torch.zeros(config.n_layer, self.head_dim, settings.positions))
@@ -83,13 +83,14 @@ class Cope(PositionalEncoding):
 
 
 @dataclass
-class cope(Encoding):
+class Cope(Encoding):
     """CoPE: gated, context-dependent positions with interpolated learned position logits; contextual positions are
     clamped to 0..``positions`` - 1."""
 
     positions: int = 64
 
-    module = Cope
+    name = "cope"
+    module = CopeModule
     scores = "logits"
 
     def __post_init__(self):

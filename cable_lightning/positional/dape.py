@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .base import Encoding, LogitScores, OverBase, ScoreBias
-from .cable import cable
+from .cable import Cable
 from .layout import with_layout
 from .registry import encoding_from, score_bias_encodings
 
@@ -69,10 +69,10 @@ class DapeConvolutions(nn.Module):
         return DapeScores(bias, self)
 
 
-class DapeV2(OverBase):
+class DapeV2Module(OverBase):
     """The base encoding's module and one pair of convolutions per layer over its scores."""
 
-    def __init__(self, settings: "dape_v2", config):
+    def __init__(self, settings: "DapeV2", config):
         super().__init__(settings, config)
         self.layers = nn.ModuleList(DapeConvolutions(config.n_head, settings.width, settings.kernel)
                                     for _ in range(config.n_layer))
@@ -84,15 +84,16 @@ class DapeV2(OverBase):
 
 
 @dataclass
-class dape_v2(Encoding):
+class DapeV2(Encoding):
     """DAPEv2 over ``base`` (any encoding with a pointwise score bias): two (1 x ``kernel``) convolutions through
     ``width`` hidden channels correct the scores."""
 
-    base: Encoding = field(default_factory=cable)
+    base: Encoding = field(default_factory=Cable)
     width: int = 32
     kernel: int = 3
 
-    module = DapeV2
+    name = "dape_v2"
+    module = DapeV2Module
     scores = "logits"
 
     def __post_init__(self):

@@ -39,7 +39,7 @@ class FireBias(PositionalBias):
         return out
 
 
-class Fire(PositionalEncoding):
+class FireModule(PositionalEncoding):
     relative = False  # psi(max(L, i)) reads the query's own position once it passes the threshold L
     def __init__(self, settings, config):
         super().__init__(settings, config)
@@ -61,9 +61,10 @@ class Fire(PositionalEncoding):
 
 
 @dataclass
-class fire(Encoding):
+class Fire(Encoding):
     """FIRE: a learned MLP of the log-normalised distance, one output per head, per layer (its threshold L starts
     at the training length)."""
 
-    module = Fire
+    name = "fire"
+    module = FireModule
     scores = "bias"

@@ -22,10 +22,11 @@ def negative_log_sigmoid(logit: Tensor) -> Tensor:
 
 
 @dataclass
-class fox(Encoding):
+class Fox(Encoding):
     """FoX's data-dependent forget gate. Initialised as the authors' default for it: weights N(0, 0.02), offset c = 0
     (f = 1/2 at the start, a strong recency bias the model learns away from where it needs distant tokens)."""
 
+    name = "fox"
     module = CumulativeBias
     scores = "foldable_bias"
     weighted = False

@@ -29,7 +29,7 @@ class KerpleBias(PositionalBias):
         return -self.r1[h] * torch.where(d > 0, d.clamp(min=1.0) ** self.r2[h], torch.zeros_like(d))
 
 
-class Kerple(PositionalEncoding):
+class KerpleModule(PositionalEncoding):
     """r1, r2 > 0 learned per head and layer (softplus-parametrised; power: 0 < r2 <= 2)."""
 
     def __init__(self, settings, config):
@@ -53,18 +53,20 @@ class Kerple(PositionalEncoding):
 
 
 @dataclass
-class kerple_log(Encoding):
+class KerpleLog(Encoding):
     """KERPLE log: -r1 log(1 + r2 |i - j|)."""
 
-    module = Kerple
+    name = "kerple_log"
+    module = KerpleModule
     scores = "bias"
     form = "log"
 
 
 @dataclass
-class kerple_power(Encoding):
+class KerplePower(Encoding):
     """KERPLE power: -r1 |i - j|^r2 with 0 < r2 <= 2."""
 
-    module = Kerple
+    name = "kerple_power"
+    module = KerpleModule
     scores = "bias"
     form = "power"

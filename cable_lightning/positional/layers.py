@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from .base import Encoding, PositionalEncoding
 from .layout import with_layout
 from .registry import from_label
-from .ssmax import ssmax
+from .ssmax import Ssmax
 
 # Score kinds from the fewest backends' demands to the most (each kind's backends are a subset of the previous').
 DEMANDS = ("none", "foldable_bias", "bias", "logits")
@@ -34,7 +34,7 @@ ENTRY = re.compile(r"(?P<label>[a-z0-9_+]+?)(?:@(?P<window>\d+))?(?:x(?P<count>\
 class PerLayer(PositionalEncoding):
     """One module per distinct encoding of the pattern, each built for the layers that use it."""
 
-    def __init__(self, settings: "layers", config):
+    def __init__(self, settings: "Layers", config):
         super().__init__(settings, config)
         per_layer = settings.per_layer(config.n_layer)
         labels = list(dict.fromkeys(encoding.label() for encoding, _ in per_layer))
@@ -88,12 +88,13 @@ class PerLayer(PositionalEncoding):
 
 
 @dataclass
-class layers(Encoding):
+class Layers(Encoding):
     """A repeating pattern of per-layer encodings and sliding windows: ``rope@512x3-nope`` is three RoPE layers over
     512-token windows, then one NoPE layer over everything."""
 
     pattern: str = "rope@512x3-nope"
 
+    name = "layers"
     module = PerLayer
 
     def __post_init__(self):
@@ -108,7 +109,7 @@ class layers(Encoding):
             window, count = (int(found[g]) if found[g] else None for g in ("window", "count"))
             if window == 0 or count == 0:
                 raise ConfigError(f"layers.pattern={self.pattern!r}: entry {text!r} needs a window and a count >= 1")
-            if isinstance(encoding, ssmax) and window is not None:
+            if isinstance(encoding, Ssmax) and window is not None:
                 raise ConfigError(f"layers.pattern={self.pattern!r}: ssmax counts the keys a query sees, which a "
                                   f"window in the pattern hides from it; wrap the pattern instead: ssmax+layers-...")
             self.entries.append((encoding, window, count or 1))
@@ -116,7 +117,7 @@ class layers(Encoding):
                                 for encoding, window, count in self.entries)
 
     @classmethod
-    def from_label_text(cls, text: str) -> "layers":
+    def from_label_text(cls, text: str) -> "Layers":
         return cls(pattern=text)
 
     def per_layer(self, n_layer: int) -> list[tuple[Encoding, int | None]]:

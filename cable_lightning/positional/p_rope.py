@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .rope import Rope, rope
+from .rope import Rope, RopeModule
 
 
-class PartialRope(Rope):
-    def __init__(self, settings: "p_rope", config):
+class PartialRope(RopeModule):
+    def __init__(self, settings: "PRope", config):
         super().__init__(settings, config)
         # inv_freq falls with its index: the highest come first. int(p D // 2) of them, as transformers'
         # proportional RoPE counts them (the reference test compares the two).
@@ -21,11 +21,12 @@ class PartialRope(Rope):
 
 
 @dataclass
-class p_rope(rope):
+class PRope(Rope):
     """RoPE's settings and scalings, rotating only the highest ``fraction`` of the frequencies (1: RoPE, 0: NoPE)."""
 
     fraction: float = 0.75
 
+    name = "p_rope"
     module = PartialRope
 
     def __post_init__(self):

@@ -1,6 +1,10 @@
-"""Encodings by name. Every :class:`Encoding` subclass registers itself under its class name when its file is
+"""Encodings by name. Every :class:`Encoding` subclass registers itself under its ``name`` when its file is
 imported (``positional/__init__.py`` imports every file of the package), so no list of encodings is written
-anywhere else: configs, tests, tools and the README's table all read :func:`available`."""
+anywhere else: configs, tests, tools and the README's table all read :func:`available`.
+
+An encoding is named in configs and checkpoints three ways, all read by :func:`encoding_class`: its name (``rope``),
+its class path (``cable_lightning.positional.rope.Rope``), and the class path that records and checkpoints written
+when the classes were named as the encodings hold (``cable_lightning.positional.rope.rope``), which still loads."""
 
 from __future__ import annotations
 
@@ -17,10 +21,30 @@ def available() -> list[str]:
     return sorted(Encoding.registered)
 
 
+def class_path(cls: type) -> str:
+    """The dotted path of an encoding's class, as :meth:`Encoding.to_dict` writes it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def named_class(text: str) -> type | None:
+    """The encoding class that ``text`` names (a name, a class path, or a class path ending in the name: see the
+    module's docstring), or None. A class path is matched by its last two parts, the file and the class or name, so
+    the copy of this package inside an exported folder reads the same paths."""
+    if text in Encoding.registered:
+        return Encoding.registered[text]
+    module, _, last = str(text).rpartition(".")
+    for cls in Encoding.registered.values():
+        if last in (cls.__qualname__, cls.name) and module.rpartition(".")[2] == cls.__module__.rpartition(".")[2]:
+            return cls
+    return None
+
+
 def encoding_class(name: str) -> type:
-    if name not in Encoding.registered:
+    """The encoding class of a name or class path (:func:`named_class`); an unknown one is a one-line error."""
+    cls = named_class(name)
+    if cls is None:
         raise ConfigError(f"unknown positional encoding {name!r}; valid names: {', '.join(available())}")
-    return Encoding.registered[name]
+    return cls
 
 
 def score_bias_encodings() -> list[str]:
@@ -58,19 +82,19 @@ def from_label(label: str) -> Encoding:
 
 def encoding_from(value) -> Encoding:
     """An :class:`Encoding` from any form a config holds: an instance, a label (``rope``, ``dape_v2+cable``), or the
-    ``{"class_path": ..., "init_args": {...}}`` of :meth:`Encoding.to_dict` and jsonargparse (a dotted class path
-    is looked up by its last part in the registry; nothing is imported from it)."""
+    ``{"class_path": ..., "init_args": {...}}`` of :meth:`Encoding.to_dict` and jsonargparse (a class path is looked
+    up in the registry, :func:`named_class`; nothing is imported from it)."""
     if isinstance(value, Encoding):
         return value
     if isinstance(value, str):
         return from_label(value)
     if isinstance(value, dict) and "class_path" in value:
-        cls = encoding_class(str(value["class_path"]).rpartition(".")[2])
+        cls = encoding_class(str(value["class_path"]))
         settings = dict(value.get("init_args") or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
-            raise ConfigError(f"{cls.__name__} has no setting {unknown[0]!r}; its settings: "
+            raise ConfigError(f"{cls.name} has no setting {unknown[0]!r}; its settings: "
                               f"{', '.join(sorted(known)) or 'none'}")
         return cls(**settings)  # a wrapper reads the encoding it wraps through encoding_from itself
     raise ConfigError(f"pos_encoding {value!r} is not an encoding; give a name ({', '.join(available())}) or "

@@ -49,7 +49,7 @@ def yarn_kept_share(head_dim: int, base: float, original_length: int, inv_freq: 
 
 def rope_frequencies(head_dim: int, base: float, scaling: str, factor: float, original_length: int):
     """Inverse frequencies (head_dim/2,), the position divisor, and the logit temperature factor (``scaling`` and
-    ``factor`` as :class:`rope` checked them)."""
+    ``factor`` as :class:`Rope` checked them)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
@@ -72,10 +72,10 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class Rope(PositionalEncoding):
+class RopeModule(PositionalEncoding):
     """RoPE on q and k; scaling modes for evaluating past the training length."""
 
-    def __init__(self, settings: "rope", config):
+    def __init__(self, settings: "Rope", config):
         super().__init__(settings, config)
         inv_freq, self.position_divisor, self.mscale = rope_frequencies(
             self.head_dim, settings.base, settings.scaling, settings.scaling_factor, config.original_length
@@ -94,7 +94,7 @@ class Rope(PositionalEncoding):
 
 
 @dataclass
-class rope(Encoding):
+class Rope(Encoding):
     """RoPE (Su et al., 2021): q and k rotated by their position, base ``base``. ``scaling`` (with
     ``scaling_factor``) changes how a trained model is run past its training length: position interpolation
     (``linear``), NTK-aware base scaling (``ntk``), YaRN as its reference code computes it (``yarn``) or as the YaRN
@@ -104,7 +104,8 @@ class rope(Encoding):
     scaling: Scaling = "none"
     scaling_factor: float = 1.0
 
-    module = Rope
+    name = "rope"
+    module = RopeModule
     runtime = ("scaling", "scaling_factor")
 
     def __post_init__(self):

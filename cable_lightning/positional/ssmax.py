@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .base import Encoding, OverBase
 from .layout import with_layout
 from .registry import encoding_from
-from .rope import rope
+from .rope import Rope
 
 
 def keys_seen(offset: int, t: int, causal: bool, window: int | None, total: int | Tensor, device) -> Tensor:
@@ -52,7 +52,7 @@ def keys_seen_in(layout, causal: bool, window: int | None) -> Tensor:
 class LengthScaled(OverBase):
     """The base encoding's module, and s per layer and head scaling each query row by s log(n)."""
 
-    def __init__(self, settings: "ssmax", config):
+    def __init__(self, settings: "Ssmax", config):
         super().__init__(settings, config)
         self.scale = nn.Parameter(torch.full((config.n_layer, config.n_head), 1 / math.log(config.original_length)))
 
@@ -75,12 +75,13 @@ class LengthScaled(OverBase):
 
 
 @dataclass
-class ssmax(Encoding):
+class Ssmax(Encoding):
     """SSMax over ``base`` (any encoding): queries scaled by s log(n), n the positions a query sees, s learned per
     layer and head."""
 
-    base: Encoding = field(default_factory=rope)
+    base: Encoding = field(default_factory=Rope)
 
+    name = "ssmax"
     module = LengthScaled
 
     def __post_init__(self):

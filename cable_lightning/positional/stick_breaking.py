@@ -50,7 +50,7 @@ class StickBreakingScores(LogitScores):
         return scores.masked_fill(~seen, float("-inf"))
 
 
-class StickBreaking(PositionalEncoding):
+class StickBreakingModule(PositionalEncoding):
     reads_positions = False  # the order of the keys; a stick spans only keys of the query's document
 
     def score_bias(self, h, layer, offset, state, layout=None):
@@ -58,9 +58,10 @@ class StickBreaking(PositionalEncoding):
 
 
 @dataclass
-class stick_breaking(Encoding):
+class StickBreaking(Encoding):
     """Stick-breaking attention: each key takes sigmoid(q.k / sqrt(d)) of the stick the nearer keys left; no softmax,
     no position encoding, no parameters."""
 
-    module = StickBreaking
+    name = "stick_breaking"
+    module = StickBreakingModule
     scores = "logits"

@@ -44,7 +44,7 @@ class T5Bias(PositionalBias):
         return self.table[bucket, h]
 
 
-class T5(PositionalEncoding):
+class T5Module(PositionalEncoding):
     def __init__(self, settings, config):
         super().__init__(settings, config)
         self.table = nn.Parameter(torch.zeros(NUM_BUCKETS, config.n_head))
@@ -54,8 +54,9 @@ class T5(PositionalEncoding):
 
 
 @dataclass
-class t5(Encoding):
+class T5(Encoding):
     """T5-bias: 32 log-spaced buckets up to distance 128, one table for all layers."""
 
-    module = T5
+    name = "t5"
+    module = T5Module
     scores = "bias"
