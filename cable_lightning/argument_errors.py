@@ -19,7 +19,8 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from .checkpoints import run_configs
 from .errors import KeepsWriteErrors
-from .models.config import BackboneConfig, moved_setting
+from .lit.checkpoint_format import moved_setting
+from .models.config import BackboneConfig
 from .positional import ENCODING_FLAG, Encoding, available
 from .positional.registry import class_path, named_class
 

@@ -15,10 +15,9 @@ import yaml
 from conftest import printed_backbone
 
 from cable_lightning.cli import main
-from cable_lightning.lit.checkpoint_format import saved_weights
+from cable_lightning.lit.checkpoint_format import saved_backbone, saved_weights, upgrade_backbone_dict
 from cable_lightning.lit.resume import weight_setting_differences
 from cable_lightning.models import BackboneConfig, build_backbone
-from cable_lightning.models.config import upgrade_backbone_dict
 from cable_lightning.positional import Encoding, available, encoding_class, encoding_from, from_label
 from cable_lightning.positional.cable import Cable
 from cable_lightning.positional.dape import DapeV2
@@ -167,7 +166,7 @@ def test_an_earlier_versions_checkpoint_loads_with_the_same_weights(encoding):
     assert "blocks.0.attn.dape.expand.weight" in old_state or not isinstance(model.config.pos_encoding, DapeV2)
     checkpoint = {"hyper_parameters": {"backbone": saved},
                   "state_dict": {f"backbone.{k}": v for k, v in old_state.items()}}
-    loaded_config = BackboneConfig.from_dict(saved)
+    loaded_config = saved_backbone(saved)
     assert loaded_config == model.config
     loaded = build_backbone(loaded_config).eval()
     loaded.load_state_dict({k.removeprefix("backbone."): v for k, v in saved_weights(checkpoint).items()})

@@ -25,9 +25,8 @@ from ..data.manifest import read_manifest
 from ..data.remote import Store, is_remote
 from ..data.tokenizers import HFTokenizer, TiktokenTokenizer, get_tokenizer
 from ..errors import ArgumentParser, ConfigError, MissingFileError, RunFailedError, error_boundary, space_left
-from ..lit.checkpoint_format import checkpoint_backbone
+from ..lit.checkpoint_format import checkpoint_backbone, saved_backbone, upgrade_state_dict
 from ..models import Backbone, BackboneConfig, build_backbone
-from ..models.config import upgrade_state_dict
 from ..owned import check_replaceable, discard, staging_folder, swap_in
 from ..records import content_hash
 
@@ -267,7 +266,7 @@ def load_backbone(folder: str) -> Backbone:
     from safetensors.torch import load_file
 
     saved = read_export_config(folder)["backbone"]
-    backbone = build_backbone(BackboneConfig.from_dict(saved))
+    backbone = build_backbone(saved_backbone(saved))
     weights = upgrade_state_dict(load_file(os.path.join(folder, WEIGHTS)), saved)
     backbone.load_state_dict({k.removeprefix("backbone."): v for k, v in weights.items()})
     return backbone.eval()

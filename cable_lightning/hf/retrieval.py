@@ -284,9 +284,9 @@ def evaluate(models: dict[str, str], lengths: list[int], local: tuple[str, str, 
 def longest_length(folder: str) -> int | None:
     """The longest input the exported encoder's encoding can serve (None: any length)."""
     from cable_lightning.hf.export import read_export_config
-    from cable_lightning.models import BackboneConfig
+    from cable_lightning.lit.checkpoint_format import saved_backbone
 
-    backbone = BackboneConfig.from_dict(read_export_config(folder)["backbone"])
+    backbone = saved_backbone(read_export_config(folder)["backbone"])
     return backbone.pos_encoding.longest_length(backbone.block_size)
 
 
@@ -315,11 +315,11 @@ def retrieval_records(folder: str, scores: dict[int, dict | None], dataset: str,
     ``finetune``), the set's name and content hash, and where the set records where its passages end
     (:func:`passage_ends`), the share of queries whose passage fits the length."""
     from cable_lightning.hf.export import read_export_config
-    from cable_lightning.models import BackboneConfig
+    from cable_lightning.lit.checkpoint_format import saved_backbone
 
     config = read_export_config(folder)
     provenance = config.get("provenance") or {}
-    backbone = BackboneConfig.from_dict(config["backbone"])
+    backbone = saved_backbone(config["backbone"])
     return [RetrievalRecord(pe=backbone.pos_encoding.label(), model=backbone.shape(),
                             train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
                             run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),

@@ -1,7 +1,9 @@
 """What a fit checkpoint holds and how every reader takes it back: the model class it may name (the allow-list),
-an earlier version's settings and parameter names in this version's form, and the trained backbone that export
-reads. One home, so that the CLI (``--ckpt_path``), the LightningModules (``on_load_checkpoint``,
-``init_weights``) and export read a checkpoint the same way.
+an earlier version's settings and parameter names in this version's form (and where a setting of that version is
+set now, for a command line that still names it), and the trained backbone that export reads. One home, so that the
+CLI (``--ckpt_path``), the LightningModules (``on_load_checkpoint``, ``init_weights``), resumes and export read a
+checkpoint, or an exported folder, the same way. (Encodings named by the class paths of an earlier version are read
+by the registry itself: ``positional.registry``.)
 
 Reading the file itself (weights-only, checked, downloaded from a URL) is :mod:`cable_lightning.checkpoints`; this
 module is about what is inside. It imports nothing from the modules it names, so that they can call it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 from typing import Optional
 
@@ -19,7 +22,7 @@ import lightning as L
 from ..checkpoints import fetch_checkpoint, is_url, read_checkpoint
 from ..errors import ConfigError
 from ..models import Backbone, BackboneConfig
-from ..models.config import upgrade_backbone_dict, upgrade_state_dict
+from ..positional import ENCODING_FLAG
 from ..records import content_hash
 
 MODELS_PACKAGE = __package__  # cable_lightning.lit: where this package's models are defined
@@ -39,6 +42,67 @@ def package_model_class(class_path: str, source: str) -> type:
     valid = ", ".join(f"{MODELS_PACKAGE}.{n}" for n in ("CausalLM", "MaskedLM"))
     raise ConfigError(f"checkpoint {source} names model class {class_path!r}, which is not one of this package's "
                       f"models ({valid} or their subclasses in {MODELS_PACKAGE}); use a checkpoint written by fit")
+
+
+# Settings an earlier version kept as prefixed backbone fields, before encodings owned them: encoding -> {old: new}.
+PREFIXED_SETTINGS = {"rope": {"rope_base": "base", "rope_scaling": "scaling", "rope_scaling_factor": "scaling_factor"},
+                     "cable": {"cable_bias_activation": "bias_activation"},
+                     "cable_nw": {"cable_bias_activation": "bias_activation"},
+                     "k_cable": {"cable_bias_activation": "bias_activation"},
+                     "learnable": {"max_positions": "max_positions"},
+                     "cope": {"cope_positions": "positions"}}
+DAPE_FIELDS = {"dape": "base", "dape_width": "width", "dape_kernel": "kernel"}  # dape: v2 -> dape_v2 wrapping
+PREFIXED_FIELDS = {old for renames in PREFIXED_SETTINGS.values() for old in renames} | set(DAPE_FIELDS)
+DAPE_IN_ATTENTION = re.compile(r"(^|\.)blocks\.(\d+)\.attn\.dape\.")
+
+
+def moved_setting(name: str) -> Optional[str]:
+    """Where an earlier version's backbone setting ``name`` lives now, as the flags that set it (None: ``name`` was
+    never a backbone setting). Checkpoints map these by themselves; a command line or YAML gets this pointer."""
+    flag = ENCODING_FLAG
+    if name in DAPE_FIELDS:
+        wraps = " (the encoding it wraps)" if name == "dape" else ""
+        return f"it moved into the dape_v2 encoding: {flag} dape_v2 {flag}.{DAPE_FIELDS[name]} VALUE{wraps}"
+    owners = [encoding for encoding, renames in PREFIXED_SETTINGS.items() if name in renames]
+    if not owners:
+        return None
+    return (f"it moved into the {'/'.join(owners)} encoding: {flag} {owners[0]} "
+            f"{flag}.{PREFIXED_SETTINGS[owners[0]][name]} VALUE")
+
+
+def upgrade_backbone_dict(saved: dict) -> dict:
+    """An earlier version's backbone dict (``pos_encoding: rope`` with ``rope_scaling`` etc. beside it, ``dape: v2``)
+    in this version's form; a current one is returned as it is."""
+    if not isinstance(saved.get("pos_encoding"), str) and not PREFIXED_FIELDS & set(saved):
+        return saved
+    name = saved.get("pos_encoding", "cable")
+    renames = PREFIXED_SETTINGS.get(name, {})
+    encoding = {"class_path": name,
+                "init_args": {new: saved[old] for old, new in renames.items() if saved.get(old) is not None}}
+    if saved.get("dape", "none") != "none":
+        encoding = {"class_path": f"dape_{saved['dape']}",
+                    "init_args": {"base": encoding, "width": saved.get("dape_width", 32),
+                                  "kernel": saved.get("dape_kernel", 3)}}
+    upgraded = {k: v for k, v in saved.items() if k not in PREFIXED_FIELDS}
+    return upgraded | {"pos_encoding": encoding}
+
+
+def saved_backbone(saved: dict) -> BackboneConfig:
+    """The backbone a checkpoint's or an exported folder's dict describes, written by this version or an earlier one."""
+    return BackboneConfig.from_dict(upgrade_backbone_dict(saved))
+
+
+def upgrade_state_dict(state: dict, saved: dict) -> dict:
+    """An earlier version's weights in this version's names (``saved``: the backbone dict written with them): DAPEv2's
+    convolutions moved from each attention layer (``blocks.<i>.attn.dape.``) into the encoding (``pe.layers.<i>.``),
+    and the encoding it wraps to ``pe.base.``."""
+    if saved.get("dape", "none") == "none":
+        return state
+    upgraded = {}
+    for key, value in state.items():
+        key = re.sub(r"(^|\.)pe\.", r"\1pe.base.", key)
+        upgraded[DAPE_IN_ATTENTION.sub(r"\1pe.layers.\2.", key)] = value
+    return upgraded
 
 
 def saved_weights(checkpoint: dict) -> dict:
@@ -63,7 +127,7 @@ def checkpoint_settings(ckpt_path: str) -> tuple[Optional[dict], dict]:
     init_args = {k: v for k, v in hparams.items() if k in accepted and k != "data"}
     if isinstance(init_args.get("backbone"), dict):  # an earlier version's settings in this version's form
         backbone = upgrade_backbone_dict(init_args["backbone"])
-        init_args["backbone"] = backbone | {"pos_encoding": BackboneConfig.from_dict(backbone).pos_encoding.to_dict()}
+        init_args["backbone"] = backbone | {"pos_encoding": saved_backbone(backbone).pos_encoding.to_dict()}
     return {"class_path": class_path, "init_args": init_args}, data
 
 
@@ -80,7 +144,7 @@ def checkpoint_backbone(ckpt_path: str) -> tuple[Backbone, dict, dict]:
         raise ConfigError(f"{ckpt_path} is not a checkpoint written by `python -m cable_lightning fit` (no model "
                           "class, data description or weights); export a checkpoint from a fit run")
     model = package_model_class(class_path, ckpt_path)(
-        backbone=BackboneConfig.from_dict(hparams["backbone"]), data=hparams["data"])
+        backbone=saved_backbone(hparams["backbone"]), data=hparams["data"])
     model.load_state_dict(saved_weights(ckpt))
     local = fetch_checkpoint(ckpt_path) if is_url(ckpt_path) else ckpt_path  # read_checkpoint's copy of a URL
     provenance = {"step": ckpt.get("global_step"), "run_seed": ckpt.get("run_seed"),

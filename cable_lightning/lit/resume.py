@@ -40,6 +40,7 @@ from ..data.remote import is_remote
 from ..errors import ConfigError
 from ..models import BackboneConfig
 from ..tasks.generation import TaskMix
+from .checkpoint_format import saved_backbone
 
 
 def global_batch(trainer, block_size: int) -> Optional[dict]:
@@ -156,7 +157,7 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
     """(name, saved, configured) for each backbone setting that defines the weights and differs
     (:meth:`BackboneConfig.weight_settings`); runtime settings (attention backend, dropout, an encoding's own, such
     as RoPE scaling) may change freely."""
-    old, new = BackboneConfig.from_dict(saved).weight_settings(), config.weight_settings()
+    old, new = saved_backbone(saved).weight_settings(), config.weight_settings()
     differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
     # Another encoding altogether is one difference, not one per setting it has or lacks.
     return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]

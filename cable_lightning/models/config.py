@@ -6,12 +6,11 @@ nothing encoding-specific lives here.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..positional import ENCODING_FLAG, Encoding, encoding_from
+from ..positional import Encoding, encoding_from
 from ..positional.cable import Cable
 from .attention import Backend, check_backend
 
@@ -70,8 +69,8 @@ class BackboneConfig:
 
     @classmethod
     def from_dict(cls, saved: dict) -> "BackboneConfig":
-        """A config from a checkpoint's or an exported folder's dict, written by this version or an earlier one."""
-        saved = upgrade_backbone_dict(saved)
+        """A config from the dict :meth:`to_dict` writes (a parsed config, an exported folder's); a checkpoint's,
+        which an earlier version may have written, is read through ``lit.checkpoint_format.saved_backbone``."""
         return cls(**{k: v for k, v in saved.items() if k in cls.__dataclass_fields__})
 
     @property
@@ -104,60 +103,3 @@ class BackboneConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"pos_encoding": self.pos_encoding.to_dict()}
-
-
-# Checkpoints and exports written before encodings owned their settings held them as prefixed backbone fields.
-_LEGACY_SETTINGS = {"rope": {"rope_base": "base", "rope_scaling": "scaling", "rope_scaling_factor": "scaling_factor"},
-                    "cable": {"cable_bias_activation": "bias_activation"},
-                    "cable_nw": {"cable_bias_activation": "bias_activation"},
-                    "k_cable": {"cable_bias_activation": "bias_activation"},
-                    "learnable": {"max_positions": "max_positions"},
-                    "cope": {"cope_positions": "positions"}}
-_LEGACY_DAPE = {"dape": "base", "dape_width": "width", "dape_kernel": "kernel"}  # dape: v2 -> dape_v2 wrapping
-_LEGACY_FIELDS = {old for renames in _LEGACY_SETTINGS.values() for old in renames} | set(_LEGACY_DAPE)
-
-
-def moved_setting(name: str) -> Optional[str]:
-    """Where an earlier version's backbone setting ``name`` lives now, as the flags that set it (None: ``name`` was
-    never a backbone setting). Checkpoints map these by themselves; a command line or YAML gets this pointer."""
-    flag = ENCODING_FLAG
-    if name in _LEGACY_DAPE:
-        wraps = " (the encoding it wraps)" if name == "dape" else ""
-        return f"it moved into the dape_v2 encoding: {flag} dape_v2 {flag}.{_LEGACY_DAPE[name]} VALUE{wraps}"
-    owners = [encoding for encoding, renames in _LEGACY_SETTINGS.items() if name in renames]
-    if not owners:
-        return None
-    return (f"it moved into the {'/'.join(owners)} encoding: {flag} {owners[0]} "
-            f"{flag}.{_LEGACY_SETTINGS[owners[0]][name]} VALUE")
-
-
-def upgrade_backbone_dict(saved: dict) -> dict:
-    """An earlier version's backbone dict (``pos_encoding: rope`` with ``rope_scaling`` etc. beside it, ``dape: v2``)
-    in this version's form; a current one is returned as it is."""
-    if not isinstance(saved.get("pos_encoding"), str) and not _LEGACY_FIELDS & set(saved):
-        return saved
-    name = saved.get("pos_encoding", "cable")
-    renames = _LEGACY_SETTINGS.get(name, {})
-    encoding = {"class_path": name,
-                "init_args": {new: saved[old] for old, new in renames.items() if saved.get(old) is not None}}
-    if saved.get("dape", "none") != "none":
-        encoding = {"class_path": f"dape_{saved['dape']}",
-                    "init_args": {"base": encoding, "width": saved.get("dape_width", 32),
-                                  "kernel": saved.get("dape_kernel", 3)}}
-    upgraded = {k: v for k, v in saved.items() if k not in _LEGACY_FIELDS}
-    return upgraded | {"pos_encoding": encoding}
-
-
-_LEGACY_DAPE_KEY = re.compile(r"(^|\.)blocks\.(\d+)\.attn\.dape\.")
-
-
-def upgrade_state_dict(state: dict, saved_backbone: dict) -> dict:
-    """An earlier version's weights in this version's names: DAPEv2's convolutions moved from each attention layer
-    (``blocks.<i>.attn.dape.``) into the encoding (``pe.layers.<i>.``), and the encoding it wraps to ``pe.base.``."""
-    if saved_backbone.get("dape", "none") == "none":
-        return state
-    upgraded = {}
-    for key, value in state.items():
-        key = re.sub(r"(^|\.)pe\.", r"\1pe.base.", key)
-        upgraded[_LEGACY_DAPE_KEY.sub(r"\1pe.layers.\2.", key)] = value
-    return upgraded
