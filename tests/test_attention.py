@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cable_lightning.gpu_check import flex
 from cable_lightning.models import BackboneConfig
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention
@@ -27,28 +28,7 @@ def test_each_encoding_declares_what_its_score_bias_returns():
         assert isinstance(pe.score_bias(torch.randn(1, 3, 32), 0, 0, None), kinds[pe.settings.scores]), name
 
 
-def make_inputs(pe_name, causal, t, seed=0, head_dim=8):
-    torch.manual_seed(seed)
-    config = BackboneConfig(pos_encoding=pe_name, n_layer=2, n_head=4, n_embd=32, causal=causal, block_size=16)
-    pe = build_positional(config)
-    with torch.no_grad():  # make every learned PE non-trivial
-        for p in pe.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    h = torch.randn(2, t, 32, requires_grad=True)
-    q, k, v = (torch.randn(2, 4, t, head_dim, requires_grad=True) for _ in range(3))
-    return pe, h, q, k, v
-
-
-def run(backend, pe, h, q, k, v, causal):
-    bias = pe.score_bias(h, 1, 0, None)
-    return attention(q, k, v, bias, causal, backend=backend)
-
-
-def grads(out, tensors):
-    torch.manual_seed(1)
-    weight = torch.randn_like(out)
-    return torch.autograd.grad((out * weight).sum(), tensors, allow_unused=True)
-
+make_inputs, run, grads = flex.inputs, flex.attend, flex.gradients  # the package's FlexAttention check's own
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("t", [1, 7, 129])
@@ -73,26 +53,23 @@ def test_chunked_matches_reference_values_and_gradients(pe_name, t, causal, monk
 @pytest.mark.parametrize("pe_name", BIAS_PES)
 def test_flex_matches_reference(pe_name, t, causal):
     """FlexAttention's score_mod is the pointwise form of each bias; on CPU it runs forward only."""
-    pe, h, q, k, v = make_inputs(pe_name, causal, t)
-    h, q, k, v = (x.detach() for x in (h, q, k, v))
-    with torch.no_grad():
-        ref = run("materialized", pe, h, q, k, v, causal)
-        out = run("flex", pe, h, q, k, v, causal)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert flex.mismatch(pe_name, "cpu", causal, t, backward=False) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA on this torch build")
 @pytest.mark.parametrize("pe_name", BIAS_PES)
 def test_flex_gradients_on_cuda(pe_name):
-    pe, h, q, k, v = make_inputs(pe_name, True, 129, head_dim=attn_mod.FLEX_MIN_HEAD_DIM)  # its CUDA kernels' least
-    pe, h, q, k, v = (pe.cuda(), h.detach().cuda().requires_grad_(),
-                      *(x.detach().cuda().requires_grad_() for x in (q, k, v)))
-    tensors = [q, k, v, h] + list(pe.parameters())
-    ref, out = run("materialized", pe, h, q, k, v, True), run("flex", pe, h, q, k, v, True)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
-    for g_out, g_ref in zip(grads(out, tensors), grads(ref, tensors)):
-        if g_ref is not None:
-            torch.testing.assert_close(g_out, g_ref, atol=1e-4, rtol=1e-3)
+    """What gpu-check's last part runs (``python -m cable_lightning.gpu_check.flex``), encoding by encoding."""
+    assert flex.mismatch(pe_name, "cuda") is None
+
+
+def test_the_flex_check_says_what_differs_in_one_line(monkeypatch):
+    """A FlexAttention that drops the bias: the check names the encoding and what differs."""
+    monkeypatch.setattr(flex, "attend", lambda backend, pe, h, q, k, v, causal: attention(
+        q, k, v, None if backend == "flex" else pe.score_bias(h, 1, 0, None), causal, backend="materialized"))
+    problem = flex.mismatch("alibi", "cpu", backward=False)
+    assert problem.startswith("alibi: FlexAttention's output differs from the reference (Greatest absolute "), problem
+    assert "\n" not in problem
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -46,7 +46,7 @@ def cells(text: str, part: str) -> list[list[str]]:
 
 def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch):
     """Every part runs on the CPU at toy sizes: a real fit through the CLI per backend (compiled by Dynamo, timed,
-    validated with diagnostics, checkpointed), the bench's evaluation and the FlexAttention tests (collected), each a
+    validated with diagnostics, checkpointed), the bench's evaluation and the FlexAttention check (listed), each a
     row of the file. The first fit's warm-up takes 30 s by the budgets' clock, past its compile budget and past the
     24 s that once was a whole fit's: its steady steps are timed all the same, and its row says so."""
     out, cwd = tmp_path / "gpu_check.md", tmp_path / "cwd"
@@ -88,8 +88,9 @@ def test_rehearsal_writes_a_row_per_part(tiny_corpus_dir, tmp_path, monkeypatch)
         ("nope", "sdpa"), ("nope:flex", "flex"), ("cable", "fold"), ("kerple_log", "flex")]
     assert all("failed" not in row["compile"] and "skipped" not in row["compile"] for row in bench)
     assert all(row["compiles"].endswith(" / 0") for row in bench)  # the timed forwards reuse the first's compile
-    (flex_tests,) = cells(text, "pytest |")
-    assert flex_tests[1:4] == ["tests/test_attention.py -k flex", "0", flex_tests[3]] and "collected" in flex_tests[3]
+    (flex_check,) = cells(text, "flex |")  # the package's own check, listed: its backward needs CUDA
+    assert flex_check[1:4] == ["python -m cable_lightning.gpu_check.flex", "0", flex_check[3]]
+    assert flex_check[3].startswith("checks ") and "alibi" in flex_check[3], flex_check
     assert torch.compile.__name__ == "compile"  # the rehearsal's eager backend is undone
     assert list(cwd.iterdir()) == []  # every record under --runs_dir
 
@@ -99,7 +100,7 @@ def test_the_paper_shape_fits_carry_mfu_the_anchors_and_the_issues_targets(tiny_
     50257-entry vocabulary, no tokenizer), each row with its MFU, its tokens/s over the paper's and llm.c's and the
     issue's target met or missed (NoPE's ratio at the same shape)."""
     monkeypatch.setattr(run.Run, "bench", lambda *args: None)
-    monkeypatch.setattr(run.Run, "pytest", lambda *args: None)
+    monkeypatch.setattr(run.Run, "flex_check", lambda *args: None)
     out = tmp_path / "gpu_check.md"
     assert verb(["gpu-check", "--rehearse_on_cpu", "--data_path", tiny_corpus_dir, "--out", str(out), "--runs_dir",
                  str(tmp_path / "runs"), "--encodings", "nope", "cable", "--shapes", "gpt2-vocab"]) == 0
@@ -123,7 +124,7 @@ def test_each_fit_has_its_bare_step_beside_it_and_their_ratio(tiny_corpus_dir, t
     in the same process after the fit, reusing the fit's compile; the row gives its step and the fit's over it against
     the 1.10x target."""
     monkeypatch.setattr(run.Run, "bench", lambda *args: None)
-    monkeypatch.setattr(run.Run, "pytest", lambda *args: None)
+    monkeypatch.setattr(run.Run, "flex_check", lambda *args: None)
     out = tmp_path / "gpu_check.md"
     assert verb(["gpu-check", "--rehearse_on_cpu", "--data_path", tiny_corpus_dir, "--out", str(out), "--runs_dir",
                  str(tmp_path / "runs"), "--encodings", "nope", "--shapes", "prepared"]) == 0
@@ -194,7 +195,7 @@ def test_a_spent_budget_skips_each_part_with_a_row(tmp_path):
     assert verb(["gpu-check", "--rehearse_on_cpu", "--budget_scale", "1e-9", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     parts = ["bench", *plan.parts_of(plan.ENCODINGS), *(f"gpt2-vocab {p}" for p in plan.parts_of(plan.ENCODINGS)),
-             "pytest"]
+             "flex"]
     assert {row.split(" | ")[0][2:] for row in rows if "skipped: its budget is spent" in row} == set(parts)
 
 
@@ -213,7 +214,7 @@ def test_a_recompile_limit_hit_fails_the_verb_naming_the_function(monkeypatch, t
 
     monkeypatch.setattr(run.Run, "fit", thrashing_fit)
     monkeypatch.setattr(run.Run, "bench", lambda *args: None)
-    monkeypatch.setattr(run.Run, "pytest", lambda *args: None)
+    monkeypatch.setattr(run.Run, "flex_check", lambda *args: None)
     with pytest.raises(SystemExit) as stopped:
         verb(["gpu-check", "--rehearse_on_cpu", "--out", str(tmp_path / "out.md"), "--encodings", "nope"])
     assert stopped.value.code == 1
@@ -255,7 +256,7 @@ def test_out_replaces_only_a_file_gpu_check_wrote_and_only_with_overwrite(tmp_pa
     assert results.read_text().startswith("## gpu-check: ") and "a GPU's row" not in results.read_text()
 
 
-@pytest.mark.parametrize("stopped_in", ["bench", "pytest"], ids=["before-its-first-row", "after-rows"])
+@pytest.mark.parametrize("stopped_in", ["bench", "flex_check"], ids=["before-its-first-row", "after-rows"])
 def test_a_sigterm_keeps_the_earlier_file_until_the_first_row_and_says_what_out_holds(tmp_path, capsys, monkeypatch,
                                                                                        stopped_in):
     """``--overwrite`` stopped by SIGTERM before its first row left an earlier file (a GPU run's rows) as its heading
@@ -276,7 +277,7 @@ def test_a_sigterm_keeps_the_earlier_file_until_the_first_row_and_says_what_out_
     finally:
         signal.signal(signal.SIGTERM, before)
     said = {"bench": f"it had no row yet: the earlier {results} is kept as it was",
-            "pytest": f"the rows so far are in {results}"}[stopped_in]
+            "flex_check": f"the rows so far are in {results}"}[stopped_in]
     assert stopped.value.code == 143 and capsys.readouterr().err.splitlines() == [
         f"error: gpu-check stopped by SIGTERM; {said}"]
     text = results.read_text()

@@ -3,14 +3,14 @@ recompiles and memory, and the evaluation at 16,384 tokens, within ``--time_budg
 GPU") tells the plan whole: the parts, their budgets, how steps, memory and compiles are measured.
 
 Each result is a Markdown table row, written to ``--out`` and flushed as it is produced, so a run cut short keeps what
-finished; an existing ``--out`` is replaced only when gpu-check wrote it and ``--overwrite`` is given, and only once
-the new run has written its first row. The parts: ``bench`` first (the model-only evaluation at 16,384 tokens against
-NoPE); then real fits through the CLI, one per encoding, grouped by attention backend, at each of ``--shapes`` (the
-paper's GPT-2 vocabulary first, with its targets), each followed by its bare step without Lightning; then ``pytest``
-(FlexAttention's values and gradients on CUDA). Compiling has budgets of its own (``plan.*_BUDGET_S``), so a slow
-compile costs time but never the steady steps; nothing starts after the plan's last start. A part that fails is a row
-too, and a function that hits Dynamo's recompile limit is named; either ends the run with exit 1, SIGTERM or Ctrl-C
-in one line saying what ``--out`` holds. ``--rehearse_on_cpu``: the same parts on the CPU at toy sizes, Dynamo's
+finished; an existing ``--out`` is replaced only when gpu-check wrote it and ``--overwrite`` is given, and only once the
+new run has written its first row. The parts: ``bench`` first (the model-only evaluation at 16,384 tokens against NoPE);
+then real fits through the CLI, one per encoding, grouped by attention backend, at each of ``--shapes`` (the paper's
+GPT-2 vocabulary first, with its targets), each followed by its bare step without Lightning; then the FlexAttention
+check (its values and gradients on CUDA, ``gpu_check/flex.py``). Compiling has budgets of its own (``plan.*_BUDGET_S``),
+so a slow compile costs time but never the steady steps; nothing starts after the plan's last start. A part that fails
+is a row too, and a function that hits Dynamo's recompile limit is named; either ends the run with exit 1, SIGTERM or
+Ctrl-C in one line saying what ``--out`` holds. ``--rehearse_on_cpu``: the same parts on the CPU at toy sizes, Dynamo's
 ``eager`` backend for inductor; its figures are not GPU figures.
 """
 
@@ -34,9 +34,9 @@ from .plan import (
     BENCH_BUDGET_S,
     BENCH_COMPILE_BUDGET_S,
     ENCODINGS,
-    FLEX_TESTS,
+    FLEX_CHECK,
+    FLEX_CHECK_BUDGET_S,
     GPU,
-    PYTEST_BUDGET_S,
     REHEARSAL,
     RUN_BUDGET_S,
     Sizes,
@@ -47,7 +47,7 @@ from .plan import (
 from .rows import Report, stopped_by_signals
 from .targets import GPT2_VOCAB, LLMC_RATE, PAPER_RATE, SHAPES
 
-PYTEST_HEAD = ["part", "command", "exit", "result", "s", "note"]
+FLEX_HEAD = ["part", "command", "exit", "result", "s", "note"]
 
 
 class Run:
@@ -76,29 +76,26 @@ class Run:
     fit = fits.fit
     bench = evaluation.bench
 
-    def pytest(self, part: str, deadline: float) -> None:
-        """``FLEX_TESTS`` in a child process from the source tree (the GPU machine carries it), stopped at its budget;
-        the CPU rehearsal only collects them (their CUDA tests skip on a CPU, the rest take minutes)."""
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
-        command = [sys.executable, "-m", "pytest", "-q", *FLEX_TESTS] + (["--collect-only"] if not self.cuda else [])
-        cells = [part, " ".join(FLEX_TESTS)]
+    def flex_check(self, part: str, deadline: float) -> None:
+        """The package's FlexAttention check (``FLEX_CHECK``) in a child process, whose compiles are not the fits',
+        stopped at its budget; the CPU rehearsal only lists what it checks (its backward needs CUDA)."""
+        command = [sys.executable, *FLEX_CHECK] + ([] if self.cuda else ["--list"])
+        cells = [part, "python " + " ".join(FLEX_CHECK)]
         if time.monotonic() >= deadline:
             return self.report.row(cells + ["", "skipped: its budget is spent", "", ""])
-        if not os.path.isfile(os.path.join(root, FLEX_TESTS[0])):
-            return self.report.row(cells + ["", f"not run: no {FLEX_TESTS[0]} beside the package (a source tree has "
-                                            "it)", "", ""])
-        budget, started = PYTEST_BUDGET_S * self.args.budget_scale, time.perf_counter()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        budget, started = FLEX_CHECK_BUDGET_S * self.args.budget_scale, time.perf_counter()
+        packages = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this package's
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [packages, os.environ.get("PYTHONPATH")]))}
         try:
-            done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=budget)
-            code, out = done.returncode, done.stdout
-            notes = [] if self.cuda else ["CPU rehearsal: collected, not run"]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=budget)
+            code, out = done.returncode, done.stdout if done.stdout.strip() else done.stderr
+            notes = [] if self.cuda else ["CPU rehearsal: listed, not run"]
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
             code, notes = "-", [f"stopped at its {budget:.0f} s budget"]
         result = (out.strip().splitlines() or ["(no output)"])[-1].strip()
         if code not in (0, "-"):
-            self.failures.append(f"{part}: {' '.join(FLEX_TESTS)}: {result}")
+            self.failures.append(f"{part}: {cells[1]}: {result}")
         self.report.row(cells + [code, result, f"{time.perf_counter() - started:.1f}", "; ".join(notes)])
 
 
@@ -140,8 +137,8 @@ def run_parts(args, parts: dict[str, list[str]], sizes: Sizes, cuda: bool, repor
                         vocab = GPT2_VOCAB if shape == "gpt2-vocab" else "-"
                         report.row([named, label, backend_of(label), vocab, "skipped: its budget is spent"]
                                    + [""] * (len(FIT_HEAD) - 5))
-        report.table(PYTEST_HEAD)
-        run.pytest("pytest", run_deadline)
+        report.table(FLEX_HEAD)
+        run.flex_check("flex", run_deadline)
         report.line()
         report.line(f"finished in {time.monotonic() - started:.0f} s")
     return run
