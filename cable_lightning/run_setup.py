@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .data.datamodule import TokenDataModule
+from .data.lengths import length_list
 from .errors import ConfigError, RunFailedError
 from .models.config import BackboneConfig
 from .positional import ENCODING_FLAG
@@ -78,7 +79,9 @@ def check_task_rows(config, backbone: BackboneConfig) -> None:
     row = max(task.tokens_read(length) for length in range(1, data.block_size + 1))
     if row <= table:
         return
-    lengths = (config.get("task_eval") or {}).get("lengths") or data.get("eval_lengths") or [data.block_size]
+    lengths = next((length_list(given, setting) for given, setting in
+                    (((config.get("task_eval") or {}).get("lengths"), "task_eval.lengths"),
+                     (data.get("eval_lengths"), "data.eval_lengths")) if given is not None), [data.block_size])
     evaluated = task.tokens_read(max(lengths))
     raise ConfigError(
         f"task {task.name} trains on rows of up to {row} tokens (inputs of up to data.block_size {data.block_size} "

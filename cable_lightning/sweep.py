@@ -15,6 +15,13 @@ nDCG@10 at every length, recorded as the run's (``retrieval.jsonl``), then repor
     python -m cable_lightning sweep --config configs/encoder/mlm_pydocs.yaml --pes cable alibi --seeds 0 1 \
         --experiment enc --stage retrieval --retrieval_set data/retrieval-1024 --retrieval_lengths 64 128 256 512 1024
 
+The retrieval stage's settings can also be a YAML file, its keys the flags' names (``retrieval_set``,
+``retrieval_lengths``, ``finetune_steps``, ``finetune_batch``, ``finetune_lr``, ``finetune_mini_batch``; paths from the
+working directory, as on the command line), which flags on the command line override:
+
+    python -m cable_lightning sweep --config configs/encoder/mlm_code.yaml --pes cable --seeds 0 \
+        --experiment code-enc --stage fit+retrieval --retrieval_config configs/retrieval/code_v2.yaml
+
 ``--stage fit+retrieval`` runs both, run by run (each encoder run whole: its fit, export, fine-tuning and evaluations;
 a set with a short-document check, the code set's, adds its evaluation), so one run is one command.
 
@@ -42,6 +49,8 @@ import shlex
 import signal
 import subprocess
 import sys
+
+import yaml
 
 from cable_lightning.errors import ArgumentParser, ConfigError, RunFailedError
 from cable_lightning.eval.report import report
@@ -171,6 +180,33 @@ def run_passing_signals(cmd: list[str]) -> tuple[int, int | None]:
     return status, passed[0] if passed else None
 
 
+RETRIEVAL_SETTINGS = ("retrieval_set", "retrieval_lengths", "finetune_steps", "finetune_batch", "finetune_lr",
+                      "finetune_mini_batch")  # what a --retrieval_config file may set, by the flags' names
+
+
+def retrieval_flags(path: str) -> list[str]:
+    """The command-line flags a ``--retrieval_config`` file stands for (its ``key: value`` as ``--key value``), so
+    that the sweep's one parser reads and checks them, and flags given after them win."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"--retrieval_config {path} cannot be read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--retrieval_config {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"--retrieval_config {path} holds {settings!r}, not a mapping of retrieval settings: "
+                          f"{', '.join(RETRIEVAL_SETTINGS)}")
+    flags = []
+    for key, value in settings.items():
+        if key not in RETRIEVAL_SETTINGS:
+            raise ConfigError(f"--retrieval_config {path}: unknown setting {key!r}; valid: "
+                              f"{', '.join(RETRIEVAL_SETTINGS)}")
+        if value is not None:
+            flags += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
+    return flags
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The sweep's settings from its command line (errors in one line, before any run), as :func:`commands` takes
     them."""
@@ -198,9 +234,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--finetune_lr", type=float, default=2e-5, help="the contrastive fine-tuning's learning rate")
     parser.add_argument("--finetune_mini_batch", type=int, help="CachedMultipleNegativesRankingLoss in mini-batches "
                         "of this size (retrieval finetune --mini_batch_size)")
+    parser.add_argument("--retrieval_config", metavar="FILE", help="the retrieval settings above from a YAML file "
+                        "(keys: their names); flags on the command line override it")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more CLI overrides for every run; {seed} "
                         "in them is the run's seed (--model.init_args.init_weights runs/e/rope/seed{seed}/...)")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours = argv[:argv.index("--")] if "--" in argv else argv  # after --: the fits' own overrides
+    given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    given.add_argument("--retrieval_config", "--retrieval-config")
+    config = given.parse_known_args(ours)[0].retrieval_config
+    try:
+        from_file = retrieval_flags(config) if config else []
+    except ConfigError as exc:
+        parser.error(str(exc))
+    args = parser.parse_args(from_file + argv)
     args.extra = [a for a in args.extra if a != "--"]
     if "retrieval" in args.stage:
         if not args.retrieval_set or not os.path.isfile(os.path.join(args.retrieval_set, "train_pairs.jsonl")):

@@ -55,6 +55,36 @@ def test_the_retrieval_stage_needs_a_retrieval_set(capsys, tmp_path):
            f"got '{tmp_path}'" in capsys.readouterr().err
 
 
+def test_the_retrieval_settings_read_from_a_file_are_the_flags_and_flags_override_them(tmp_path, capsys):
+    """A --retrieval_config file's keys are the flags' names; its settings go through the sweep's own parser (and its
+    checks), and a flag on the command line wins over the file."""
+    retrieval_set = tmp_path / "set"
+    retrieval_set.mkdir()
+    (retrieval_set / "train_pairs.jsonl").write_text("")
+    settings = tmp_path / "retrieval.yaml"
+    settings.write_text(yaml.safe_dump({"retrieval_set": str(retrieval_set), "retrieval_lengths": [64, 128],
+                                        "finetune_steps": 800, "finetune_lr": 5e-4, "finetune_mini_batch": None}))
+    base = ["--config", "c.yaml", "--pes", "cable", "--stage", "retrieval", "--print_only"]
+    flags = ["--retrieval_set", str(retrieval_set), "--retrieval_lengths", "64", "128", "--finetune_steps", "800",
+             "--finetune_lr", "5e-4"]
+    assert sweep.commands(sweep.parse_args([*base, "--retrieval_config", str(settings)])) == \
+        sweep.commands(sweep.parse_args([*base, *flags]))
+    overridden = sweep.parse_args([*base, "--retrieval_config", str(settings), "--finetune_steps", "5",
+                                   "--retrieval_lengths", "32"])
+    assert (overridden.finetune_steps, overridden.retrieval_lengths, overridden.finetune_lr) == (5, [32], 5e-4)
+    for text, said in [("finetune_stepz: 3\n", f"--retrieval_config {settings}: unknown setting 'finetune_stepz'; "
+                                                "valid: retrieval_set, retrieval_lengths, finetune_steps, "
+                                                "finetune_batch, finetune_lr, finetune_mini_batch"),
+                       ("finetune_steps: many\n", "argument --finetune_steps: invalid int value: 'many'"),
+                       ("[1, 2]\n", f"--retrieval_config {settings} holds [1, 2], not a mapping of retrieval "
+                                    "settings")]:
+        settings.write_text(text)
+        with pytest.raises(SystemExit):
+            sweep.parse_args([*base, "--retrieval_config", str(settings)])
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("signame, group, status", [("SIGINT", True, 130), ("SIGTERM", False, 143)])
 def test_a_stopped_sweep_saves_its_fits_step_and_the_same_sweep_continues(tiny_corpus_dir, tmp_path, signame, group,
                                                                          status):

@@ -14,6 +14,7 @@ from typing import Optional
 import lightning as L
 import torch
 
+from ..data.lengths import Lengths, length_list
 from ..errors import ConfigError
 from ..figures import accuracy_heatmap
 from ..records import TaskRecord, append_records
@@ -41,14 +42,13 @@ class TaskAccuracy(L.Callback):
     cell, evaluation examples of ``seed`` (never training rows), scored ``batch_size`` at a time. ``enabled``: None
     runs it when the data has tasks."""
 
-    def __init__(self, enabled: Optional[bool] = None, lengths: Optional[list[int]] = None,
+    def __init__(self, enabled: Optional[bool] = None, lengths: Optional[Lengths] = None,
                  depths: list[float] = list(DEFAULT_DEPTHS), trials: int = 32, seed: int = 0, batch_size: int = 16):
         if trials < 1 or batch_size < 1:
             raise ConfigError(f"task_eval.trials and task_eval.batch_size must be >= 1, got {trials} and {batch_size}")
         if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
             raise ConfigError(f"task_eval.depths must be fractions in [0, 1] (0 = start, 1 = end), got {depths}")
-        if lengths is not None and (not lengths or min(lengths) < 1):
-            raise ConfigError(f"task_eval.lengths must be positive, or null for data.eval_lengths; got {lengths}")
+        lengths = None if lengths is None else length_list(lengths, "task_eval.lengths")
         self.enabled, self.lengths, self.depths = enabled, lengths, list(depths)
         self.trials, self.seed, self.batch_size = trials, seed, batch_size
         self.results: list[TaskRecord] = []

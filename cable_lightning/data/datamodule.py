@@ -20,6 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from cable_lightning.data.layouts import TrainingLayout
+from cable_lightning.data.lengths import Lengths, length_list
 from cable_lightning.data.manifest import DataInfo, load_split, read_manifest
 from cable_lightning.data.remote import Store, is_remote
 from cable_lightning.data.tokenizers import Tokenizer, get_tokenizer
@@ -130,7 +131,8 @@ class TokenDataModule(L.LightningDataModule):
         micro_batch_size: windows per batch (per device).
         num_workers: DataLoader worker processes for training (evaluation reads in the main process).
         seed: shuffle seed of the training stream.
-        eval_lengths: validation context lengths (default ``[block_size]``).
+        eval_lengths: validation context lengths (default ``[block_size]``): lengths and ranges
+            (``[128, 256]``, ``"128..2048 step 128"``; :func:`.lengths.length_list`).
         eval_tokens: targets scored at every eval length (the same first tokens of the held-out split each time).
         eval_stride: also score each length longer than this with sliding windows advancing by ``eval_stride``
             tokens (ALiBi's appendix-B protocol); None scores non-overlapping windows only.
@@ -159,7 +161,7 @@ class TokenDataModule(L.LightningDataModule):
     """
 
     def __init__(self, path: str | None = "data/pydocs-bpe4096", block_size: int = 128, micro_batch_size: int = 8,
-                 num_workers: int = 0, seed: int = 42, eval_lengths: list[int] | None = None, eval_tokens: int = 65536,
+                 num_workers: int = 0, seed: int = 42, eval_lengths: Lengths | None = None, eval_tokens: int = 65536,
                  eval_stride: int | None = None, source: str | None = None, tokenizer: str | None = None,
                  tasks: dict[str, Any] | None = None,  # each task's settings checked by TaskMix, in one line
                  task_fraction: float = 1.0, lm_loss_weight: float = 0.0, cache_dir: str | None = None,
@@ -183,15 +185,14 @@ class TokenDataModule(L.LightningDataModule):
                                      ("eval_tokens", eval_tokens, 1), ("num_workers", num_workers, 0)):
             if value < minimum:
                 raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
-        if eval_lengths is not None and (not eval_lengths or min(eval_lengths) < 1) or (
-                eval_stride is not None and eval_stride < 1):
-            raise ConfigError("eval_lengths must be a non-empty list of positive lengths and eval_stride positive or "
-                              f"None, got {eval_lengths} and {eval_stride}")
+        if eval_stride is not None and eval_stride < 1:
+            raise ConfigError(f"eval_stride must be positive or None, got {eval_stride}")
         if (source is None) != (tokenizer is None):
             raise ConfigError("give both data.source and data.tokenizer (to prepare a missing corpus) or neither")
         self.path, self.block_size, self.micro_batch_size = path, int(block_size), int(micro_batch_size)
         self.num_workers, self.seed, self.eval_tokens = int(num_workers), int(seed), int(eval_tokens)
-        self.eval_lengths = [int(n) for n in eval_lengths or [block_size]]
+        self.eval_lengths = [int(block_size)] if eval_lengths is None else length_list(eval_lengths,
+                                                                                         "data.eval_lengths")
         self.eval_stride = None if eval_stride is None else int(eval_stride)
         self.source, self.tokenizer_spec = source, tokenizer
         self.cache_dir, self.max_cache_size, self.endpoint_url = cache_dir, max_cache_size, endpoint_url
