@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+import torch
 import yaml
 from conftest import printed_backbone
 
@@ -88,3 +89,27 @@ def test_the_fit_parser_reads_every_recorded_path_as_the_class_path(capsys):
     for given in ("rope", "cable_lightning.positional.rope.Rope", "cable_lightning.positional.rope.rope"):
         assert printed_backbone(capsys, flag, given)["pos_encoding"]["class_path"] == \
             "cable_lightning.positional.rope.Rope", given
+
+
+def test_a_checkpoint_naming_its_encoding_by_the_recorded_path_resumes_as_the_same_run(tiny_corpus_dir, tmp_path):
+    """A checkpoint written when the classes bore the encodings' names holds ``...positional.rope.rope``: a resume
+    from it that names the encoding takes that encoding's settings from it (RoPE's base here, not the default) and
+    trains on."""
+    from conftest import args as cli_args
+
+    from cable_lightning.cli import main
+
+    runs = str(tmp_path / "runs")
+    fit = [*cli_args(tiny_corpus_dir, runs, pe="rope", steps=2, every=2),
+           "--model.init_args.backbone.pos_encoding.base", "500"]
+    main(["fit", *fit])
+    last = os.path.join(runs, "test", "rope", "checkpoints", "last.ckpt")
+    checkpoint = torch.load(last, weights_only=True)
+    encoding = checkpoint["hyper_parameters"]["backbone"]["pos_encoding"]
+    assert encoding["class_path"] == "cable_lightning.positional.rope.Rope"
+    encoding["class_path"] = "cable_lightning.positional.rope.rope"
+    torch.save(checkpoint, last)
+    resumed = [arg for arg in fit if arg not in ("--model.init_args.backbone.pos_encoding.base", "500")]
+    resumed[resumed.index("--trainer.max_steps") + 1] = "4"  # the encoding's settings from the checkpoint
+    cli = main(["fit", *resumed, "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 4 and cli.model.config.pos_encoding == encoding_class("rope")(base=500.0)
