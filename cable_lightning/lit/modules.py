@@ -31,7 +31,7 @@ from ..records import LengthRecord, PositionRecord, RunContext
 from ..tasks.scoring import Predict, argmax_predictions, decoder_inputs, masked_inputs, masked_predictions
 from .checkpoint_format import saved_weights
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
-from .optim import build_optimizer
+from .optim import OptimizerRecipe, build_optimizer
 from .resume import (
     SAME_MODEL,
     carry_accumulation,
@@ -271,13 +271,16 @@ class LanguageModel(L.LightningModule):
         record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size), self.recipe(),
                    run_data(getattr(self._trainer, "datamodule", None)))
 
+    @cached_property
+    def optimizer_recipe(self) -> OptimizerRecipe:
+        """The optimizer and schedule settings of the hyperparameters, built once: what the fit's optimizer, the bare
+        step beside it and :meth:`recipe` read."""
+        return OptimizerRecipe.from_hparams(self.hparams)
+
     def configure_optimizers(self):
-        h = self.hparams
         # fp16's grad scaler unscales the gradients before clipping; a fused optimizer would unscale them itself
         fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
-        min_lr = h.lr if h.min_lr is None else h.min_lr  # None: no decay, the rate stays at lr after warm-up
-        return build_optimizer(self.backbone, h.lr, min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
-                               h.weight_decay, fused=fused)
+        return build_optimizer(self.backbone, self.optimizer_recipe, self.trainer.max_steps, fused=fused)
 
     # --- validation: one loader per (length, stride) window set -----------------------------------
     def eval_specs(self) -> list[tuple[int, int]]:
@@ -387,14 +390,14 @@ class LanguageModel(L.LightningModule):
         and optimizer, clipping, the precision (bf16-mixed and fp32 runs round differently: two experiments) and the
         tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
         validation records its weights' recipe; outside a fit, the last fit's of this process (None without one)."""
-        trainer, h = self.trainer, self.hparams
+        trainer, optimizer = self.trainer, self.optimizer_recipe
         if trainer.state.fn == "fit":
             batch = global_batch(trainer, self.config.block_size)
             self.fit_recipe = {
                 "steps": trainer.max_steps, "batch_tokens": batch["tokens"] if batch else None,
-                "warmup_steps": h.warmup_steps, "min_lr": h.min_lr, "betas": list(h.betas), "eps": h.eps,
-                "weight_decay": h.weight_decay, "gradient_clip": trainer.gradient_clip_val,
-                "precision": str(trainer.precision),
+                "warmup_steps": optimizer.warmup_steps, "min_lr": optimizer.min_lr, "betas": list(optimizer.betas),
+                "eps": optimizer.eps, "weight_decay": optimizer.weight_decay,
+                "gradient_clip": trainer.gradient_clip_val, "precision": str(trainer.precision),
                 "tokenizer": self.data_info.tokenizer.get("hash") if self.data_info is not None else None}
         return self.fit_recipe
 
