@@ -202,13 +202,18 @@ class LanguageModel(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.stop_if_diverged()  # the previous step's verdict, done by now: reading it waits for nothing
-        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
-        self._grad_norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
-        norm = self._grad_norm
+        norm = self.measure_grad_norm()
         if isinstance(norm, DTensor):  # sharded (FSDP2): the norm of every rank's shard
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         self.hold_back_if_diverged(optimizer, norm)
+
+    def measure_grad_norm(self) -> torch.Tensor:
+        """The gradients' total 2-norm, kept for :meth:`configure_gradient_clipping` to clip by (the fit's step and
+        the bare step beside it, ``timing.BareStep``, measure it here)."""
+        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
+        self._grad_norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        return self._grad_norm
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Clip by the norm :meth:`on_before_optimizer_step` measured (one pass over the gradients, not two), here
