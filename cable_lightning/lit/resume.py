@@ -41,6 +41,7 @@ from ..errors import ConfigError
 from ..models import BackboneConfig
 from ..tasks.generation import TaskMix
 from .checkpoint_format import saved_backbone
+from .optim import OptimizerRecipe
 
 
 def global_batch(trainer, block_size: int) -> Optional[dict]:
@@ -165,7 +166,7 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
 
 SAME_MODEL = "; remove them from the command line and the config files to use the checkpoint's"
 # What a resume must keep, beside the model: the module's settings (hyper_parameters) and the trainer's (the recipe).
-RECIPE_HPARAMS = ("lr", "min_lr", "warmup_steps", "betas", "eps", "weight_decay")
+RECIPE_HPARAMS = OptimizerRecipe.names()
 RECIPE_TRAINER = {"precision": "precision", "gradient_clip_val": "gradient_clip"}
 
 
