@@ -27,7 +27,7 @@ from ..hardware import device_name
 from ..models import BackboneConfig, build_backbone
 from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
-from ..records import LengthRecord, PositionRecord, RunContext
+from ..records.schema import LengthRecord, PositionRecord, RunContext
 from ..tasks.scoring import Predict, argmax_predictions, decoder_inputs, masked_inputs, masked_predictions
 from .checkpoint_format import saved_weights
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
@@ -364,7 +364,7 @@ class LanguageModel(L.LightningModule):
                 self.position_results += self._position_rows(self.val_nll_by_position[key], row)
 
     def record_context(self, step: int, checkpoint: Optional[str], recipe: Optional[dict]) -> RunContext:
-        """What every record of this run names (:class:`records.Record`): the run (encoding, training layout and
+        """What every record of this run names (:class:`records.schema.Record`): the run (encoding, training layout and
         extension, seed, learning rate, backbone), the step and stage measured, and what lets runs of several
         machines join one table: the corpus measured, the training's recipe and the device."""
         data = getattr(self.trainer, "datamodule", None)
@@ -376,8 +376,8 @@ class LanguageModel(L.LightningModule):
                           machine=device_name(self.device), settings=self.run_settings())
 
     def run_settings(self) -> dict:
-        """The settings a record's run key holds besides the encoding's name (:attr:`records.Record.settings`): what
-        defines the weights (the backbone's shape and the encoding's own settings) and dropout."""
+        """The settings a record's run key holds besides the encoding's name (:attr:`records.schema.Record.settings`):
+        what defines the weights (the backbone's shape and the encoding's own settings) and dropout."""
         settings = {k: v for k, v in self.config.weight_settings().items() if k != "pos_encoding"}
         return settings | {"dropout": self.config.dropout}
 
