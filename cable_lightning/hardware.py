@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import platform
 import re
-import time
 
 import torch
+
+from .timing import synced_time
 
 # (GPU, pattern its lower-cased torch.cuda.get_device_name() matches, dense bf16 FLOP/s, source). The first row that
 # matches wins, so a variant precedes its family ("nvidia h100 nvl" before "nvidia h100 80gb hbm3"). NVIDIA's
@@ -30,11 +31,6 @@ DENSE_BF16_PEAKS = (
 )
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measured_matmul_peak(dtype, device: torch.device = torch.device("cpu"), repeats: int = 20) -> float:
     """FLOP/s of the fastest of ``repeats`` square matmuls in ``dtype`` on ``device`` (1024 wide on CPU, 8192 on a
     GPU, where smaller ones do not fill the tensor cores)."""
@@ -43,11 +39,9 @@ def measured_matmul_peak(dtype, device: torch.device = torch.device("cpu"), repe
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
+        start = synced_time(device)
         a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, synced_time(device) - start)
     return 2 * size**3 / best
 
 

@@ -1,25 +1,52 @@
-"""The bench verb's MFU."""
+"""The bench verb: MFU, its peers, compiled and bf16 rows, and the loop's overhead against the bare step."""
+
+import argparse
+import importlib.util
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from cable_lightning import bench
+from cable_lightning import bench, cli, timing
+from cable_lightning.bench import bf16, command, peer_models, steps, variants
+from cable_lightning.bench import loop_overhead as overhead
+from cable_lightning.models import BackboneConfig, build_backbone
 
 
-def test_bench_reports_mfu_against_a_matmul_peak_measured_in_the_process(capsys):
-    result = bench.main(["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--vocab_size", "512", "--pes", "nope",
-                         "cable", "--train_lengths", "64", "--eval_lengths", "128", "--tokens_per_step", "256",
-                         "--repeats", "1", "--skip_memory", "--device", "cpu"])
-    meta, rows = result["meta"], result["rows"]
-    assert "matmul measured in this process" in meta["peak_source"] and meta["peak_flops"] > 1e8
-    for row in rows:
-        model = bench.build_backbone(bench.make_config(bench.argparse.Namespace(
-            preset="gpt2-tiny", n_layer=1, n_head=2, n_embd=32, vocab_size=512), row["pe"], 64))
-        flops = model.training_flops_per_token(64)
-        assert row["train_mfu"][64] == pytest.approx(row["train_tok_s"][64] * flops / meta["peak_flops"])
+class Ticking:
+    """timing's ``time``: each read of ``perf_counter`` comes ``tick`` seconds after the last, so every call the
+    bench times takes ``tick`` seconds."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def shape(**kwargs) -> argparse.Namespace:
+    return argparse.Namespace(**{"preset": "gpt2-tiny", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512,
+                                 **kwargs})
+
+
+def test_mfu_is_the_counted_flops_per_second_over_the_peak(monkeypatch, capsys):
+    """MFU of a training step: the FLOPs torch's FlopCounterMode counts in that step (on the materialized path, an
+    independent count of ``training_flops_per_token``'s estimate: within its 2%) over the step's seconds (a clock
+    stubbed at 0.25 s a call) over the CPU's peak (stubbed: 1 GFLOP/s in fp32)."""
+    monkeypatch.setattr(timing, "time", Ticking(0.25))
+    monkeypatch.setattr(command, "cpu_matmul_peaks", lambda: {"fp32": 1e9, "bf16": 2e9})
+    result = bench.main(["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--vocab_size", "512", "--pes",
+                         "nope:materialized", "--train_lengths", "64", "--eval_lengths", "64", "--tokens_per_step",
+                         "256", "--repeats", "1", "--skip_memory", "--device", "cpu"])
+    row = next(row for row in result["rows"] if row["pe"] == "nope:materialized")
+    model = build_backbone(variants.make_config(shape(), "nope:materialized", 64))
+    with FlopCounterMode(display=False) as counter:
+        steps.train_step(model, torch.randint(0, 512, (4, 65)), torch.device("cpu"), torch.float32)()
+    assert result["meta"]["peak_flops"] == 1e9 and row["train_tok_s"][64] == 4 * 64 / 0.25
+    assert row["train_mfu"][64] == pytest.approx(counter.get_total_flops() / 0.25 / 1e9, rel=0.02)
     out = capsys.readouterr().out
-    assert "MFU @64" in out and "GFLOP/s" in out
-
+    assert "MFU @64" in out and f"| {row['train_mfu'][64]:.1%} |" in out
 
 
 def test_the_flops_mfu_divides_are_the_matmul_flops_torch_counts_in_a_training_step():
@@ -27,34 +54,48 @@ def test_the_flops_mfu_divides_are_the_matmul_flops_torch_counts_in_a_training_s
     torch's FlopCounterMode counts in one forward and backward on the materialized path, at two lengths: within 2%
     (the estimate also counts the norms', biases' and embedding's parameters, which no matmul reads), and the
     attention term grows with the length exactly as counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     counted, estimated = {}, {}
     for t in (64, 256):
-        model = bench.build_backbone(bench.make_config(bench.argparse.Namespace(
-            preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=64, vocab_size=512), "nope:materialized", t))
+        model = build_backbone(variants.make_config(shape(), "nope:materialized", t))
         x = torch.randint(0, 512, (2, t + 1))
         with FlopCounterMode(display=False) as counter:
-            bench.train_step(model, x, torch.device("cpu"), torch.float32)()
+            steps.train_step(model, x, torch.device("cpu"), torch.float32)()
         counted[t], estimated[t] = counter.get_total_flops() / (2 * t), model.training_flops_per_token(t)
         assert counted[t] == pytest.approx(estimated[t], rel=0.02)
     assert counted[256] - counted[64] == estimated[256] - estimated[64]
 
 
-def test_loop_overhead_times_a_fit_through_the_cli_against_the_bare_step(tiny_corpus_dir, monkeypatch):
-    """The loop-overhead benchmark (docs/speed.md) runs a real fit with its clock and a bare step of the same model:
-    every step between the warm-up and the end is timed, and the ratio is of the two medians. The bare step does
-    what the fit's step does: it clips the gradients to the fit's own norm (it once did not). No timing is asserted:
-    the ratio is the benchmark's output, read on a quiet machine."""
-    clipped = []
-    real_clip = torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, norm, *a, **k: (clipped.append(norm),
-                                                                                        real_clip(params, norm))[1])
-    result = bench.loop_overhead(tiny_corpus_dir, steps=6, warmup=2, repeats=2, block_size=32, batch=4)
+def test_the_loop_overhead_bare_step_clips_steps_and_times_as_its_fit(tiny_corpus_dir, monkeypatch):
+    """The loop-overhead benchmark (docs/speed.md) runs a real fit with a :class:`timing.StepClock` and a bare step of
+    the same module. The fit is given a clip of 0.5 and its own optimizer settings: the bare step clips at the fit's
+    0.5 (in each of its warm-up and timed steps, as the fit in each of its 6), and its optimizer is the fit's recipe
+    over the fit's parameters. The medians are of the steps after the warm-up; no timing is asserted: the ratio is the
+    benchmark's output, read on a quiet machine."""
+    clipped, fits, bare = [], [], []
+    clip = torch.nn.utils.clip_grads_with_norm_
+
+    def recording_clip(params, max_norm, total_norm, *args, **kwargs):
+        clipped.append(max_norm)
+        return clip(params, max_norm, total_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", recording_clip)
+    fit, settings = cli.main, ["--trainer.gradient_clip_val", "0.5", "--model.init_args.lr", "0.002",
+                               "--model.init_args.betas", "[0.8, 0.9]", "--model.init_args.eps", "1e-6",
+                               "--model.init_args.weight_decay", "0.05"]
+    monkeypatch.setattr(cli, "main", lambda args, **kw: fits.append(fit(args + settings, **kw)) or fits[-1])
+    bare_step = overhead.BareStep
+    monkeypatch.setattr(overhead, "BareStep", lambda *args: bare.append(bare_step(*args)) or bare[-1])
+    result = overhead.loop_overhead(tiny_corpus_dir, steps=6, warmup=2, repeats=2, block_size=32, batch=4)
     assert result["fit_steps_timed"] == 3
-    bare_steps = 2 + 1 + 2  # its warm-up, the timer's warm-up call, the timed repeats (Lightning clips on its own)
-    assert result["gradient_clip"] == 1.0 and clipped == [1.0] * bare_steps
-    # the measurement names what it ran: the arguments given, on the device the fit's model ended on
+    assert result["gradient_clip"] == 0.5 and clipped == [0.5] * (6 + 2 + 2)
+    [fitted], [step] = fits, bare
+    keys = ("initial_lr", "betas", "eps", "weight_decay", "fused")
+    groups, fit_groups = step.optimizer.param_groups, fitted.trainer.optimizers[0].param_groups
+    assert [{k: g[k] for k in keys} for g in groups] == [{k: g[k] for k in keys} for g in fit_groups] == [
+        {"initial_lr": 0.002, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": decay, "fused": True}
+        for decay in (0.05, 0.0)]
+    assert all(a is b for g, f in zip(groups, fit_groups) for a, b in zip(g["params"], f["params"], strict=True))
+    # the measurement names what it ran: the arguments given, on the device the fit trained on
     assert {key: result[key] for key in ("pe", "shape", "block_size", "batch", "compile", "device")} == {
         "pe": "cable", "shape": (2, 4, 128), "block_size": 32, "batch": 4, "compile": False, "device": "cpu"}
 
@@ -68,7 +109,7 @@ def test_cpu_mfu_divides_by_the_matmul_peak_of_the_runs_dtype_and_both_peaks_are
     """The CPU's fp32 and bf16 matmul peaks (here 100 and 300 GFLOP/s, monkeypatched) are both measured, before and
     after the encodings (the better of each is kept), both printed, and MFU divides by the run's own."""
     measured = iter([{"fp32": 100e9, "bf16": 250e9}, {"fp32": 90e9, "bf16": 300e9}])
-    monkeypatch.setattr(bench, "cpu_matmul_peaks", lambda: next(measured))
+    monkeypatch.setattr(command, "cpu_matmul_peaks", lambda: next(measured))
     result = bench.main(TINY + ["--dtype", dtype])
     meta, (row,) = result["meta"], result["rows"]
     peak = {"fp32": 100e9, "bf16": 300e9}[dtype]
@@ -101,10 +142,9 @@ def test_peers_match_the_backbones_parameter_count_and_get_their_rows(capsys):
 def test_llama_peer_differs_only_where_its_block_does():
     """Llama's block (RMSNorm, a SwiGLU MLP of 8/3 x width, no biases) cannot hold the backbone's parameters; its
     embeddings, attention width and depth are the backbone's."""
-    config = bench.make_config(bench.argparse.Namespace(preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=48,
-                                                        vocab_size=500), "rope", 32)
-    llama = bench.build_peer("llama", config)
-    assert not bench.PEERS["llama"].same_parameters and llama.training
+    config = variants.make_config(shape(n_embd=48, vocab_size=500), "rope", 32)
+    llama = peer_models.build_peer("llama", config)
+    assert not peer_models.PEERS["llama"].same_parameters and llama.training
     assert llama.get_input_embeddings().weight is llama.get_output_embeddings().weight
     assert llama.get_input_embeddings().weight.shape == (512, 48) and len(llama.model.layers) == 2
     assert llama.model.layers[0].mlp.up_proj.out_features == 128
@@ -118,13 +158,13 @@ def test_the_cable_paper_peer_computes_cable_nw_with_the_whole_bias_matrix(activ
     from cable_lightning.positional.cable import cable_nw
 
     torch.manual_seed(0)
-    config = bench.BackboneConfig(preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=32, vocab_size=500, block_size=32,
-                                  pos_encoding=cable_nw(bias_activation=activation), attention_backend="fold")
-    ours, peer = bench.build_backbone(config), bench.build_peer("cable_paper", config)
+    config = BackboneConfig(preset="gpt2-tiny", n_layer=2, n_head=2, n_embd=32, vocab_size=500, block_size=32,
+                            pos_encoding=cable_nw(bias_activation=activation), attention_backend="fold")
+    ours, peer = build_backbone(config), peer_models.build_peer("cable_paper", config)
     weights = {name.replace("pe.proj.", "blocks.").replace(".weight", ".attn.bias_logit.weight")
                if name.startswith("pe.proj.") else name: p for name, p in ours.state_dict().items()}
     peer.load_state_dict(weights)
-    assert bench.parameter_count(peer) == bench.parameter_count(ours)
+    assert variants.parameter_count(peer) == variants.parameter_count(ours)
     for p in ours.pe.parameters():
         p.data.normal_(0, 0.5)  # biases far from zero: the sums matter
     peer.load_state_dict({**weights, **{f"blocks.{i}.attn.bias_logit.weight": w.weight for i, w in
@@ -167,8 +207,8 @@ def test_compile_times_the_compiled_step_against_eager_with_the_compile_apart(mo
 
 
 def test_peers_without_transformers_is_a_one_line_error_before_any_work(monkeypatch, capsys):
-    find_spec = bench.importlib.util.find_spec
-    monkeypatch.setattr(bench.importlib.util, "find_spec",
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "transformers" else find_spec(name, *args))
     with pytest.raises(SystemExit) as exit_:
         bench.main(TINY + ["--peers", "neox"])
@@ -181,7 +221,7 @@ def test_bf16_speedup_times_each_step_in_both_dtypes_in_turns(monkeypatch, capsy
     """``--bf16_speedup``: per encoding and length, one interleaved timing of the fp32 step and the bf16-autocast
     step of the same model on the same batch, and a table row for each."""
     dtypes, timed_together = [], []
-    train_step, interleaved = bench.train_step, bench.interleaved
+    train_step, interleaved = bf16.train_step, bf16.interleaved
 
     def recording_step(model, x, device, dtype):
         dtypes.append(dtype)
@@ -191,13 +231,12 @@ def test_bf16_speedup_times_each_step_in_both_dtypes_in_turns(monkeypatch, capsy
         timed_together.append(len(fns))
         return interleaved(fns, device, repeats)
 
-    monkeypatch.setattr(bench, "train_step", recording_step)
-    monkeypatch.setattr(bench, "interleaved", recording_interleaved)
+    monkeypatch.setattr(bf16, "train_step", recording_step)
+    monkeypatch.setattr(bf16, "interleaved", recording_interleaved)
     result = bench.main(TINY + ["--pes", "nope", "cable", "--train_lengths", "16", "32", "--bf16_speedup"])
     rows = result["bf16"]
     assert [(r["pe"], r["length"]) for r in rows] == [(pe, t) for pe in ("nope", "cable") for t in (16, 32)]
     assert dtypes[-8:] == [torch.float32, torch.bfloat16] * 4 and timed_together[-4:] == [2] * 4
-    assert all(r["fp32_step_s"] > 0 and r["bf16_step_s"] > 0 for r in rows)
     table = capsys.readouterr().out.split("bf16 autocast against fp32")[1]
     assert len([line for line in table.splitlines() if line.startswith("| nope") or line.startswith("| cable")]) == 4
 

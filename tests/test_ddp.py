@@ -111,8 +111,7 @@ def test_two_process_ddp_matches_one_process_on_the_union(tiny_corpus_dir, tiny_
     loss = model.backbone.loss(union[:, :-1], union[:, 1:])
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.backbone.parameters(), 1.0)
-    h = model.hparams
-    optim = build_optimizer(model.backbone, h.lr, h.min_lr, h.warmup_steps, 3, h.betas, h.eps, h.weight_decay)
+    optim = build_optimizer(model.backbone, model.optimizer_recipe, 3)
     optim["optimizer"].step()
     step1 = load("step1", 0)
     for key, value in model.backbone.state_dict().items():

@@ -153,7 +153,7 @@ def test_the_targets_are_the_issues():
 def test_a_fit_stops_at_its_steady_budget_once_a_steady_step_is_timed_and_one_with_none_says_why():
     """The steady budget runs from the first steady step's start; a first steady step longer than the whole budget
     (a recompile) is still followed by one more, so that its period is timed. A fit that timed none says why."""
-    clock = fits.FitClock(warmup=1, steady_budget=0.0, cuda=False)
+    clock = fits.FitClock(warmup=1, steady_budget=0.0, device=torch.device("cpu"))
     trainer = SimpleNamespace(should_stop=False)
     module = SimpleNamespace(backbone=SimpleNamespace(training_flops_per_token=lambda length: 1.0))
     batch = torch.zeros(2, 9, dtype=torch.long)

@@ -22,12 +22,12 @@ LAYERS = [
     {"__init__", "errors", "verbs"},
     {"positional"},
     {"models"},
-    {"console", "owned", "records", "checkpoints", "figures", "tasks", "hardware"},
+    {"console", "owned", "records", "checkpoints", "figures", "tasks", "hardware", "timing"},
     {"data"},
     {"eval"},
     {"lit", "callbacks"},
     {"hf", "cli", "argument_errors", "run_setup", "run_failures"},
-    {"sweep", "bench", "peers", "gpu_check", "__main__"},
+    {"sweep", "bench", "gpu_check", "__main__"},
 ]
 # Copied into every export (hf/export.py, CORE_SOURCES): they may import only each other.
 CORE = {"errors", "models", "positional"}

@@ -2,7 +2,8 @@
 recipe its records were trained with.
 
 A table in README.md or docs/ is published from records when it sits between ``<!-- report: FOLDER BLOCK -->`` and
-``<!-- /report -->``: FOLDER is docs/records/FOLDER, BLOCK the name of one of ``report``'s tables (the ``## BLOCK``
+``<!-- /report -->``: FOLDER is docs/records/FOLDER (``A+B``: the report over several folders at once, for a table
+across experiments), BLOCK the name of one of ``report``'s tables (the ``## BLOCK``
 headings it prints). A command is published for FOLDER by ``<!-- command: FOLDER -->`` before a ```` ```bash ````
 block holding its ``python -m cable_lightning sweep`` line.
 """
@@ -52,7 +53,8 @@ def reports(tmp_path_factory):
     from cable_lightning.eval.report import report
 
     out = tmp_path_factory.mktemp("reports")
-    return {folder: report([os.path.join(RECORDS, folder)], str(out / folder), figures=False)
+    return {folder: report([os.path.join(RECORDS, part) for part in folder.split("+")], str(out / folder),
+                           figures=False)
             for folder in {folder for _, (folder, *_) in marks(TABLE)}}
 
 
@@ -60,16 +62,18 @@ def test_every_published_table_is_what_report_makes_of_its_records(reports):
     tables = marks(TABLE)
     assert tables, "no table in README.md or docs/ is marked as published from records"
     for where, (folder, block, text) in tables:
-        assert os.path.isdir(os.path.join(RECORDS, folder)), f"{where}: no records folder docs/records/{folder}"
+        for part in folder.split("+"):
+            assert os.path.isdir(os.path.join(RECORDS, part)), f"{where}: no records folder docs/records/{part}"
         made = reports[folder]
         assert block in made, f"{where}: report makes no table {block!r} of docs/records/{folder} ({sorted(made)})"
         assert text.strip() == made[block].strip(), (
-            f"{where}: the table {block!r} differs from what `python -m cable_lightning report docs/records/{folder}` "
+            f"{where}: the table {block!r} differs from what `python -m cable_lightning report "
+            f"{' '.join('docs/records/' + part for part in folder.split('+'))}` "
             f"makes of its records; paste its output again")
 
 
 def test_every_records_folder_backs_a_published_table_and_names_its_command():
-    tabled = {folder for _, (folder, *_) in marks(TABLE)}
+    tabled = {part for _, (folder, *_) in marks(TABLE) for part in folder.split("+")}
     commanded = {folder for _, (folder, _) in marks(COMMAND)}
     for folder in records_folders():
         assert folder in tabled, f"docs/records/{folder} backs no published table (no <!-- report: {folder} ... -->)"

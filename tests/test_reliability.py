@@ -450,14 +450,14 @@ def test_every_training_batch_is_checked_not_only_the_first(tiny_corpus_dir):
 def test_a_resumed_schedule_follows_the_configured_learning_rate():
     """Resuming with a lower lr (what the divergence message advises) gives the new recipe's rate from the first
     resumed step; the checkpoint carries only the step."""
-    from cable_lightning.lit.optim import build_optimizer, warmup_cosine
+    from cable_lightning.lit.optim import OptimizerRecipe, build_optimizer, warmup_cosine
 
     model = torch.nn.Linear(4, 4)
-    first = build_optimizer(model, 1e-3, 1e-4, 2, 10, (0.9, 0.95), 1e-8, 0.1)
+    first = build_optimizer(model, OptimizerRecipe(1e-3, 1e-4, 2, (0.9, 0.95), 1e-8, 0.1), 10)
     for _ in range(5):
         first["optimizer"].step()
         first["lr_scheduler"]["scheduler"].step()
-    resumed = build_optimizer(model, 1e-4, 1e-5, 2, 20, (0.9, 0.95), 1e-8, 0.1)
+    resumed = build_optimizer(model, OptimizerRecipe(1e-4, 1e-5, 2, (0.9, 0.95), 1e-8, 0.1), 20)
     resumed["optimizer"].load_state_dict(first["optimizer"].state_dict())
     resumed["lr_scheduler"]["scheduler"].load_state_dict(first["lr_scheduler"]["scheduler"].state_dict())
     expected = warmup_cosine(5, 2, 20, 1e-4, 1e-5)

@@ -281,7 +281,7 @@ def test_mrr_recall_and_the_in_view_share_by_length(encoder_folder, tmp_path):
 
 
 def test_rows_name_the_run_its_fine_tuning_and_the_set_and_a_rerun_does_nothing_twice(encoder_folder, tmp_path,
-                                                                                        capsys):
+                                                                                        capsys, monkeypatch):
     """An export's provenance (the pre-trained run's identity) and the fine-tuning's settings reach every retrieval
     row, with the set's content hash; finetune and evaluate --records run again with the same settings say they are
     done and write nothing (a new length adds its rows alone); other settings fine-tune again, and a set rebuilt
@@ -297,8 +297,12 @@ def test_rows_name_the_run_its_fine_tuning_and_the_set_and_a_rerun_does_nothing_
     pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p, _ in EXTRA_TRIPLES))
     tune = ["finetune", "--model", str(base), "--triples", str(pairs), "--out", str(tuned), "--max_seq_length", "16",
             "--batch_size", "3", "--max_steps", "1", "--seed", "0", "--overwrite", "--trust_remote_code"]
+    hashed = []
+    content_hash = retrieval.content_hash
+    monkeypatch.setattr(retrieval, "content_hash", lambda paths: hashed.append(paths) or content_hash(paths))
     retrieval.main(tune)
     assert capsys.readouterr().out.splitlines()[-1] == f"saved {tuned}"
+    assert hashed == [[str(pairs)]]  # the triples are read for their hash once, by the check and the provenance alike
     settings = {"max_steps": 1, "batch_size": 3, "lr": 2e-5, "warmup_ratio": 0.1, "seed": 0, "max_seq_length": 16,
                 "mini_batch_size": None, "triples": retrieval.content_hash([str(pairs)])[:16]}
     assert json.loads((tuned / "config.json").read_text())["provenance"] == {**provenance, "finetune": settings}

@@ -12,7 +12,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from cable_lightning.bench import make_config
+from cable_lightning.bench.variants import make_config
 from cable_lightning.models import attention as attention_module
 from cable_lightning.models import backbone as backbone_module
 from cable_lightning.models import build_backbone

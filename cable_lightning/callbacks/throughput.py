@@ -4,8 +4,6 @@ MFU as a record (``throughput.jsonl``, :class:`records.schema.ThroughputRecord`)
 
 from __future__ import annotations
 
-import time
-
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
@@ -15,15 +13,10 @@ from cable_lightning.hardware import peak_flops
 from cable_lightning.lit.resume import global_batch
 from cable_lightning.records.io import append_records
 from cable_lightning.records.schema import ThroughputRecord
+from cable_lightning.timing import synced_time
 
 # Optimizer steps a fit's steady rate leaves out: compiling happens in them (gpu-check's fits time after as many)
 WARMUP_STEPS = 3
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: ``torch.cuda.synchronize`` on a GPU, ``torch.cpu``'s (nothing to wait for)
-    on the CPU. One call for every device, so a CPU test that stands in for it counts what a GPU runs."""
-    getattr(torch, device.type).synchronize(device)
 
 
 class TokenThroughput(Callback):
@@ -60,14 +53,10 @@ class TokenThroughput(Callback):
         self.throughput = Throughput(available_flops=self.available_flops, world_size=trainer.world_size,
                                      window_size=self.window_size)
 
-    def clock(self) -> float:
-        synchronize(self.device)
-        return time.perf_counter()
-
     def on_train_start(self, trainer, pl_module):
         self.throughput.reset()
         self.batches = self.samples = self.tokens = 0
-        self.flops, self.paused, self.start = 0.0, 0.0, self.clock()
+        self.flops, self.paused, self.start = 0.0, 0.0, synced_time(self.device)
         # (seconds, tokens, flops, optimizer steps) at the steady phase's first logging step, and at the last one
         self.all_flops, self.steady, self.last, self.steps = 0.0, None, None, 0
 
@@ -84,7 +73,7 @@ class TokenThroughput(Callback):
         # The logger connector's own test of a logging step, as Lightning's ThroughputMonitor reads it
         if not trainer._logger_connector.should_update_logs:
             return
-        elapsed = self.clock() - self.start - self.paused
+        elapsed = synced_time(self.device) - self.start - self.paused
         self.last = (elapsed, self.tokens, self.all_flops, self.steps)
         if self.steady is None and self.steps >= self.warmup:
             self.steady = self.last
@@ -99,11 +88,11 @@ class TokenThroughput(Callback):
 
     def on_validation_start(self, trainer, pl_module):
         if trainer.state.fn == "fit" and not trainer.sanity_checking:  # inside training, after on_train_start
-            self.validation_start = self.clock()
+            self.validation_start = synced_time(self.device)
 
     def on_validation_end(self, trainer, pl_module):
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self.paused += self.clock() - self.validation_start
+            self.paused += synced_time(self.device) - self.validation_start
 
     def on_train_end(self, trainer, pl_module):
         """The fit's steady tokens/s and MFU, a record in the run's folder (rank 0): from the steady phase's first

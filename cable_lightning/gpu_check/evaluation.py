@@ -19,9 +19,11 @@ def bench(run, part: str, labels: list[str], head: list[str], deadline: float) -
     memory's reuse what it compiled (Dynamo's counts of each are in the row)."""
     from torch._dynamo.utils import counters
 
-    from .. import bench
-    from ..hardware import sync
+    from ..bench.memory import eval_peak_mib
+    from ..bench.steps import eval_forward, eval_seconds
+    from ..bench.variants import make_config
     from ..models import build_backbone
+    from ..timing import synced_time
 
     sizes, dtype = run.sizes, run.sizes.dtype
     shape = argparse.Namespace(**{"preset": sizes.preset, "vocab_size": None, "n_layer": None, "n_head": None,
@@ -35,13 +37,12 @@ def bench(run, part: str, labels: list[str], head: list[str], deadline: float) -
         try:
             torch._dynamo.reset()
             counters.clear()
-            model = build_backbone(bench.make_config(shape, label, sizes.block)).to(run.device).eval()
-            start = time.perf_counter()
-            bench.eval_forward(model, sizes.eval_length, run.device, dtype)()  # FlexAttention compiles here
-            sync(run.device)
-            compiled, warm = time.perf_counter() - start, dynamo_counts()["compiles"]
-            seconds = bench.eval_seconds(model, sizes.eval_length, run.device, dtype, sizes.repeats)
-            mib = bench.eval_peak_mib(model, sizes.eval_length, run.device, dtype) if run.cuda else None
+            model = build_backbone(make_config(shape, label, sizes.block)).to(run.device).eval()
+            start = synced_time(run.device)
+            eval_forward(model, sizes.eval_length, run.device, dtype)()  # FlexAttention compiles here
+            compiled, warm = synced_time(run.device) - start, dynamo_counts()["compiles"]
+            seconds = eval_seconds(model, sizes.eval_length, run.device, dtype, sizes.repeats)
+            mib = eval_peak_mib(model, sizes.eval_length, run.device, dtype) if run.cuda else None
             timed = dynamo_counts()["compiles"] - warm
         except Exception as exc:
             run.failed(cells, exc, len(head))

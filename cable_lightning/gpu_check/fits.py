@@ -14,7 +14,8 @@ import torch
 
 from ..callbacks import AttentionDiagnostics
 from ..positional import ENCODING_FLAG
-from .bare import bare_step, ratio_cell
+from ..timing import StepClock, synced_time
+from .bare import bare_seconds, ratio_cell
 from .dynamo import dynamo_counts
 from .memory import memory_estimate
 from .plan import COMPILE_BUDGET_S, STEADY_BUDGET_S, Sizes, backend_of
@@ -29,25 +30,24 @@ FIT_HEAD = ["part", "encoding", "backend", "vocab", "steady steps", "step ms (me
             "diagnostics s (x evaluation)", "checkpoint s", "note"]
 
 
-class FitClock(L.Callback):
-    """Times one fit: step periods (CUDA events, or the CPU's clock, at each ``on_train_batch_start``), validation,
+class FitClock(StepClock):
+    """Times one fit: step periods (:class:`timing.StepClock`'s marks at each ``on_train_batch_start``), validation,
     diagnostics and checkpoint seconds (device synchronised), the steady steps' peak memory, Dynamo's counters at each
     phase's start, and on the host's clock (``time.monotonic``) the warm-up (compiling) and the steady phase. Stops
     the fit after the step that passes ``steady_budget`` seconds from the first steady step's start, however long
     compiling took, once a steady step was timed (a recompile in the first steady step still leaves one)."""
 
-    def __init__(self, warmup: int, steady_budget: float, cuda: bool):
-        self.warmup, self.steady_budget, self.cuda = warmup, steady_budget, cuda
+    def __init__(self, warmup: int, steady_budget: float, device: torch.device):
+        super().__init__(device)
+        self.warmup, self.steady_budget = warmup, steady_budget
         self.host: dict[str, float] = {}  # time.monotonic at the first step's start, the first steady step's, the end
-        self.marks, self.counts, self.interrupted = [], {}, set()  # interrupted: marks whose period holds a validation
+        self.counts, self.interrupted = {}, set()  # interrupted: marks whose period holds a validation
         self.validations: list[tuple[float, float, float]] = []  # (seconds, evaluation, diagnostics) of each
         self.diagnostics = self.checkpoint = 0.0
         self.train_peak, self.stopped, self.model, self.tokens, self.flops = None, False, None, 0, 0.0
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return synced_time(self.device)
 
     def timed(self, fn, bucket: str):
         def run(*args, **kwargs):
@@ -77,11 +77,7 @@ class FitClock(L.Callback):
             self.counts["steady"] = dynamo_counts()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
+        self.mark()
         tokens = batch["tokens"] if isinstance(batch, dict) else batch
         self.tokens = tokens.shape[0] * (tokens.shape[1] - 1)
         self.flops = pl_module.backbone.training_flops_per_token(tokens.shape[1] - 1)
@@ -117,16 +113,11 @@ class FitClock(L.Callback):
     def teardown(self, trainer, pl_module, stage):
         self.counts["end"] = dynamo_counts()
 
-    def elapsed(self, first: int, last: int) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()  # both events done
-            return self.marks[first].elapsed_time(self.marks[last]) / 1000
-        return self.marks[last] - self.marks[first]
-
     def steps(self) -> list[float]:
         """Seconds of each steady step: each period from a step's start to the next's, but one holding a
         validation."""
-        return [self.elapsed(i, i + 1) for i in range(self.warmup, len(self.marks) - 1) if i not in self.interrupted]
+        return [seconds for i, seconds in enumerate(self.periods(self.warmup), self.warmup)
+                if i not in self.interrupted]
 
     def compile_seconds(self) -> float | None:
         """The warm-up steps' host seconds, from the first step's start to the first steady step's."""
@@ -206,7 +197,7 @@ def fit(run, part: str, label: str, shape: str = "prepared") -> None:
     from ..cli import main
 
     args, sizes, backend, scale = run.args, run.sizes, backend_of(label), run.args.budget_scale
-    clock = FitClock(sizes.warmup, STEADY_BUDGET_S * scale, run.cuda)
+    clock = FitClock(sizes.warmup, STEADY_BUDGET_S * scale, run.device)
     torch._dynamo.reset()  # each fit compiles afresh: one fit's cache entries must not count against the next's
     counters.clear()
     hits, started = len(run.watch.hits), time.perf_counter()
@@ -230,7 +221,7 @@ def fit(run, part: str, label: str, shape: str = "prepared") -> None:
     bare = None
     if step:  # the bare step beside it, on the fit's own compiled model
         try:
-            bare, bare_compiles = bare_step(clock.model.backbone, sizes, run.device, run.cuda)
+            bare, bare_compiles = bare_seconds(clock.model, sizes)
         except Exception as exc:  # its failure fails the run, and the fit's row still comes
             bare_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
             run.failures.append(f"{part} {label}: the bare step: {bare_failed}")

@@ -54,7 +54,7 @@ class Run:
     """One gpu-check: its report, device, recompile watch, NoPE's figures (the ratios' base) and what failed."""
 
     def __init__(self, args, sizes: Sizes, cuda: bool, report: Report):
-        from .. import bench
+        from ..hardware import peak_flops
 
         self.args, self.sizes, self.cuda = args, sizes, cuda
         self.device = torch.device("cuda" if cuda else "cpu")
@@ -63,7 +63,7 @@ class Run:
         self.nope_rate, self.nope_eval, self.widened = {}, None, None  # NoPE's tokens/s at each shape
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         try:
-            self.peak, self.peak_source = bench.peak_flops(self.device, sizes.dtype)
+            self.peak, self.peak_source = peak_flops(self.device, sizes.dtype)
         except ConfigError as exc:  # a GPU without a known peak: no MFU, everything else measured
             self.peak, self.peak_source = None, f"no peak ({exc})"
 

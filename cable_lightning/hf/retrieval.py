@@ -86,7 +86,8 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
     whole batch, computed in mini-batches of that size, for a batch whose activations would not fit); save the result
     as an export (the input folder's files with the new weights, its provenance with the fine-tuning's settings:
     :func:`tuned_provenance`) at ``out``, which may replace only an export (``overwrite``) that holds neither input,
-    swapped in by rename."""
+    swapped in by rename. An ``out`` that already is this fine-tuning (:func:`finetuned_already`) is said in one line
+    and kept."""
     if mini_batch_size is not None and not 0 < mini_batch_size <= batch_size:
         raise ConfigError(f"--mini_batch_size must be from 1 to --batch_size ({batch_size}), got {mini_batch_size}")
     if not os.path.isdir(model):  # transformers would take it for a hub id and fail in a traceback
@@ -102,11 +103,15 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
         MultipleNegativesRankingLoss,
     )
 
+    if os.path.isfile(triples) or triples == "msmarco":  # a missing file is load_triples' error
+        settings = finetune_settings(triples, max_seq_length, batch_size, max_steps, lr, warmup_ratio, seed,
+                                     mini_batch_size)
+        if done := finetuned_already(model, out, settings):
+            print(done)
+            return out
     check_replaceable(out, "export", overwrite, (model, triples))  # before any work
     st_model = encoder(model, max_seq_length, trust_remote_code=trust_remote_code)
     dataset = load_triples(triples)
-    settings = finetune_settings(triples, max_seq_length, batch_size, max_steps, lr, warmup_ratio, seed,
-                                 mini_batch_size)
     with tempfile.TemporaryDirectory() as scratch:
         args = SentenceTransformerTrainingArguments(
             output_dir=scratch, max_steps=max_steps, per_device_train_batch_size=batch_size, learning_rate=lr,
@@ -134,6 +139,7 @@ def finetune(model: str, triples: str, out: str, max_seq_length: int = 512, batc
         swap_in(staged, out, "export")
     finally:
         discard(staged)
+    print(f"saved {out}")
     return out
 
 
@@ -439,16 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                              "export's modeling_cable.py needs it), as transformers' trust_remote_code=True")
     args = parser.parse_args(argv)
     if args.command == "finetune":
-        if os.path.isfile(args.triples) or args.triples == "msmarco":
-            settings = finetune_settings(args.triples, args.max_seq_length, args.batch_size, args.max_steps, args.lr,
-                                         args.warmup_ratio, args.seed, args.mini_batch_size)
-            if done := finetuned_already(args.model, args.out, settings):
-                print(done)
-                return
-        out = finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
-                       args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite,
-                       args.mini_batch_size)
-        print(f"saved {out}")
+        finetune(args.model, args.triples, args.out, args.max_seq_length, args.batch_size, args.max_steps,
+                 args.lr, args.warmup_ratio, args.seed, args.trust_remote_code, args.overwrite, args.mini_batch_size)
         return
     if min(args.lengths) < 1:
         parser.error(f"--lengths must be positive, got {args.lengths}")

@@ -26,7 +26,7 @@ from .checkpoint_format import saved_weights
 from .divergence import DivergenceGuard
 from .length_eval import LengthEvaluation
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
-from .optim import build_optimizer
+from .optim import OptimizerRecipe, build_optimizer
 from .resume import (
     SAME_MODEL,
     carry_accumulation,
@@ -190,13 +190,18 @@ class LanguageModel(DivergenceGuard, LengthEvaluation, L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.stop_if_diverged()  # the previous step's verdict, done by now: reading it waits for nothing
-        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
-        self._grad_norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
-        norm = self._grad_norm
+        norm = self.measure_grad_norm()
         if isinstance(norm, DTensor):  # sharded (FSDP2): the norm of every rank's shard
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         self.hold_back_if_diverged(optimizer, norm)
+
+    def measure_grad_norm(self) -> torch.Tensor:
+        """The gradients' total 2-norm, kept for :meth:`configure_gradient_clipping` to clip by (the fit's step and
+        the bare step beside it, ``timing.BareStep``, measure it here)."""
+        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
+        self._grad_norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        return self._grad_norm
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Clip by the norm :meth:`on_before_optimizer_step` measured (one pass over the gradients, not two), here
@@ -215,13 +220,16 @@ class LanguageModel(DivergenceGuard, LengthEvaluation, L.LightningModule):
         record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size), self.recipe(),
                    run_data(getattr(self._trainer, "datamodule", None)))
 
+    @cached_property
+    def optimizer_recipe(self) -> OptimizerRecipe:
+        """The optimizer and schedule settings of the hyperparameters, built once: what the fit's optimizer, the bare
+        step beside it and :meth:`recipe` read."""
+        return OptimizerRecipe.from_hparams(self.hparams)
+
     def configure_optimizers(self):
-        h = self.hparams
         # fp16's grad scaler unscales the gradients before clipping; a fused optimizer would unscale them itself
         fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
-        min_lr = h.lr if h.min_lr is None else h.min_lr  # None: no decay, the rate stays at lr after warm-up
-        return build_optimizer(self.backbone, h.lr, min_lr, h.warmup_steps, self.trainer.max_steps, h.betas, h.eps,
-                               h.weight_decay, fused=fused)
+        return build_optimizer(self.backbone, self.optimizer_recipe, self.trainer.max_steps, fused=fused)
 
     def record_context(self, step: int, checkpoint: Optional[str], recipe: Optional[dict]) -> RunContext:
         """What every record of this run names (:class:`records.schema.Record`): the run (encoding, training layout and
@@ -247,14 +255,14 @@ class LanguageModel(DivergenceGuard, LengthEvaluation, L.LightningModule):
         and optimizer, clipping, the precision (bf16-mixed and fp32 runs round differently: two experiments) and the
         tokenizer (its vocabulary's hash). Saved in checkpoints, so a later
         validation records its weights' recipe; outside a fit, the last fit's of this process (None without one)."""
-        trainer, h = self.trainer, self.hparams
+        trainer, optimizer = self.trainer, self.optimizer_recipe
         if trainer.state.fn == "fit":
             batch = global_batch(trainer, self.config.block_size)
             self.fit_recipe = {
                 "steps": trainer.max_steps, "batch_tokens": batch["tokens"] if batch else None,
-                "warmup_steps": h.warmup_steps, "min_lr": h.min_lr, "betas": list(h.betas), "eps": h.eps,
-                "weight_decay": h.weight_decay, "gradient_clip": trainer.gradient_clip_val,
-                "precision": str(trainer.precision),
+                "warmup_steps": optimizer.warmup_steps, "min_lr": optimizer.min_lr, "betas": list(optimizer.betas),
+                "eps": optimizer.eps, "weight_decay": optimizer.weight_decay,
+                "gradient_clip": trainer.gradient_clip_val, "precision": str(trainer.precision),
                 "tokenizer": self.data_info.tokenizer.get("hash") if self.data_info is not None else None}
         return self.fit_recipe
 

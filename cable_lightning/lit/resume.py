@@ -40,6 +40,7 @@ from ..data.remote import is_remote
 from ..errors import ConfigError
 from ..models import BackboneConfig
 from ..tasks.generation import TaskMix
+from .optim import OptimizerRecipe
 
 
 def global_batch(trainer, block_size: int) -> Optional[dict]:
@@ -164,7 +165,7 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
 
 SAME_MODEL = "; remove them from the command line and the config files to use the checkpoint's"
 # What a resume must keep, beside the model: the module's settings (hyper_parameters) and the trainer's (the recipe).
-RECIPE_HPARAMS = ("lr", "min_lr", "warmup_steps", "betas", "eps", "weight_decay")
+RECIPE_HPARAMS = OptimizerRecipe.names()
 RECIPE_TRAINER = {"precision": "precision", "gradient_clip_val": "gradient_clip"}
 
 

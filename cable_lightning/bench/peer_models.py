@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .models import BackboneConfig
+from ..models import BackboneConfig
 
 
 def _gpt2(config: BackboneConfig) -> nn.Module:
