@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .records import PositionRecord
+from .records.schema import PositionRecord
 
 
 def _pyplot():

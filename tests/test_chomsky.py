@@ -16,18 +16,14 @@ import torch
 from cable_lightning.cli import main, run
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.errors import ConfigError
-from cable_lightning.eval.report import (
-    algorithmic_scores,
-    algorithmic_table,
-    algorithmic_training_table,
-    find_records,
-    latest_rows,
-    report,
-)
+from cable_lightning.eval.comparable import latest_rows, rows_by_step
+from cable_lightning.eval.report import report
+from cable_lightning.eval.task_tables import algorithmic_scores, algorithmic_table, algorithmic_training_table
 from cable_lightning.lit import MaskedLM
 from cable_lightning.models import BackboneConfig
 from cable_lightning.positional import available, encoding_class
-from cable_lightning.records import LengthRecord, RunKey, TaskRecord, append_records, rows_by_step
+from cable_lightning.records.io import append_records, find_records
+from cable_lightning.records.schema import LengthRecord, RunKey, TaskRecord
 from cable_lightning.sweep import main as sweep_main
 from cable_lightning.tasks.chomsky import OUTPUT_OFFSET, AlgorithmicTask
 from cable_lightning.tasks.generation import EVAL, TRAIN, Task, TaskMix, TaskVocabulary

@@ -25,7 +25,8 @@ from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention, attention_map
 from cable_lightning.positional import available, build_positional
-from cable_lightning.records import AttentionRecord, LengthRecord, LongContextRecord, append_records, read_records
+from cable_lightning.records.io import append_records, read_records
+from cable_lightning.records.schema import AttentionRecord, LengthRecord, LongContextRecord
 
 T = 6
 

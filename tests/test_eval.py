@@ -1,4 +1,4 @@
-"""Length evaluation (callbacks/length_eval.py, lit/modules.py): perplexity against a by-hand computation, the
+"""Length evaluation (callbacks/length_eval.py, lit/length_eval.py): perplexity against a by-hand computation, the
 recorder's rows and figure, and the report of two real runs."""
 
 import glob

@@ -19,7 +19,7 @@ from cable_lightning.hf import export_backbone, load_backbone
 from cable_lightning.hf.export import hf_tokenizer, write_tiktoken_ranks
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import available, from_label, score_bias_encodings
-from cable_lightning.records import content_hash
+from cable_lightning.records.io import content_hash
 
 SEPARATED = "one document<|endoftext|>the next"
 # Every registered encoding, DAPEv2 over every encoding it wraps, and a pattern of windowed layers.

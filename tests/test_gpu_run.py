@@ -119,7 +119,7 @@ def test_report_never_drops_one_of_two_runs_that_share_encoding_length_and_seed(
 
 def test_two_lends_of_one_run_key_are_two_runs():
     """The run key is typed and holds the corpus and the recipe."""
-    from cable_lightning.records import LengthRecord, RunKey
+    from cable_lightning.records.schema import LengthRecord, RunKey
 
     row = dict(pe="cable", train_length=1024, step=1000, run_seed=0, lr=6e-4, model="decoder L12", length=1024,
                mode="nonoverlap", ppl=20.0)

@@ -22,7 +22,8 @@ from cable_lightning.eval.diagnostics_report import diagnostics_report
 from cable_lightning.lit import MaskedLM
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.positional import from_label
-from cable_lightning.records import HiddenPairRecord, IncrementRecord, append_records, read_records
+from cable_lightning.records.io import append_records, read_records
+from cable_lightning.records.schema import HiddenPairRecord, IncrementRecord
 from cable_lightning.tasks.generation import OWN_MASK_ID, OWN_VOCABULARY
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

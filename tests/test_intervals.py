@@ -18,10 +18,13 @@ from cable_lightning.callbacks import LengthEvalRecorder
 from cable_lightning.cli import main
 from cable_lightning.data.datamodule import TokenDataModule
 from cable_lightning.eval import report
+from cable_lightning.eval.comparable import latest_rows
 from cable_lightning.eval.intervals import seed_interval, separable, window_interval
+from cable_lightning.eval.loss_curves import loss_curves
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig
-from cable_lightning.records import LengthRecord, LossPoint, read_records
+from cable_lightning.records.io import find_records, read_records
+from cable_lightning.records.schema import LengthRecord, LossPoint
 
 
 def test_seed_interval_is_the_student_t_interval_by_hand():
@@ -127,7 +130,7 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     from cable_lightning.data import retrieval_set
     from cable_lightning.hf import retrieval
     from cable_lightning.hf.export import main as export
-    from cable_lightning.records import RetrievalRecord
+    from cable_lightning.records.schema import RetrievalRecord
 
     runs, _, _ = two_seeds
     retrieval_set.main(["--source", tiny_corpus_docs[0], "--tokenizer", os.path.join(tiny_corpus_dir, "tokenizer.json"),
@@ -155,7 +158,7 @@ def test_the_retrieval_stage_records_each_seeds_export_and_the_report_gives_an_i
     tables = report.report([os.path.join(runs, "seeds")], str(tmp_path / "r"))
     assert "mean over n=2 seeds [95% Student-t interval]" in tables["retrieval set"]
     assert (tmp_path / "r_retrieval_set.png").exists()
-    curves = report.loss_curves([os.path.join(runs, "seeds")])
+    curves = loss_curves([os.path.join(runs, "seeds")])
     contrastive = [[json.loads(line)["loss"] for line in open(os.path.join(runs, "seeds", "cable", f"seed{seed}",
                                                                             "export-tuned", LossPoint.FILE))]
                    for seed in (0, 1)]
@@ -182,7 +185,7 @@ def test_a_validation_of_a_seeds_checkpoint_is_recorded_as_that_seed(two_seeds, 
 
 def test_ratio_table_from_a_real_fit(two_seeds):
     runs, _, _ = two_seeds
-    latest = report.latest_rows(report.find_records([os.path.join(runs, "seeds")]))
+    latest = latest_rows(find_records([os.path.join(runs, "seeds")]))
     by_seed = {(r.run_seed, r.length): r.ppl for r in latest if r.mode == "nonoverlap"}
     ratios = [by_seed[seed, 64] / by_seed[seed, 32] for seed in (0, 1)]
     columns, table = report.ratio_table(latest, "nonoverlap")

@@ -1,4 +1,4 @@
-"""The records (records.py): one reader that names the file and line of a bad row, leaves out a torn last line, and
+"""The records (records/): one reader that names the file and line of a bad row, leaves out a torn last line, and
 refuses a value its measure cannot take."""
 
 import glob
@@ -9,7 +9,8 @@ from conftest import ROW, args, one_error_line
 
 from cable_lightning.__main__ import main as verb_main
 from cable_lightning.errors import ConfigError
-from cable_lightning.records import LengthRecord, TaskRecord, read_records
+from cable_lightning.records.io import read_records
+from cable_lightning.records.schema import LengthRecord, TaskRecord
 
 
 def test_report_names_the_file_and_line_of_a_bad_row_and_leaves_out_an_evaluation_a_torn_line_ends(tmp_path, capsys):
@@ -67,7 +68,8 @@ def test_a_row_with_a_value_its_measure_cannot_take_is_named(tmp_path, kind, row
 
 
 def test_records_round_trip_through_the_one_writer_and_reader(tmp_path):
-    from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
+    from cable_lightning.records.io import append_records, read_records
+    from cable_lightning.records.schema import LengthRecord, TaskRecord
 
     length = LengthRecord(pe="dape_v2+cable", train_length=128, step=7, stage="validate", checkpoint="/c.ckpt",
                           length=512, mode="sliding", stride=64, ppl=12.5, loss=2.52, tokens=1000, seconds=1.5,
@@ -90,8 +92,9 @@ def test_two_trained_runs_that_differ_in_an_encoding_setting_are_two_report_colu
     named by the difference. A row written before records held settings and a run that records them, otherwise the
     same run, would be one column and seed: refused, naming it."""
     from cable_lightning.cli import main
-    from cable_lightning.eval.report import build_table, latest_rows
-    from cable_lightning.records import find_records, incomparable
+    from cable_lightning.eval.comparable import incomparable, latest_rows
+    from cable_lightning.eval.report import build_table
+    from cable_lightning.records.io import find_records
 
     folders = []
     for activation in ("relu", "softplus"):

@@ -18,8 +18,9 @@ from conftest import ROOT, TESTS, args, checkpoints, jsonl_rows, user_error_line
 from cable_lightning.checkpoints import PARTIAL_SUFFIX, AtomicCheckpointIO, claim_checkpoint_folder, resolve_ckpt_path
 from cable_lightning.cli import main, run
 from cable_lightning.errors import ConfigError, CorruptCheckpointError, RunFailedError
-from cable_lightning.eval import report
+from cable_lightning.eval.comparable import latest_rows
 from cable_lightning.positional.rope import Rope
+from cable_lightning.records.io import find_records
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_revalidation_rows_carry_the_checkpoint_step_and_reach_the_report(tiny_c
     revalidated = [r for r in jsonl_rows(rope_run) if r["stage"] == "validate" and r["length"] == 128]
     assert [(r["step"], os.path.basename(r["checkpoint"])) for r in revalidated][-2:] == [(2, "step0000002.ckpt"),
                                                                                           (4, "last.ckpt")]
-    latest = report.latest_rows(report.find_records([os.path.join(rope_run, "test", "rope")]))
+    latest = latest_rows(find_records([os.path.join(rope_run, "test", "rope")]))
     assert {r.length for r in latest} == {32, 64, 128} and {r.step for r in latest} == {4}
 
 
@@ -124,7 +125,7 @@ def test_report_reads_runs_in_the_order_they_were_written(tmp_path):
         row = {"pe": "cable", "train_length": 32, "step": 4, "length": 64, "mode": "nonoverlap", "ppl": ppl}
         (tmp_path / version / "length_eval.jsonl").write_text(json.dumps(row) + "\n")
         time.sleep(0.01)  # distinct modification times (ordering only, nothing is timed)
-    assert [r.ppl for r in report.latest_rows(report.find_records([str(tmp_path)]))] == [40.0]
+    assert [r.ppl for r in latest_rows(find_records([str(tmp_path)]))] == [40.0]
 
 
 # --- seeds ---------------------------------------------------------------------------------------------------------

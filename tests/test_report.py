@@ -7,9 +7,13 @@ from scipy import stats
 
 from cable_lightning.errors import ConfigError
 from cable_lightning.eval import report
+from cable_lightning.eval.comparable import latest_rows
 from cable_lightning.eval.intervals import seed_interval
+from cable_lightning.eval.loss_curves import loss_curves
+from cable_lightning.eval.retrieval_tables import retrieval_tables
 from cable_lightning.eval.tables import Cell, markdown, markdown_table, neighbours
-from cable_lightning.records import LengthRecord, LossPoint, RetrievalRecord, append_records
+from cable_lightning.records.io import append_records
+from cable_lightning.records.schema import LengthRecord, LossPoint, RetrievalRecord
 
 
 def test_a_torn_last_line_of_a_fine_tuning_loss_curve_is_left_out_with_a_note(tmp_path, capsys):
@@ -21,7 +25,7 @@ def test_a_torn_last_line_of_a_fine_tuning_loss_curve_is_left_out_with_a_note(tm
                                               dataset="set", length=32, ndcg=0.5)])
     (tuned / "config.json").write_text(json.dumps({"provenance": {"checkpoint": "last.ckpt"}}))
     (tuned / LossPoint.FILE).write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
-    curves = report.loss_curves([str(run)])
+    curves = loss_curves([str(run)])
     assert curves["contrastive loss"] == {"cable": {1: [2.5], 2: [2.0]}}
     assert f"{tuned / LossPoint.FILE}:3: skipping a truncated last line" in capsys.readouterr().err
 
@@ -63,9 +67,9 @@ def test_report_keeps_the_latest_evaluation_of_each_run(tmp_path):
     ]
     path = tmp_path / "length_eval.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    latest = report.latest_rows([str(path)])
+    latest = latest_rows([str(path)])
     assert sorted((r.pe, r.ppl) for r in latest) == [("cable", 39.0), ("rope", 90.0)]
-    assert report.markdown(*report.build_table(latest, "nonoverlap")).splitlines()[2] == "| 256 | **39.00** | 90.00 |"
+    assert markdown(*report.build_table(latest, "nonoverlap")).splitlines()[2] == "| 256 | **39.00** | 90.00 |"
 
 
 def test_runs_that_differ_only_in_their_backbone_are_two_columns(tmp_path):
@@ -82,10 +86,10 @@ def test_runs_that_differ_only_in_their_backbone_are_two_columns(tmp_path):
         path.write_text(json.dumps({"pe": "cable", "train_length": 128, "step": 20, "run_seed": 0, "lr": 6e-4,
                                     "length": 256, "mode": "nonoverlap", **row}) + "\n")
         paths.append(str(path))
-    lines = report.markdown(*report.build_table(report.latest_rows(paths[:2]), "nonoverlap")).splitlines()
+    lines = markdown(*report.build_table(latest_rows(paths[:2]), "nonoverlap")).splitlines()
     assert lines[0] == "| length | cable (decoder L12-D768-H12) | cable (decoder L4-D256-H4) |"
     assert lines[2] == "| 256 | **30.00** | 60.00 |"
-    lines = report.markdown(*report.build_table(report.latest_rows(paths[1:]), "nonoverlap")).splitlines()
+    lines = markdown(*report.build_table(latest_rows(paths[1:]), "nonoverlap")).splitlines()
     assert lines[0] == "| length | cable |" and lines[2].startswith("| 256 | **52.50 [")  # seeds 0 and 1, one column
 
 
@@ -96,7 +100,7 @@ def test_report_without_records_names_the_paths(tmp_path):
 
 def test_best_marks_the_lowest_and_every_encoding_within_noise_of_it():
     latest = rows("cable", [10.0, 10.5, 11.0]) + rows("alibi", [10.1, 10.4, 11.2]) + rows("rope", [12.0, 12.6, 13.1])
-    table = report.markdown(*report.build_table(latest, "nonoverlap"))
+    table = markdown(*report.build_table(latest, "nonoverlap"))
     row = table.splitlines()[2].split(" | ")
     assert row[1].startswith("**10.57 [") and row[1].endswith("]**")  # alibi, not separable from the best
     assert row[2].startswith("**10.50 [")  # cable, the lowest mean
@@ -150,7 +154,7 @@ def test_a_retrieval_set_gets_ndcg_mrr_and_recall_tables_over_seeds_and_its_in_v
     rows = [RetrievalRecord(pe=pe, train_length=128, step=500, run_seed=seed, dataset="code", length=length,
                             ndcg=v, mrr=v / 2, recall=min(1.0, 4 * v), queries=200,
                             visible={128: 0.0, 512: 0.19}[length]) for (pe, seed, length), v in values.items()]
-    text, table = report.retrieval_tables(rows)
+    text, table = retrieval_tables(rows)
     sections = text.split("\n\n")
     assert [s for s in sections if s.endswith("(x100)")] == ["nDCG@10 (x100)", "MRR@10 (x100)", "Recall@100 (x100)"]
     columns, lines = table
@@ -165,7 +169,7 @@ def test_a_retrieval_set_gets_ndcg_mrr_and_recall_tables_over_seeds_and_its_in_v
                              "alibi 3.84 [")
     mldr = [RetrievalRecord(pe="cable", train_length=512, step=1, run_seed=0, dataset="MultiLongDocRetrieval",
                             length=512, ndcg=0.15)]
-    text, _ = report.retrieval_tables(mldr)
+    text, _ = retrieval_tables(mldr)
     assert "MRR" not in text and "in view" not in text and text.startswith("nDCG@10 (x100)")
 
 
@@ -179,7 +183,7 @@ def test_the_change_with_length_is_tested_over_seeds_per_encoding():
             for pe, pairs in ndcg.items() for seed, pair in enumerate(pairs) for i, length in enumerate((128, 2048))]
     rows += [RetrievalRecord(pe="one", train_length=128, step=500, run_seed=0, dataset="code", length=length,
                              ndcg=v, mrr=0.0, recall=0.0) for length, v in ((128, 0.1), (2048, 0.3))]
-    text, _ = report.retrieval_tables(rows)
+    text, _ = retrieval_tables(rows)
     [line] = [s for s in text.split("\n\n") if s.startswith("nDCG@10 (x100), change from 128 to 2048")]
     changes = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split("; "))
     rise = [100 * (b - a) for a, b in ndcg["rise"]]
@@ -201,7 +205,7 @@ def test_a_contrastive_loss_curve_without_its_export_config_is_left_out_with_a_n
     append_records(str(run), [RetrievalRecord(pe="cable", train_length=32, step=4, checkpoint="last.ckpt",
                                               dataset="set", length=32, ndcg=0.5)])
     (run / LossPoint.FILE).write_text('{"step": 1, "loss": 2.5}\n')
-    assert report.loss_curves([str(run)]) == {}
+    assert loss_curves([str(run)]) == {}
     assert f"{run / LossPoint.FILE}: no export's config.json beside it" in capsys.readouterr().err
 
 

@@ -20,7 +20,8 @@ from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.errors import ConfigError
 from cable_lightning.hf import export_backbone, retrieval
 from cable_lightning.models import BackboneConfig, build_backbone
-from cable_lightning.records import RetrievalRecord, read_records
+from cable_lightning.records.io import read_records
+from cable_lightning.records.schema import RetrievalRecord
 
 TRAIN_LEN = 16
 # Each query shares a rare made-up word with its one relevant document; the rest of the corpus is distractors.

@@ -20,7 +20,8 @@ from cable_lightning.eval import report
 from cable_lightning.lit import CausalLM, MaskedLM
 from cable_lightning.lit.modules import weighted_loss
 from cable_lightning.models import BackboneConfig, build_backbone
-from cable_lightning.records import LengthRecord, TaskRecord, append_records, read_records
+from cable_lightning.records.io import append_records, read_records
+from cable_lightning.records.schema import LengthRecord, TaskRecord
 from cable_lightning.tasks.generation import EVAL, OWN_MASK_ID, OWN_VOCABULARY, TRAIN, Task, TaskMix, TaskVocabulary
 from cable_lightning.tasks.scoring import (
     argmax_predictions,

@@ -36,7 +36,8 @@ from ..eval.diagnostics import (
 )
 from ..figures import line_figure
 from ..positional import UnsupportedLengthError
-from ..records import AttentionRecord, HiddenPairRecord, IncrementRecord, LongContextRecord, append_records
+from ..records.io import append_records
+from ..records.schema import AttentionRecord, HiddenPairRecord, IncrementRecord, LongContextRecord
 from ..tasks.generation import EVAL
 
 

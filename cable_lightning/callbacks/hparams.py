@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.tensorboard.summary import hparams
 
-from ..lit.modules import val_tag
+from ..lit.length_eval import val_tag
 from .task_eval import TaskAccuracy, task_tag
 
 

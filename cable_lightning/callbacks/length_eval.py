@@ -14,8 +14,10 @@ import sys
 
 import lightning as L
 
+from ..eval.tables import format_value
 from ..figures import position_figure, ppl_figure
-from ..records import LengthRecord, PositionRecord, append_records, format_value
+from ..records.io import append_records
+from ..records.schema import LengthRecord, PositionRecord
 
 
 def format_table(rows: list[LengthRecord], train_length: int) -> str:

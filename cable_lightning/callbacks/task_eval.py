@@ -17,7 +17,8 @@ import torch
 from ..data.lengths import Lengths, length_list
 from ..errors import ConfigError
 from ..figures import accuracy_heatmap
-from ..records import TaskRecord, append_records
+from ..records.io import append_records
+from ..records.schema import TaskRecord
 from ..tasks.scoring import DEFAULT_DEPTHS, task_grid
 
 

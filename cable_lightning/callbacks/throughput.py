@@ -1,6 +1,6 @@
 """Training throughput in TensorBoard: tokens/s, samples/s, MFU (Lightning's ``Throughput`` with the model's FLOPs per
 batch) and, on CUDA, peak memory, written at the logging steps only; and at the end of a fit, its steady tokens/s and
-MFU as a record (``throughput.jsonl``, :class:`records.ThroughputRecord`), beside the run's length records."""
+MFU as a record (``throughput.jsonl``, :class:`records.schema.ThroughputRecord`), beside the run's length records."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from cable_lightning.errors import ConfigError
 from cable_lightning.hardware import peak_flops
 from cable_lightning.lit.resume import global_batch
-from cable_lightning.records import ThroughputRecord, append_records
+from cable_lightning.records.io import append_records
+from cable_lightning.records.schema import ThroughputRecord
 from cable_lightning.timing import synced_time
 
 # Optimizer steps a fit's steady rate leaves out: compiling happens in them (gpu-check's fits time after as many)

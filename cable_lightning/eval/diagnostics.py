@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..data.windows import window_plan
 from ..models.attention import attention_map
-from ..records import ContextGain
+from ..records.schema import ContextGain
 
 # Attention quantities per (layer, head), in the order records, tables and figures give them.
 QUANTITIES = ("entropy", "entropy_norm", "distance_mean", "distance_p90", "sink_mass", "local_mass", "max_logit",

@@ -21,18 +21,9 @@ import math
 import os
 from typing import Callable, Optional
 
-from ..records import (
-    AttentionRecord,
-    HiddenPairRecord,
-    IncrementRecord,
-    LengthRecord,
-    LongContextRecord,
-    Record,
-    differing,
-    find_records,
-    latest_rows,
-    run_column,
-)
+from ..records.io import find_records
+from ..records.schema import AttentionRecord, HiddenPairRecord, IncrementRecord, LengthRecord, LongContextRecord, Record
+from .comparable import differing, latest_rows, run_column
 from .diagnostics import MAXIMA, QUANTITIES
 from .intervals import Estimate, seed_interval
 from .tables import format_cell, markdown_table, write_markdown
@@ -41,7 +32,7 @@ Cells = dict[tuple, dict]  # (row label, column) -> {seed: value}
 
 
 def latest(paths: list[str], kind: type[Record], cell: Callable) -> list[Record]:
-    """Each run's ``kind`` rows of its latest step under ``paths`` (:func:`records.latest_rows`); none is no error."""
+    """Each run's ``kind`` rows of its latest step under ``paths`` (:func:`latest_rows`); none is no error."""
     return latest_rows(find_records(paths, kind.FILE, required=False), kind, cell)
 
 

@@ -6,6 +6,7 @@ under the prefix ``--out``, per window mode, perplexity by length and encoding w
 (``<out>_<mode>.md/.csv/.png``), then a table for each kind of record present. Each cell is the mean over seeds with
 its 95% interval (one seed: a bootstrap over the evaluated windows); bold marks the best mean and every encoding a
 paired test does not separate from it (eval/tables.py). docs/training.md#what-the-report-writes lists every file.
+The report is :data:`SECTIONS`, one entry per part: the records it reads and what it writes.
 
     python -m cable_lightning report runs/pydocs --out runs/pydocs/report
 """
@@ -13,18 +14,29 @@ paired test does not separate from it (eval/tables.py). docs/training.md#what-th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
 
 from cable_lightning.errors import ArgumentParser, ConfigError
+from cable_lightning.eval.comparable import (
+    behind_their_seeds,
+    differing,
+    incomparable,
+    latest_step,
+    rows_by_step,
+    run_column,
+)
 from cable_lightning.eval.diagnostics_report import diagnostics_report
-from cable_lightning.eval.intervals import seed_interval, separable
+from cable_lightning.eval.intervals import seed_interval
+from cable_lightning.eval.loss_curves import loss_curves, loss_curves_figure
+from cable_lightning.eval.retrieval_tables import retrieval_incomparable, retrieval_tables
 from cable_lightning.eval.tables import (
     Cell,
     Table,
+    aggregate,
+    annotated,
     best_columns,
     describe,
     format_cell,
@@ -34,41 +46,18 @@ from cable_lightning.eval.tables import (
     write_csv,
     write_table,
 )
+from cable_lightning.eval.task_tables import algorithmic_table, algorithmic_training_table, effective_table, task_table
 from cable_lightning.figures import line_figure, save_figure, step_panels
-from cable_lightning.records import (
+from cable_lightning.records.io import find_records
+from cable_lightning.records.schema import (
     LengthRecord,
-    LossPoint,
     PositionRecord,
     Record,
     RetrievalRecord,
     TaskRecord,
     ThroughputRecord,
-    behind_their_seeds,
-    differing,
-    find_records,
-    incomparable,
-    latest_rows,
-    latest_step,
-    read_records,
-    rows_by_step,
-    run_column,
-    run_label,
 )
-from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD, effective_length
-
-
-def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Optional[Callable] = None) -> Table:
-    """Cells of ``value(row)`` by (``label(row)``, encoding column), one value per run seed."""
-    differ = differing(rows)
-    cells: dict[tuple, Cell] = {}
-    for r in rows:
-        cell = cells.setdefault((label(r), run_column(r, differ)), Cell({}, {}))
-        cell.values[r.run_seed] = value(r)
-        if windows is not None:
-            cell.windows[r.run_seed] = windows(r)
-    columns = sorted({c for _, c in cells})
-    labels = sorted({k for k, _ in cells})
-    return columns, [[k] + [cells.get((k, c)) for c in columns] for k in labels]
+from cable_lightning.tasks.scoring import DEFAULT_THRESHOLD
 
 
 def build_table(rows: list[LengthRecord], mode: str) -> Table:
@@ -133,142 +122,6 @@ def training_length_figure(m: int, table: Table, mode: str, path: str) -> None:
 def position_table(rows: list[PositionRecord]) -> Table:
     """Mean NLL by (evaluation length, position bucket) and encoding."""
     return aggregate(rows, lambda r: (r.length, r.first_position, r.last_position), lambda r: r.loss)
-
-
-def depth_means(rows: list) -> dict[tuple, Optional[float]]:
-    """{(run, length): accuracy averaged over the rows' depths}, None where any cell could not be run."""
-    cells: dict[tuple, list] = {}
-    for r in rows:
-        cells.setdefault((r.run_key(), r.length), []).append(r.accuracy)
-    return {key: None if None in values else sum(values) / len(values) for key, values in cells.items()}
-
-
-def task_table(rows: list[TaskRecord]) -> Table:
-    """One task's exact-match accuracy by length and encoding: each run's mean over depths, aggregated over seeds."""
-    accuracy = depth_means(rows)
-    runs = list({(r.run_key(), r.length): r for r in rows}.values())
-    return aggregate(runs, lambda r: r.length, lambda r: accuracy[r.run_key(), r.length])
-
-
-def effective_table(rows: list[TaskRecord], threshold: float) -> str:
-    """The effective length per task (rows) and encoding (columns): from the mean accuracy over seeds, then each
-    seed's own in brackets when there are several."""
-    tasks = sorted({r.task for r in rows})
-    differ = differing(rows)
-    columns = sorted({run_column(r, differ) for r in rows})
-    records = {r.run_key(): r for r in rows}
-    lines = []
-    for task in tasks:
-        cells = []
-        for column in columns:
-            runs: dict = {}  # seed -> {length: accuracy}
-            train_length = None
-            for (run, length), value in depth_means([r for r in rows if r.task == task]).items():
-                if run_column(records[run], differ) == column:
-                    runs.setdefault(records[run].run_seed, {})[length] = value
-                    train_length = records[run].train_length
-            if not runs:
-                cells.append("")
-                continue
-            lengths = sorted({n for accuracy in runs.values() for n in accuracy})
-            mean = {n: None if any(a.get(n) is None for a in runs.values())
-                    else sum(a[n] for a in runs.values()) / len(runs) for n in lengths}
-            text = format_length(effective_length(mean, train_length, threshold))
-            if len(runs) > 1:
-                text += " (" + ", ".join(format_length(effective_length(runs[s], train_length, threshold))
-                                         for s in sorted(runs, key=str)) + ")"
-            cells.append(text)
-        lines.append([task, *cells])
-    return markdown_table(["task", *columns], lines)
-
-
-def algorithmic_scores(rows: list[TaskRecord]) -> dict[tuple, Optional[float]]:
-    """{run: score} (the run's key names its task): an algorithmic task's per-token accuracy averaged over the
-    evaluated lengths above the training length (the papers' score, over 41-500 for training lengths up to 40); None
-    where a length could not be run or none was evaluated."""
-    lengths: dict[tuple, list] = {}
-    for r in rows:
-        if r.scoring == "per_token" and r.length > r.train_length:
-            lengths.setdefault(r.run_key(), []).append(r.accuracy)
-    return {key: None if None in values else sum(values) / len(values) for key, values in lengths.items()}
-
-
-def algorithmic_table(rows: list[TaskRecord]) -> str:
-    """The Chomsky-hierarchy table: per task (rows) and encoding (columns, with the learning rate when runs differ in
-    it), the score's mean over seeds [95% Student-t interval] and its maximum over seeds (the papers report the
-    maximum over seeds and learning rates), in %; with several learning rates, a last column per encoding of the
-    maximum over both. Bold: the highest mean and every column a paired t-test over shared seeds does not separate
-    from it, or that shares fewer than two seeds with it (nothing can separate those)."""
-    scores = algorithmic_scores(rows)
-    runs = {key: r for r in rows if (key := r.run_key()) in scores}
-    differ = differing(runs.values())
-    columns = sorted({run_column(r, differ) for r in runs.values()})
-    encodings = sorted({run_column(r, differ, with_lr=False) for r in runs.values()})
-    header = columns + ([f"{e} max over seeds and lrs" for e in encodings] if differ[1] else [])
-    lines = []
-    for task in sorted({r.task for r in runs.values()}):
-        seeds = [Cell({r.run_seed: scores[key] for key, r in runs.items() if r.task == task
-                       and run_column(r, differ) == column}) for column in columns]
-        marked = best_columns([c if c.values else None for c in seeds], higher=True, unpaired=True)
-        cells = [f"**{text}**" if i in marked and text else text
-                 for i, text in enumerate(score_cell(list(c.values.values())) for c in seeds)]
-        if differ[1]:
-            for encoding in encodings:
-                values = [scores[key] for key, r in runs.items() if r.task == task
-                          and run_column(r, differ, with_lr=False) == encoding]
-                cells.append("-" if not values or None in values else f"{100 * max(values):.1f}")
-        lines.append([task, *cells])
-    return markdown_table(["task", *header], lines)
-
-
-def algorithmic_training_table(runs: dict[tuple, dict[int, list[TaskRecord]]]) -> str:
-    """Whether a step count is enough (have the accuracies stopped moving?): per algorithmic task, every evaluated step
-    (rows) and encoding (columns), the accuracy at the training length and the score, in %, each the mean over the
-    seeds evaluated at that step, with their count where it is fewer than the column's; '' when no run was
-    evaluated at two steps."""
-    rows = [r for steps in runs.values() for step_rows in steps.values() for r in step_rows if r.scoring == "per_token"]
-    if len({(r.run_key(), r.step) for r in rows}) == len({r.run_key() for r in rows}):  # each run evaluated once
-        return ""
-    differ = differing(rows)
-    columns = sorted({run_column(r, differ) for r in rows})
-    sections = []
-    for task in sorted({r.task for r in rows}):
-        task_rows = [r for r in rows if r.task == task]
-        seeds = {column: len({r.run_seed for r in task_rows if run_column(r, differ) == column}) for column in columns}
-        lines = []
-        for step in sorted({r.step for r in task_rows}):
-            cells = []
-            for column in columns:
-                at_step = [r for r in task_rows if r.step == step and run_column(r, differ) == column]
-                scores = list(algorithmic_scores(at_step).values())
-                at_train = [r.accuracy for r in at_step if r.length == r.train_length]
-                if not scores:
-                    cells.append("")
-                    continue
-                if None in scores + at_train:
-                    cells.append("-")
-                    continue
-                train = f"{100 * sum(at_train) / len(at_train):.0f}" if at_train else "?"
-                count = f" (n={len(scores)})" if len(scores) < seeds[column] else ""
-                cells.append(f"{train} / {100 * sum(scores) / len(scores):.1f}{count}")
-            lines.append([step, *cells])
-        sections.append(f"### {task}\n\n" + markdown_table(["step", *columns], lines))
-    return "\n\n".join(sections)
-
-
-def score_cell(values: list[Optional[float]]) -> str:
-    """Mean [interval] and max over seeds, in %; '-' where a run could not serve a length."""
-    if not values:
-        return ""
-    if None in values:
-        return "-"
-    e = seed_interval([100 * v for v in values])
-    interval = "" if e.low is None else f" [{e.low:.1f}, {e.high:.1f}]"
-    return f"{e.mean:.1f}{interval}, max {100 * max(values):.1f} (n={len(values)})"
-
-
-def format_length(length: Optional[int]) -> str:
-    return "-" if length is None else str(length)
 
 
 def plot(columns, table, title: str, path: str, ylabel: str = "perplexity", log_y: bool = True):
@@ -382,80 +235,6 @@ def format_length_ratio(length: int, train_length: int) -> str:
     return f"{length // train_length}x" if length % train_length == 0 else f"{length / train_length:.2g}x"
 
 
-def annotated(table: Table, best=min, digits: int = 2) -> str:
-    """A table in Markdown with its notes: what the intervals and bold mean, and each row's ranking with the paired
-    test between neighbours."""
-    parts = [markdown(*table, best=best, digits=digits), describe(table, "highest" if best is max else "lowest"),
-             neighbours(*table, best=best, digits=digits)]
-    return "\n\n".join(part for part in parts if part)
-
-
-def retrieval_tables(rows: list[RetrievalRecord]) -> tuple[str, Table]:
-    """One retrieval set's tables by length (x100, mean over seeds with intervals, bold where a paired test over the
-    seeds does not separate a column from the best): nDCG@10, then MRR@10 and Recall@100 where every row has them,
-    and the share of queries whose passage lies whole within each length; returns the text and the nDCG@10 table."""
-    sections, first = [], None
-    for metric, title in RetrievalRecord.METRICS.items():
-        if any(getattr(r, metric) is None for r in rows):
-            continue  # MLDR, and rows an earlier version wrote: nDCG@10 only
-        table = aggregate(rows, lambda r: r.length, lambda r, metric=metric: 100 * getattr(r, metric))
-        first = first or table
-        sections.append(f"{title} (x100)\n\n" + annotated(table, best=max))
-    if first is not None and len(first[1]) > 1:
-        sections.append(length_change(first, "nDCG@10 (x100)"))
-    shares = {r.length: r.visible for r in rows if r.visible is not None}
-    if shares:
-        sections.append("whole passage in view: " + ", ".join(f"{length}: {100 * share:.1f}%"
-                                                              for length, share in sorted(shares.items())))
-    return "\n\n".join(sections), first
-
-
-def retrieval_incomparable(rows: list[RetrievalRecord]) -> Optional[str]:
-    """Why the retrieval rows cannot make their tables, or None: two sets of one name whose contents differ (their
-    ``dataset_hash``: a set built again under the same folder name), or, within one set's table, runs that
-    :func:`incomparable` keeps apart. Rows without a set hash (MLDR, an earlier version's) are taken by their name."""
-    for dataset in sorted({r.dataset for r in rows}):
-        named = [r for r in rows if r.dataset == dataset]
-        hashes = sorted({r.dataset_hash for r in named if r.dataset_hash is not None})
-        if len(hashes) > 1:
-            def runs(h: str) -> str:
-                return ", ".join(sorted({run_label(r) for r in named if r.dataset_hash == h}))
-
-            return (f"two retrieval sets are named {dataset}, with other contents: "
-                    + " vs ".join(f"set {h[:12]} ({runs(h)})" for h in hashes)
-                    + "; report them apart, or give one of them another folder name")
-        if problem := incomparable(named):
-            return f"retrieval on {dataset}: {problem}"
-    return None
-
-
-def length_change(table: Table, name: str) -> str:
-    """Each encoding's change from the table's first length to its last, per seed: the mean with a t-interval, and
-    whether a paired t-test over the seeds says it rises or falls. The CABLE paper's Table 2 is read by this shape
-    (relative encodings rise as more of the document comes into view, RoPE and sinusoidal collapse)."""
-    columns, rows = table
-    first, last = rows[0], rows[-1]
-    parts, changes = [], {}
-    for column, start, end in zip(columns, first[1:], last[1:]):
-        if start is None or end is None:
-            continue
-        seeds = [s for s in start.values if s in end.values and None not in (start.values[s], end.values[s])]
-        if not seeds:
-            continue
-        before, after = [start.values[s] for s in seeds], [end.values[s] for s in seeds]
-        if len(seeds) < 2:
-            verdict = "one seed, no test"
-        elif separable(after, before):
-            verdict = "rises" if sum(after) > sum(before) else "falls"
-        else:
-            verdict = "not separated from no change"
-        changes[column] = Cell({s: a - b for s, a, b in zip(seeds, after, before)})
-        parts.append(f"{column} {format_cell(changes[column].estimate(), 2)} ({verdict})")
-    text = f"{name}, change from {first[0]} to {last[0]} (paired t-test over seeds, p < 0.05): " + "; ".join(parts)
-    ranking = neighbours(list(changes), [[f"change {first[0]} to {last[0]}", *changes.values()]], best=max)
-    return "\n\n".join(part for part in (text, ranking) if part)
-
-
 def speed_table(rows: list[ThroughputRecord]) -> str:
     """Each run's training speed (its latest fit on each machine): the rows of a speed table, as the run measured
     them (:class:`ThroughputRecord`)."""
@@ -472,98 +251,59 @@ def speed_table(rows: list[ThroughputRecord]) -> str:
                                           "datasheet dense bf16 peak (none on a CPU)._")
 
 
-TRAIN_LOSS_TAG = "train/loss"  # what the LightningModules log every log_every_n_steps
+def trained_past_their_steps(runs: dict) -> list[str]:
+    """A line for each run whose evaluations name more than one max_steps (trained on: eval.comparable.trained_on)."""
+    lines = []
+    for run, steps in sorted(runs.items(), key=str):
+        planned = sorted({r.recipe["steps"] for rows in steps.values() for r in rows
+                          if r.recipe and "steps" in r.recipe})
+        if len(planned) > 1:
+            lines.append(f"- {run.describe()}: evaluated at step {max(steps)}, trained to max_steps "
+                         + " then ".join(map(str, planned)))
+    return lines
+
+class Evaluations(NamedTuple):
+    """One kind of record under the report's paths: its files, each run's evaluations by step (:func:`rows_by_step`)
+    and each run's latest rows."""
+
+    files: list[str]
+    runs: dict[tuple, dict[int, list[Record]]]
+    rows: list[Record]
 
 
-def loss_curves(paths: list[str]) -> dict[str, dict[str, dict[int, list[float]]]]:
-    """{"pre-training loss" / "contrastive loss": {encoding: {step: one value per seed}}}. A run's pre-training loss
-    comes from the TensorBoard events beside its length records (a resumed run's versions joined, the later version
-    winning a step); a tuned export's contrastive loss is attributed to its run by the checkpoint it was exported from
-    (``provenance`` in its config.json, the ``checkpoint`` of the run's retrieval rows)."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+@dataclass(frozen=True)
+class Inputs:
+    """What a section writes from: the report's paths, output prefix and settings, and the records of every section
+    that reads a kind (``read[kind]``)."""
 
-    per_run: dict[str, dict[tuple, dict[int, float]]] = {"pre-training loss": {}, "contrastive loss": {}}
-    named: dict[tuple, Record] = {}  # a row of each run: its column's name
-    for file in find_records(paths, required=False):
-        rows = read_records(file, LengthRecord, torn=lambda *_: None)  # a torn line: said once, by rows_by_step
-        events = EventAccumulator(os.path.dirname(file), size_guidance={SCALARS: 0})
-        events.Reload()
-        if rows and TRAIN_LOSS_TAG in events.Tags()[SCALARS]:
-            named[rows[0].run_key()] = rows[0]
-            curve = per_run["pre-training loss"].setdefault(rows[0].run_key(), {})
-            curve.update({event.step: event.value for event in events.Scalars(TRAIN_LOSS_TAG)})
-    runs = {(row.checkpoint, row.run_key().finetune): row
-            for file in find_records(paths, RetrievalRecord.FILE, required=False)
-            for row in read_records(file, RetrievalRecord)}
-    for file in find_records(paths, LossPoint.FILE, required=False):
-        config = os.path.join(os.path.dirname(file), "config.json")
-        if not os.path.isfile(config):  # a curve copied out of its export: nothing names its run
-            print(f"{file}: no export's config.json beside it, so no run to draw its contrastive loss for; "
-                  "left out", file=sys.stderr)
-            continue
-        with open(config, encoding="utf-8") as f:
-            provenance = json.load(f).get("provenance") or {}
-        tuned = provenance.get("finetune")
-        run = runs.get((provenance.get("checkpoint"), None if tuned is None else json.dumps(tuned, sort_keys=True)))
-        if run is not None:
-            named[run.run_key()] = run
-            per_run["contrastive loss"][run.run_key()] = {p.step: p.loss for p in read_records(file, LossPoint)}
-    differ = differing(named.values())
-    curves: dict[str, dict[str, dict[int, list[float]]]] = {}
-    for kind, by_run in per_run.items():
-        for key, curve in sorted(by_run.items(), key=lambda item: repr(item[0])):  # a line's values in seed order
-            line = curves.setdefault(kind, {}).setdefault(run_column(named[key], differ), {})
-            for step, value in curve.items():
-                line.setdefault(step, []).append(value)
-    return curves
+    paths: list[str]
+    out: str
+    threshold: float
+    figures: bool
+    read: dict[type, Evaluations]
 
 
-def loss_curves_figure(curves: dict[str, dict[str, dict[int, list[float]]]], path: str) -> None:
-    """One panel per kind of loss, one line per encoding: the mean over its seeds at every logged step (steps some
-    seed did not log are left out, so a line is always a mean over the same seeds)."""
-    import matplotlib
+@dataclass(frozen=True)
+class Section:
+    """One part of the report: ``write`` writes its tables and figures under the prefix and returns {title: markdown}.
+    A section that reads a kind of record names it (``kind``) and what one evaluation's rows are keyed by (``cell``:
+    the later row of a cell wins); ``required``: the report needs such rows. Before anything is written, the latest
+    rows of every ``compared`` section must be able to share a table (one :func:`incomparable` over them all: a
+    task's runs are the perplexity's runs), and each section's own ``check`` must find nothing."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(6.5 * len(curves), 4.5), squeeze=False)
-    for ax, (kind, by_pe) in zip(axes[0], sorted(curves.items(), reverse=True)):
-        for pe, by_step in sorted(by_pe.items()):
-            seeds = max(map(len, by_step.values()))
-            points = sorted((step, sum(v) / len(v)) for step, v in by_step.items() if len(v) == seeds)
-            ax.plot(*zip(*points), label=f"{pe} (n={seeds})", linewidth=1)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(kind)
-        ax.set_title(f"{kind}, mean over seeds")
-        ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write: Callable[[Inputs], dict[str, str]]
+    kind: Optional[type[Record]] = None
+    cell: Optional[Callable[[Record], Any]] = None
+    required: bool = False
+    compared: bool = False
+    check: Optional[Callable[[list[Record]], Optional[str]]] = None
 
 
-def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, figures: bool = True) -> dict[str, str]:
-    """Writes <out>_<mode>.md/.csv/.png, <out>_<mode>_training.png and <out>_<mode>_ratio_tokens.png for each window
-    mode present, and <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such
-    rows, and <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's,
-    <out>_trained_on.md where a run was resumed with a longer max_steps (counted at its latest evaluation), and for runs
-    at two training lengths or more <out>_<mode>_training_length.md/.csv/.png (ppl(mx) / ppl(1x) against the training
-    length); returns {mode, "<mode> summary", "<mode> ratio by training length", "position", "task <name>", "effective
-    length", "runs trained on" or "runs behind their other seeds": markdown}. ``figures=False`` draws no figure (the
-    tables alone, as the published-tables test builds them)."""
-    files = find_records(paths)
-    runs = rows_by_step(files)
-    rows = latest_step(runs)
-    if not rows:
-        raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
-    found = find_records(paths, TaskRecord.FILE, required=False)
-    task_runs = rows_by_step(found, TaskRecord, lambda r: (r.task, r.length, r.depth)) if found else {}
-    task_rows = latest_step(task_runs)
-    found = find_records(paths, RetrievalRecord.FILE, required=False)
-    retrieval_rows = latest_rows(found, RetrievalRecord, lambda r: (r.dataset, r.length)) if found else []
-    # before anything is written
-    if problem := incomparable(rows + task_rows) or retrieval_incomparable(retrieval_rows):
-        raise ConfigError(f"report {' '.join(paths)}: {problem}")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+def perplexity_section(inputs: Inputs) -> dict[str, str]:
+    """Per window mode: perplexity by length and encoding with the ratio to the training length, the summary, the
+    ratio by training length, and their figures."""
+    runs, rows = inputs.read[LengthRecord].runs, inputs.read[LengthRecord].rows
+    out, figures = inputs.out, inputs.figures
     tables = {}
     for mode in sorted({r.mode for r in rows}):
         ppl, ratio = build_table(rows, mode), ratio_table(rows, mode)
@@ -590,12 +330,24 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
             over_training = step_tables(runs, mode)
             training_figure(over_training, mode, f"{out}_{mode}_training.png")
             ratio_tokens_figure(over_training, mode, f"{out}_{mode}_ratio_tokens.png")
-    found = find_records(paths, PositionRecord.FILE, required=False)
-    if found:
-        table = position_table(latest_rows(found, PositionRecord, lambda r: (r.length, r.first_position)))
-        header = "length: positions"
-        tables["position"] = write_table(f"{out}_position", markdown(*table, digits=3, header=header) + "\n\n"
-                                         + describe(table, "lowest"), table, "loss", header)
+    return tables
+
+
+def position_section(inputs: Inputs) -> dict[str, str]:
+    """Mean NLL by position bucket."""
+    found = inputs.read[PositionRecord]
+    if not found.files:
+        return {}
+    table = position_table(found.rows)
+    header = "length: positions"
+    return {"position": write_table(f"{inputs.out}_position", markdown(*table, digits=3, header=header) + "\n\n"
+                                    + describe(table, "lowest"), table, "loss", header)}
+
+
+def task_section(inputs: Inputs) -> dict[str, str]:
+    """Each task's accuracy, the algorithmic tasks' scores and their course over training, the effective lengths."""
+    task_runs, task_rows, out = inputs.read[TaskRecord].runs, inputs.read[TaskRecord].rows, inputs.out
+    tables = {}
     for task in sorted({r.task for r in task_rows}):
         table = task_table([r for r in task_rows if r.task == task])
         tables[f"task {task}"] = write_table(f"{out}_task_{task}", markdown(*table, best=max) + "\n\n"
@@ -615,25 +367,44 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
                                                    "evaluated at the step (n: fewer than the column's seeds)._")
             write_table(f"{out}_algorithmic_training", tables["algorithmic over training"])
     if task_rows:
-        tables["effective length"] = (effective_table(task_rows, threshold) + "\n\n"
+        tables["effective length"] = (effective_table(task_rows, inputs.threshold) + "\n\n"
                                       + f"_the longest length, from the training length on, whose exact-match accuracy "
-                                      f"(mean over seeds and depths) stays at or above {threshold}; each seed's in "
-                                      "brackets; -: even the training length falls short._")
+                                      f"(mean over seeds and depths) stays at or above {inputs.threshold}; each seed's "
+                                      "in brackets; -: even the training length falls short._")
         write_table(f"{out}_effective", tables["effective length"])
+    return tables
+
+
+def retrieval_section(inputs: Inputs) -> dict[str, str]:
+    """Per retrieval set, its tables by length and their figure."""
+    retrieval_rows, out, tables = inputs.read[RetrievalRecord].rows, inputs.out, {}
     for dataset in sorted({r.dataset for r in retrieval_rows}):
         text, table = retrieval_tables([r for r in retrieval_rows if r.dataset == dataset])
         tables[f"retrieval {dataset}"] = write_table(f"{out}_retrieval_{dataset}", text, table, "ndcg10")
-        if figures:
+        if inputs.figures:
             plot(*table, f"retrieval vs evaluation length ({dataset})", f"{out}_retrieval_{dataset}.png",
                  "nDCG@10 (x100)", log_y=False)
-    found = find_records(paths, ThroughputRecord.FILE, required=False)
-    if found:
-        tables["speed"] = write_table(f"{out}_speed", speed_table(latest_rows(found, ThroughputRecord,
-                                                                              lambda r: r.machine)))
-    curves = loss_curves(paths)
-    if curves and figures:
-        loss_curves_figure(curves, f"{out}_loss_curves.png")
-    tables.update(diagnostics_report(paths, out))  # attention.jsonl, long_context.jsonl: docs/diagnostics.md
+    return tables
+
+
+def speed_section(inputs: Inputs) -> dict[str, str]:
+    """Each run's training speed on each machine."""
+    found = inputs.read[ThroughputRecord]
+    return {"speed": write_table(f"{inputs.out}_speed", speed_table(found.rows))} if found.files else {}
+
+
+def loss_curves_section(inputs: Inputs) -> dict[str, str]:
+    """The pre-training and contrastive loss curves (a figure, no table)."""
+    curves = loss_curves(inputs.paths)
+    if curves and inputs.figures:
+        loss_curves_figure(curves, f"{inputs.out}_loss_curves.png")
+    return {}
+
+
+def run_notes(inputs: Inputs) -> dict[str, str]:
+    """The runs resumed with a longer max_steps, and the runs behind their other seeds (an earlier report's note
+    about runs that have since caught up is removed)."""
+    runs, task_runs, out, tables = inputs.read[LengthRecord].runs, inputs.read[TaskRecord].runs, inputs.out, {}
     behind = behind_their_seeds(task_runs)  # an algorithmic run's key names its task; its length rows' key does not
     behind |= {run: steps for run, steps in behind_their_seeds(runs).items()
                if not any(k._replace(task=None) == run for k in behind)}
@@ -647,21 +418,52 @@ def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, fig
         tables["runs behind their other seeds"] = ("Counted at their latest evaluation; in flight or stopped early, "
                                                    "so the means above mix steps:\n\n" + "\n".join(lines))
         write_table(f"{out}_behind", tables["runs behind their other seeds"])
-    elif os.path.exists(f"{out}_behind.md"):  # an earlier report's, about runs that have since caught up
+    elif os.path.exists(f"{out}_behind.md"):
         os.remove(f"{out}_behind.md")
     return tables
 
 
-def trained_past_their_steps(runs: dict) -> list[str]:
-    """A line for each run whose evaluations name more than one max_steps (trained on: records.trained_on)."""
-    lines = []
-    for run, steps in sorted(runs.items(), key=str):
-        planned = sorted({r.recipe["steps"] for rows in steps.values() for r in rows
-                          if r.recipe and "steps" in r.recipe})
-        if len(planned) > 1:
-            lines.append(f"- {run.describe()}: evaluated at step {max(steps)}, trained to max_steps "
-                         + " then ".join(map(str, planned)))
-    return lines
+SECTIONS = [  # in the order they are written
+    Section(perplexity_section, LengthRecord, lambda r: (r.length, r.mode), required=True, compared=True),
+    Section(position_section, PositionRecord, lambda r: (r.length, r.first_position)),
+    Section(task_section, TaskRecord, lambda r: (r.task, r.length, r.depth), compared=True),
+    Section(retrieval_section, RetrievalRecord, lambda r: (r.dataset, r.length), check=retrieval_incomparable),
+    Section(speed_section, ThroughputRecord, lambda r: r.machine),
+    Section(loss_curves_section),  # the TensorBoard events beside the length records, and finetune_loss.jsonl
+    Section(lambda inputs: diagnostics_report(inputs.paths, inputs.out)),  # attention and more: docs/diagnostics.md
+    Section(run_notes),
+]
+
+
+def read_section(section: Section, paths: list[str]) -> Evaluations:
+    """A section's records under ``paths`` (:func:`rows_by_step`); a required kind without rows is an error."""
+    files = find_records(paths, section.kind.FILE, required=section.required)
+    runs = rows_by_step(files, section.kind, section.cell)
+    if section.required and not runs:
+        raise ConfigError(f"{', '.join(files)} hold no evaluation rows; validate a run first")
+    return Evaluations(files, runs, latest_step(runs))
+
+
+def report(paths: list[str], out: str, threshold: float = DEFAULT_THRESHOLD, figures: bool = True) -> dict[str, str]:
+    """Writes <out>_<mode>.md/.csv/.png, <out>_<mode>_training.png and <out>_<mode>_ratio_tokens.png for each window
+    mode present, and <out>_position.md/.csv, <out>_task_<name>.md/.csv and <out>_effective.md where runs have such
+    rows, and <out>_behind.md where a run's latest evaluation is at an earlier step than another seed's,
+    <out>_trained_on.md where a run was resumed with a longer max_steps (counted at its latest evaluation), and for runs
+    at two training lengths or more <out>_<mode>_training_length.md/.csv/.png (ppl(mx) / ppl(1x) against the training
+    length); returns {mode, "<mode> summary", "<mode> ratio by training length", "position", "task <name>", "effective
+    length", "runs trained on" or "runs behind their other seeds": markdown}. ``figures=False`` draws no figure (the
+    tables alone, as the published-tables test builds them)."""
+    read = {s.kind: read_section(s, paths) for s in SECTIONS if s.kind is not None}
+    compared = [r for s in SECTIONS if s.compared for r in read[s.kind].rows]
+    checks = (s.check(read[s.kind].rows) for s in SECTIONS if s.check is not None)
+    if problem := incomparable(compared) or next((p for p in checks if p), None):  # before anything is written
+        raise ConfigError(f"report {' '.join(paths)}: {problem}")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    inputs = Inputs(paths, out, threshold, figures, read)
+    tables = {}
+    for section in SECTIONS:
+        tables.update(section.write(inputs))
+    return tables
 
 
 def main(argv=None):

@@ -7,10 +7,17 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
-from ..records import format_value
+from ..records.schema import Record
+from .comparable import differing, run_column
 from .intervals import Estimate, paired_p, seed_interval, separable, window_interval
+
+
+def format_value(value: float, digits: int = 2) -> str:
+    """A measured value for a table: ``digits`` decimals, or three significant digits from a million on (a diverged
+    model's perplexity would otherwise print hundreds of digits)."""
+    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.3g}"
 
 
 @dataclass
@@ -37,6 +44,20 @@ class Cell:
 
 
 Table = tuple[list[str], list[list]]  # columns, rows of [row label, Cell or None per column]
+
+
+def aggregate(rows: list[Record], label: Callable, value: Callable, windows: Optional[Callable] = None) -> Table:
+    """Cells of ``value(row)`` by (``label(row)``, encoding column), one value per run seed."""
+    differ = differing(rows)
+    cells: dict[tuple, Cell] = {}
+    for r in rows:
+        cell = cells.setdefault((label(r), run_column(r, differ)), Cell({}, {}))
+        cell.values[r.run_seed] = value(r)
+        if windows is not None:
+            cell.windows[r.run_seed] = windows(r)
+    columns = sorted({c for _, c in cells})
+    labels = sorted({k for k, _ in cells})
+    return columns, [[k] + [cells.get((k, c)) for c in columns] for k in labels]
 
 
 def paired(a: Cell, b: Cell) -> Optional[tuple[list, list]]:
@@ -178,3 +199,11 @@ def write_table(prefix: str, text: str, table: Optional[Table] = None, name: str
     if table is not None:
         write_csv(f"{prefix}.csv", table, name, header)
     return text
+
+
+def annotated(table: Table, best=min, digits: int = 2) -> str:
+    """A table in Markdown with its notes: what the intervals and bold mean, and each row's ranking with the paired
+    test between neighbours."""
+    parts = [markdown(*table, best=best, digits=digits), describe(table, "highest" if best is max else "lowest"),
+             neighbours(*table, best=best, digits=digits)]
+    return "\n\n".join(part for part in parts if part)

@@ -28,7 +28,7 @@ from ..errors import ArgumentParser, ConfigError, MissingFileError, RunFailedErr
 from ..lit.checkpoint_format import checkpoint_backbone, saved_backbone, upgrade_state_dict
 from ..models import Backbone, BackboneConfig, build_backbone
 from ..owned import check_replaceable, discard, staging_folder, swap_in
-from ..records import content_hash
+from ..records.io import content_hash
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE = os.path.join(PACKAGE_ROOT, "hf", "remote")

@@ -33,15 +33,8 @@ import shutil
 from cable_lightning.errors import ArgumentParser, ConfigError, MissingFileError
 from cable_lightning.eval.tables import markdown_table, write_markdown
 from cable_lightning.owned import check_replaceable, discard, staging_folder, swap_in
-from cable_lightning.records import (
-    LossPoint,
-    RetrievalRecord,
-    append_records,
-    content_hash,
-    read_jsonl,
-    read_records,
-    write_records,
-)
+from cable_lightning.records.io import append_records, content_hash, read_jsonl, read_records, write_records
+from cable_lightning.records.schema import LossPoint, RetrievalRecord
 
 MSMARCO = ("sentence-transformers/msmarco-msmarco-distilbert-base-tas-b", "triplet-hard")  # 11.6M mined triples
 MLDR = "MultiLongDocRetrieval"

@@ -23,7 +23,7 @@ from ..checkpoints import fetch_checkpoint, is_url, read_checkpoint
 from ..errors import ConfigError
 from ..models import Backbone, BackboneConfig
 from ..positional import ENCODING_FLAG
-from ..records import content_hash
+from ..records.io import content_hash
 
 MODELS_PACKAGE = __package__  # cable_lightning.lit: where this package's models are defined
 

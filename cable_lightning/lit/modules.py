@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import replace
 from functools import cached_property
@@ -14,22 +12,19 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torchmetrics.aggregation import MeanMetric
 
 from ..checkpoints import read_checkpoint, shown_name
 from ..data.layouts import TrainingLayout, check_encoding, layout_generator, micro_batch_seed, randomized_positions
 from ..data.manifest import DataInfo
-from ..data.windows import scored_targets
-from ..errors import ConfigError, RunFailedError
-from ..eval import PositionNLL
-from ..eval.work import ReadLater
+from ..errors import ConfigError
 from ..hardware import device_name
 from ..models import BackboneConfig, build_backbone
-from ..positional import UnsupportedLengthError
 from ..positional.layout import Layout
-from ..records import LengthRecord, PositionRecord, RunContext
+from ..records.schema import RunContext
 from ..tasks.scoring import Predict, argmax_predictions, decoder_inputs, masked_inputs, masked_predictions
 from .checkpoint_format import saved_weights
+from .divergence import DivergenceGuard
+from .length_eval import LengthEvaluation
 from .masking import IGNORE_INDEX, mask_tokens, position_draws
 from .optim import OptimizerRecipe, build_optimizer
 from .resume import (
@@ -45,11 +40,10 @@ from .resume import (
     run_data,
 )
 
-MAX_LOG_PPL = 709.0  # math.exp overflows float64 beyond this: such a perplexity is recorded as inf
 
-
-class LanguageModel(L.LightningModule):
-    """Shared training/validation logic; subclasses say how a batch becomes (inputs, targets).
+class LanguageModel(DivergenceGuard, LengthEvaluation, L.LightningModule):
+    """Shared training logic, with validation at every length (:class:`LengthEvaluation`) and the guard against
+    divergence (:class:`DivergenceGuard`); subclasses say how a batch becomes (inputs, targets).
 
     ``data`` is the data's description (:class:`DataInfo`, or its ``as_dict()`` as the CLI links it): its
     vocabulary size and training length override the backbone config, its evaluation specs say what
@@ -83,20 +77,14 @@ class LanguageModel(L.LightningModule):
             raise ConfigError(f"{self.config.pos_encoding.label()} serves {self.backbone.pe.longest} positions (it was "
                               f"trained at {self.config.trained_length}); it cannot be extended to block_size "
                               f"{self.config.block_size}: extend an encoding that serves any length")
-        self.val_nll = torch.nn.ModuleDict()
-        self.val_nll_by_position = torch.nn.ModuleDict()  # non-overlapping windows only
-        self.length_results: list[LengthRecord] = []
-        self.run_context: Optional[RunContext] = None  # what every record of this validation carries (set at its end)
-        self.position_results: list[PositionRecord] = []
-        self.unsupported_lengths: set[int] = set()
+        self.init_length_evaluation()  # after the backbone, which the model summary lists first
         self.loaded_step: Optional[int] = None  # global step of the checkpoint loaded for validate/test
         self.trained_recipe: Optional[dict] = None  # a loaded checkpoint's recipe (None: written before recipes)
         self.fit_recipe: Optional[dict] = None  # this process's fit's (see recipe)
         # The run's seed_everything (set by the CLI, kept in checkpoints and taken from a loaded one); in every record
         self.run_seed: Optional[int] = None
         self._last_step_time = None
-        self._last_loss: Optional[torch.Tensor] = None
-        self._verdict = ReadLater()  # the last optimizer step's "loss or gradient not finite", read a step late
+        self.init_divergence_guard()
         self._grad_norm: Optional[torch.Tensor] = None  # measured before the optimizer step, then clipped by
 
     @cached_property
@@ -227,52 +215,8 @@ class LanguageModel(L.LightningModule):
         else:
             torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self._grad_norm)
 
-    def hold_back_if_diverged(self, optimizer, norm: torch.Tensor) -> None:
-        """A non-finite loss or gradient never reaches the weights: the fused optimizer is told so on the device
-        (``found_inf``, as a grad scaler tells it: the weights and its state stay as they were) and the run stops at
-        the next step, its next checkpoint or its end (:meth:`stop_if_diverged`), without waiting for the device at
-        this one (:class:`eval.work.ReadLater`: the wait cost 4.4 ms of a 33.4 ms step on an H100). An optimizer that
-        cannot be told (not fused: under fp16's grad scaler, which skips inf gradients itself, so only the loss counts
-        there) is stopped here, waiting. All ranks decide together."""
-        loss = self._last_loss if self._last_loss is not None else torch.zeros(())
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        finite = torch.isfinite(loss) & (torch.isfinite(norm.to(loss.device)) if scaler is None else True)
-        bad = self.trainer.strategy.reduce((~finite).float(), reduce_op="max")  # on the device: no rank waits
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or torch's own
-        self._verdict.put(bad, self.global_step, loss, norm)
-        if all(group.get("fused") for group in optimizer.param_groups):
-            optimizer.found_inf = bad
-        else:
-            self.stop_if_diverged()
-
-    def stop_if_diverged(self) -> None:
-        """Stops the run if the last optimizer step's loss or gradient was non-finite (:meth:`hold_back_if_diverged`
-        kept it from the weights, and no checkpoint is written after it)."""
-        taken = self._verdict.take()
-        if taken is None or not bool(taken[0]):
-            return
-        step, loss, norm = taken[1]
-        saved = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or None
-        raise RunFailedError(
-            f"training diverged at step {step}: loss {loss.item():.4g}, gradient norm {norm.item():.4g}; "
-            "the update was not applied and no checkpoint was written from it; "
-            + (f"the last checkpoint is {saved}: resume from it" if saved
-               else "no checkpoint was written before it: restart")
-            + " with a lower model.lr or longer model.warmup_steps")
-
-    def on_train_end(self):
-        self.stop_if_diverged()  # the last step's verdict
-
     def on_save_checkpoint(self, checkpoint):
-        self.stop_if_diverged()  # never a checkpoint of a step whose update was held back
-        # A checkpoint must never hold non-finite weights (a finite but huge update can overflow them).
-        # Sharded (FSDP2), each rank checks its shard and all decide together.
-        bad = [name for name, p in self.backbone.named_parameters()
-               if not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()]
-        if self.trainer.strategy.reduce_boolean_decision(bool(bad), all=False):
-            where = f"{bad[0]} and {len(bad) - 1} more" if bad else "on another rank"
-            raise RunFailedError(f"weights at step {self.global_step} are not finite ({where}); "
-                                 "not saving them; the checkpoints already written are finite")
+        self.check_savable()
         record_run(checkpoint, self.run_seed, global_batch(self._trainer, self.config.block_size), self.recipe(),
                    run_data(getattr(self._trainer, "datamodule", None)))
 
@@ -287,92 +231,8 @@ class LanguageModel(L.LightningModule):
         fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
         return build_optimizer(self.backbone, self.optimizer_recipe, self.trainer.max_steps, fused=fused)
 
-    # --- validation: one loader per (length, stride) window set -----------------------------------
-    def eval_specs(self) -> list[tuple[int, int]]:
-        """(length, stride) per validation loader; stride == length is the non-overlapping protocol."""
-        return list(self.data_info.eval_specs) if self.data_info else [(self.config.block_size, self.config.block_size)]
-
-    @staticmethod
-    def spec_key(length: int, stride: int) -> str:
-        return f"{length}" if stride == length else f"{length}_s{stride}"
-
-    def on_validation_epoch_start(self):
-        self._eval_time: dict[str, float] = {}
-        self._window_nll: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (NLL sums, scored tokens)
-        for length, stride in self.eval_specs():
-            key = self.spec_key(length, stride)
-            if key not in self.val_nll:
-                self.val_nll[key] = MeanMetric().to(self.device)
-            if stride == length and key not in self.val_nll_by_position:
-                self.val_nll_by_position[key] = PositionNLL(length).to(self.device)
-            self._eval_time[key] = 0.0
-            self._window_nll[key] = []
-
-    def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        length, stride = self.eval_specs()[dataloader_idx]
-        key = self.spec_key(length, stride)
-        if length in self.unsupported_lengths:
-            return None
-        inputs, targets = self.split_batch(batch["tokens"], train=False, batch_idx=batch_idx, start=batch["start"])
-        targets = scored_targets(targets, batch["first_scored"])
-        start = time.perf_counter()
-        try:
-            nll = self.backbone.token_nll(inputs, targets, layout=self.batch_layout(inputs, False))
-        except UnsupportedLengthError as err:
-            self.unsupported_lengths.add(length)
-            self.print(f"length {length}: unsupported ({err})")
-            return None
-        count = (targets != -100).sum()
-        self.val_nll[key].update(nll.sum() / count.clamp(min=1), weight=count)
-        self._window_nll[key].append((nll.sum(dim=1).detach().cpu(), (targets != -100).sum(dim=1).cpu()))
-        if key in self.val_nll_by_position:
-            self.val_nll_by_position[key].update(nll, targets != -100)
-        self._eval_time[key] += time.perf_counter() - start
-        return None
-
-    def on_validation_epoch_end(self):
-        """Logs ``val_ppl/len_<L>`` (non-overlapping) and ``val_ppl_sliding/len_<L>``, and keeps the
-        rows in ``self.length_results`` (and the loss by position bucket in ``self.position_results``) for the
-        length-evaluation callback."""
-        self.length_results, self.position_results = [], []
-        # A validate/test that loaded a checkpoint is recorded at that checkpoint's step (its loop starts at 0);
-        # fit, and the validation after fit, at the trainer's.
-        loaded = self.trainer.state.fn != "fit" and self.trainer.ckpt_path and self.loaded_step is not None
-        step = self.loaded_step if loaded else self.global_step
-        checkpoint = shown_name(os.path.abspath(self.trainer.ckpt_path)) if loaded else None  # a URL, not its copy
-        # The run and evaluation every record of this validation names (lengths, tasks, attention diagnostics), so
-        # the report keeps runs apart by encoding, training layout, extension and seed whichever record it reads.
-        self.run_context = self.record_context(step, checkpoint, self.trained_recipe if loaded else self.recipe())
-        for length, stride in self.eval_specs():
-            key = self.spec_key(length, stride)
-            metric = self.val_nll[key]
-            mode = "nonoverlap" if stride == length else "sliding"
-            row = dict(**self.run_context, length=length, mode=mode, stride=stride)
-            if length in self.unsupported_lengths:
-                self.length_results.append(LengthRecord(**row, ppl=None))
-                continue
-            if metric.update_count == 0 and self.trainer.world_size == 1:
-                continue  # under DDP a rank without windows still joins the metric's sync below
-            tokens = (int(self.all_gather(metric.weight.detach()).sum().item()) if self.trainer.world_size > 1
-                      else int(metric.weight.item()))
-            loss = metric.compute()
-            self.log(val_tag("loss", length, mode), loss, add_dataloader_idx=False)
-            self.log(val_tag("ppl", length, mode), torch.exp(loss), add_dataloader_idx=False)
-            if mode == "nonoverlap" and length == self.config.block_size:
-                self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False)
-                self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
-            seconds = self._eval_time[key]
-            ppl = math.exp(loss.item()) if loss.item() < MAX_LOG_PPL else math.inf
-            window_nll, window_tokens = self._windows(key)
-            self.length_results.append(LengthRecord(**row, ppl=ppl, loss=loss.item(), tokens=tokens, seconds=seconds,
-                                                    tokens_per_sec=tokens / seconds if seconds else None,
-                                                    window_nll=window_nll, window_tokens=window_tokens))
-            metric.reset()
-            if key in self.val_nll_by_position:
-                self.position_results += self._position_rows(self.val_nll_by_position[key], row)
-
     def record_context(self, step: int, checkpoint: Optional[str], recipe: Optional[dict]) -> RunContext:
-        """What every record of this run names (:class:`records.Record`): the run (encoding, training layout and
+        """What every record of this run names (:class:`records.schema.Record`): the run (encoding, training layout and
         extension, seed, learning rate, backbone), the step and stage measured, and what lets runs of several
         machines join one table: the corpus measured, the training's recipe and the device."""
         data = getattr(self.trainer, "datamodule", None)
@@ -384,8 +244,8 @@ class LanguageModel(L.LightningModule):
                           machine=device_name(self.device), settings=self.run_settings())
 
     def run_settings(self) -> dict:
-        """The settings a record's run key holds besides the encoding's name (:attr:`records.Record.settings`): what
-        defines the weights (the backbone's shape and the encoding's own settings) and dropout."""
+        """The settings a record's run key holds besides the encoding's name (:attr:`records.schema.Record.settings`):
+        what defines the weights (the backbone's shape and the encoding's own settings) and dropout."""
         settings = {k: v for k, v in self.config.weight_settings().items() if k != "pos_encoding"}
         return settings | {"dropout": self.config.dropout}
 
@@ -405,32 +265,6 @@ class LanguageModel(L.LightningModule):
                 "gradient_clip": trainer.gradient_clip_val, "precision": str(trainer.precision),
                 "tokenizer": self.data_info.tokenizer.get("hash") if self.data_info is not None else None}
         return self.fit_recipe
-
-    def _windows(self, key: str) -> tuple[list[float], list[int]]:
-        """Each evaluated window's mean NLL and scored tokens in stream order (each window scores the targets after
-        the previous one's), every rank's; windows that score nothing are left out."""
-        pairs = self._window_nll.get(key) or []
-        sums = torch.cat([s for s, _ in pairs]) if pairs else torch.zeros(0)
-        counts = torch.cat([c for _, c in pairs]) if pairs else torch.zeros(0, dtype=torch.long)
-        scored = counts > 0
-        means = [round(x, 4) for x in (sums[scored].double() / counts[scored]).tolist()]
-        windows = (means, counts[scored].tolist())
-        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
-            gathered = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, windows)
-            # rank r evaluated windows r, r + world, r + 2 world, ... (EvalWindows): back into stream order
-            order = [(i, r) for r, g in enumerate(gathered) for i in range(len(g[0]))]
-            windows = tuple([gathered[r][part][i] for i, r in sorted(order)] for part in (0, 1))
-        return windows
-
-    @staticmethod
-    def _position_rows(metric: PositionNLL, row: dict) -> list[PositionRecord]:
-        """One row per position bucket (first and last 1-based position, mean NLL, scored tokens)."""
-        means, counts = metric.compute()
-        metric.reset()
-        return [PositionRecord(**row, first_position=first, last_position=last, loss=mean.item() if count else None,
-                               tokens=int(count.item()))
-                for (first, last), mean, count in zip(metric.buckets, means, counts)]
 
     def on_load_checkpoint(self, checkpoint):
         """Before the weights are loaded: the checkpoint must be of this model (same shapes, PE family, tokenizer,
@@ -456,12 +290,6 @@ class LanguageModel(L.LightningModule):
         # The run these weights belong to (None: written before seeds were recorded), not this command's seed.
         self.run_seed = checkpoint.get("run_seed")
         self.trained_recipe = checkpoint.get("recipe")
-
-
-def val_tag(quantity: str, length: int, mode: str) -> str:
-    """The TensorBoard tag of a validation ``loss`` or ``ppl`` at a length and window mode: ``val_ppl/len_512``,
-    ``val_ppl_sliding/len_512`` (the perplexities are the HParams tab's metrics: callbacks/hparams.py)."""
-    return f"val_{quantity}{'' if mode == 'nonoverlap' else '_sliding'}/len_{length}"
 
 
 def on_host(number: float) -> torch.Tensor:

@@ -76,7 +76,9 @@ def prepared(args) -> int:
 
 
 def fit(args) -> int:
-    from cable_lightning.records import LengthRecord, ThroughputRecord, find_records, latest_rows
+    from cable_lightning.eval.comparable import latest_rows
+    from cable_lightning.records.io import find_records
+    from cable_lightning.records.schema import LengthRecord, ThroughputRecord
 
     row = {"part": "fit", "pe": args.pe, "status": args.status, "wall_s": args.seconds}
     lengths = latest_rows(find_records([args.runs], required=False))
