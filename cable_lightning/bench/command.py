@@ -112,6 +112,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--skip_memory", action="store_true")
+    parser.add_argument("--bidirectional", action="store_true",
+                        help="every row of the bidirectional encoder (causal false), as export and retrieval run it")
     parser.add_argument("--padded_batch", type=int, default=0,
                         help="also time a fine-tuning step of a bidirectional encoder on this many right-padded rows "
                         "of mixed lengths: one call per span, one call padded to the longest, one call as the backbone "

@@ -11,8 +11,10 @@ from ..positional import available, from_label
 def make_config(args, variant: str, block_size: int, causal: bool | None = None) -> BackboneConfig:
     """``variant`` is an encoding's label (``dape_v2+kerple_log``), optionally with an attention backend:
     ``cable:materialized`` is the naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax,
-    times v)."""
+    times v). ``causal`` None: the bench's ``--bidirectional`` decides (an encoder, as export and retrieval run it)."""
     name, _, backend = variant.partition(":")
+    if causal is None and getattr(args, "bidirectional", False):
+        causal = False
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
                  if getattr(args, k) is not None}
     if causal is not None:
