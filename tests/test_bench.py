@@ -250,3 +250,17 @@ def test_the_cable_paper_peer_is_timed_in_training_and_evaluation(capsys):
     assert list(row["eval_ratio"]) == [64, 128]
     assert row["eval_ratio"][128] == pytest.approx(row["peer_eval_s"][128] / row["eval_s"][128])
     assert "| eval length | cable_nw s | cable_paper s | cable_paper / cable_nw |" in capsys.readouterr().out
+
+
+def test_bidirectional_rows_are_the_encoder_and_its_cable_sees_both_sides():
+    """``--bidirectional`` builds every row's model as the encoder export runs (causal false): a key after the query
+    changes the query's output, which the causal model of the same weights never lets it do."""
+    config = variants.make_config(shape(bidirectional=True), "cable", 16)
+    assert config.causal is False and variants.make_config(shape(), "cable", 16).causal is True
+    torch.manual_seed(0)
+    encoder = build_backbone(config).eval()
+    x = torch.randint(0, 512, (1, 16))
+    later = x.clone()
+    later[0, -1] = (later[0, -1] + 1) % 512
+    with torch.no_grad():
+        assert not torch.allclose(encoder.hidden_states(x)[0, 0], encoder.hidden_states(later)[0, 0])
