@@ -163,23 +163,33 @@ def test_every_published_command_trains_its_records_recipe():
         assert not problems, f"{where}: the published command for docs/records/{folder} drifted: {problems}"
 
 
-def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
-    """The nine-encoding table's case: its records trained in fp32, and the quickstart config it names became
-    bf16-mixed: the command as written trains another recipe, and the comparison names the setting."""
-    sweep = ["--config", "configs/code_long.yaml", "--experiment", "code-long", "--pes", "cable", "--seeds", "0"]
+CODE_LONG_SWEEP = ["--config", "configs/code_long.yaml", "--experiment", "code-long", "--pes", "cable", "--seeds", "0"]
+
+
+def recorded_as_published(tmp_path) -> tuple[str, dict]:
+    """(a records folder's run folder, the config the published code-long sweep of CABLE's seed 0 resolves to, as
+    a run would keep it): what the drift tests change one setting of."""
     kept = os.path.join(tmp_path, "cable", "seed0")
     os.makedirs(kept)
     with contextlib.chdir(ROOT):
         config = resolved(["fit", "--config", "configs/code_long.yaml", "--experiment", "code-long",
                            "--seed_everything", "0", "--folder_per_seed", "true"])
-        config["checkpoint"]["dirpath"] = "runs/code-long/cable/seed0/checkpoints"
+    config["checkpoint"]["dirpath"] = "runs/code-long/cable/seed0/checkpoints"
+    return kept, config
+
+
+def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
+    """The nine-encoding table's case: its records trained in fp32, and the quickstart config it names became
+    bf16-mixed: the command as written trains another recipe, and the comparison names the setting."""
+    kept, config = recorded_as_published(tmp_path)
+    with contextlib.chdir(ROOT):
         with open(os.path.join(kept, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f)
-        assert drift([sweep], str(tmp_path)) == []
+        assert drift([CODE_LONG_SWEEP], str(tmp_path)) == []
         config["trainer"]["precision"] = "32-true"
         with open(os.path.join(kept, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f)
-        [line] = drift([sweep], str(tmp_path))
+        [line] = drift([CODE_LONG_SWEEP], str(tmp_path))
     assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
         line.endswith(": '32-true')"), line
 
@@ -187,13 +197,8 @@ def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
 def test_a_record_naming_its_encoding_by_another_path_matches_and_another_encoding_does_not(tmp_path):
     """Records hold class paths ending in the encoding's name (``...positional.cable.cable``): the same encoding as
     the command's ``...positional.cable.Cable``; a record of another encoding is a drift naming the setting."""
-    sweep = ["--config", "configs/code_long.yaml", "--experiment", "code-long", "--pes", "cable", "--seeds", "0"]
-    kept = os.path.join(tmp_path, "cable", "seed0")
-    os.makedirs(kept)
+    kept, config = recorded_as_published(tmp_path)
     with contextlib.chdir(ROOT):
-        config = resolved(["fit", "--config", "configs/code_long.yaml", "--experiment", "code-long",
-                           "--seed_everything", "0", "--folder_per_seed", "true"])
-        config["checkpoint"]["dirpath"] = "runs/code-long/cable/seed0/checkpoints"
         encoding = config["model"]["init_args"]["backbone"]["pos_encoding"]
         assert encoding["class_path"] == "cable_lightning.positional.cable.Cable"
         for path, drifted in [("cable_lightning.positional.cable.cable", False),
@@ -201,7 +206,7 @@ def test_a_record_naming_its_encoding_by_another_path_matches_and_another_encodi
             encoding["class_path"] = path
             with open(os.path.join(kept, "config.yaml"), "w") as f:
                 yaml.safe_dump(config, f)
-            lines = drift([sweep], str(tmp_path))
+            lines = drift([CODE_LONG_SWEEP], str(tmp_path))
             assert bool(lines) == drifted, lines
     assert "model.init_args.backbone.pos_encoding.class_path 'cable_lightning.positional.cable.Cable' (records" in \
         lines[0] and lines[0].endswith(": 'cable_lightning.positional.cable.CableNw')"), lines
