@@ -16,6 +16,7 @@ from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention
 from cable_lightning.positional import build_positional, from_label
+from cable_lightning.positional.base import Chunks
 from cable_lightning.positional.layers import Layers
 from cable_lightning.positional.ssmax import keys_seen
 from cable_lightning.positional.stick_breaking import StickBreakingScores
@@ -112,15 +113,17 @@ def test_stick_breaking_refuses_fused_backends_in_one_line(backend):
 # --- SSMax -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-@pytest.mark.parametrize("window", [None, 1, 4])
-@pytest.mark.parametrize("offset", [0, 1000])
+@pytest.mark.parametrize("window", [None, 1, 4, Chunks(4)], ids=["all", "1", "4", "chunks4"])
+@pytest.mark.parametrize("offset", [0, 1001])
 def test_ssmax_counts_the_positions_each_query_sees(causal, window, offset):
     t = 9
     total = offset + t
     got = keys_seen(offset, t, causal, window, total, "cpu")
     for row in range(t):
         i = offset + row
-        seen = [j for j in range(total) if (j <= i or not causal) and (window is None or abs(i - j) < window)]
+        inside = (lambda j: i // 4 == j // 4) if isinstance(window, Chunks) else \
+            (lambda j: window is None or abs(i - j) < window)
+        seen = [j for j in range(total) if (j <= i or not causal) and inside(j)]
         assert got[row] == len(seen)
 
 
@@ -240,7 +243,7 @@ def test_windowed_evaluation_never_builds_a_full_mask_or_bias(monkeypatch):
 
 
 PATTERNS = ["layers-cable@3-nope", "layers-stick_breaking@3-cope@5", "ssmax+layers-rope@3-alibi",
-            "layers-dape_v2+kerple_log@4-fox@2"]
+            "layers-dape_v2+kerple_log@4-fox@2", "layers-rope@c4x2-nope", "ssmax+layers-cable@c5-cope@c3"]
 
 
 @pytest.mark.parametrize("pe", PATTERNS)
@@ -276,7 +279,7 @@ def test_each_layer_runs_its_own_encoding_with_the_modules_of_its_layers_only():
 
 
 def test_pattern_labels_round_trip_through_from_label():
-    for label in ["layers-rope@512x3-nope", "ssmax+layers-cable@5-stick_breaking@3x2-fox",
+    for label in ["layers-rope@512x3-nope", "layers-rope@c8192x3-nope", "ssmax+layers-cable@5-stick_breaking@3x2-fox",
                   "layers-dape_v2+cable@6-cope", "dape_v2+ssmax+cable"]:
         assert from_label(label).label() == label
     assert from_label("layers-dape_v2@6x1-cope").label() == "layers-dape_v2+cable@6-cope"  # written the one way
@@ -284,7 +287,7 @@ def test_pattern_labels_round_trip_through_from_label():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: from_label("layers-rope@-nope"), "entry 'rope@' is not LABEL[@WINDOW][xCOUNT]"),
+    (lambda: from_label("layers-rope@-nope"), "entry 'rope@' is not LABEL[@WINDOW|@cCHUNK][xCOUNT]"),
     (lambda: from_label("layers-rope@0"), "needs a window and a count >= 1"),
     (lambda: from_label("layers-ropee"), "unknown positional encoding 'ropee'"),
     (lambda: from_label("layers-ssmax+rope@8"), "wrap the pattern instead: ssmax+layers-"),

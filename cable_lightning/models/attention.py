@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..positional.base import LogitScores, PositionalBias, ScoreBias, visible_keys
+from ..positional.base import Chunks, LogitScores, PositionalBias, ScoreBias, visible_keys, window_keys, window_span
 from ..positional.layout import Layout
 
 Backend = Literal["auto", "sdpa", "fold", "flex", "chunked", "materialized"]
@@ -119,7 +119,7 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
-              backend: str = "auto", key_padding: Tensor | None = None, window: int | None = None,
+              backend: str = "auto", key_padding: Tensor | None = None, window: int | Chunks | None = None,
               layout: Layout | None = None, block_mask=None) -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
     :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v (or exp(scores + mask) v when the scores are
@@ -149,7 +149,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
 
 
 def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key_padding: Tensor | None,
-            device, first_key: int = 0, window: int | None = None, documents: Layout | None = None) -> Tensor | None:
+            device, first_key: int = 0, window: int | Chunks | None = None,
+            documents: Layout | None = None) -> Tensor | None:
     """(B|1, 1, rows, keys) True where query rows [start, stop) may attend keys [first_key, n_keys): not in its
     future (causal), inside its ``window``, in its own document (a layout's ``documents``) and not padding (a padded
     query sees itself, so no row is empty); None where every key is visible."""
@@ -173,7 +174,7 @@ def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=No
     if documents is not None:  # blocks of rows, each with its mask of documents
         return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window,
                         documents=documents)
-    if window is not None and window < tk:  # blocks of rows, each against the keys it sees
+    if window is not None and window_span(window) < tk:  # blocks of rows, each against the keys it sees
         return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window)
     if key_padding is not None:
         mask = visible(0, tq, tk, causal, q_offset, key_padding, q.device)
@@ -292,7 +293,7 @@ class AttentionMap:
 
 
 def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
-                  start: int = 0, key_padding: Tensor | None = None, window: int | None = None,
+                  start: int = 0, key_padding: Tensor | None = None, window: int | Chunks | None = None,
                   documents: Layout | None = None) -> AttentionMap:
     """The weights attention applies to query rows [start, start + rows) (``q``: those rows, (B, H, rows, D), at
     positions q_offset + start + i) over keys ``k`` (B, H, Tk, D), through the score contract alone
@@ -322,19 +323,20 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, wind
     logit_scores = isinstance(bias, LogitScores)
     maps = h * (bias.maps_per_head if logit_scores else 1)
     windowed = window is not None and not logit_scores  # logit scores need every key up to the row (then masked)
+    span = window_span(window)
     budget = COMPILED_CHUNK_ELEMENTS if torch.compiler.is_compiling() else CHUNK_ELEMENTS
-    rows_per_block = max(1, budget // (b * maps * (min(tk, 2 * window) if windowed else tk)))
+    rows_per_block = max(1, budget // (b * maps * (min(tk, 2 * span) if windowed else tk)))
     if windowed:
-        rows_per_block = min(rows_per_block, window)  # a block then sees at most 2 x window keys
+        rows_per_block = min(rows_per_block, span)  # a block then sees at most 2 x span keys
     outputs = []
     for start in range(0, tq, rows_per_block):
         stop = min(tq, start + rows_per_block)
-        # Causal rows never see keys past their own position, windowed ones none before their window: drop those
+        # Causal rows never see keys past their own position, windowed ones none outside their window: drop those
         # columns entirely.
         n_keys = min(tk, q_offset + stop) if causal else tk
-        if windowed and not causal:
-            n_keys = min(tk, q_offset + stop + window - 1)
-        first_key = max(0, q_offset + start - window + 1) if windowed else 0
+        first_key = 0
+        if windowed:
+            first_key, n_keys = window_keys(window, q_offset + start, q_offset + stop - 1, tk, causal)
         if logit_scores:
             outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
                                         q_offset, key_padding, window, documents))
@@ -374,18 +376,21 @@ def _causal_block_mask(tq: int, tk: int, q_offset: int, device: str):
 
 
 @functools.lru_cache(maxsize=32)
-def _window_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int, device: str):
+def _window_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int | Chunks, device: str):
     """A sliding window's block mask: FlexAttention skips every key block outside it."""
 
     def window_mask(b, h, q_idx, kv_idx):
         distance = q_idx + q_offset - kv_idx
-        inside = (distance < window) & (distance > -window)
+        if isinstance(window, Chunks):
+            inside = (q_idx + q_offset) // window.size == kv_idx // window.size
+        else:
+            inside = (distance < window) & (distance > -window)
         return inside & (distance >= 0) if causal else inside
 
     return _create_block_mask(window_mask, None, tq, tk, device)
 
 
-def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, causal: bool, window: int | None):
+def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, causal: bool, window: int | Chunks | None):
     """The block mask of a layout's documents (with the causal mask and a window), built once per layout and shape:
     FlexAttention skips every key block outside a query block's documents."""
     key = ("flex", tq, tk, q_offset, causal, window)
@@ -397,7 +402,9 @@ def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, cau
             inside = ids[b, q_idx + q_offset] == ids[b, kv_idx]
             if causal:
                 inside = inside & (distance >= 0)
-            if window is not None:
+            if isinstance(window, Chunks):
+                inside = inside & ((q_idx + q_offset) // window.size == kv_idx // window.size)
+            elif window is not None:
                 inside = inside & (distance < window) & (distance > -window)
             return inside
 
@@ -405,8 +412,8 @@ def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, cau
     return documents.masks[key]
 
 
-def flex_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int | None, documents: Layout | None,
-                    device: torch.device):
+def flex_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int | Chunks | None,
+                    documents: Layout | None, device: torch.device):
     """The block mask FlexAttention runs with (None: every key visible): a layout's documents (with the causal mask
     and a window), else a window, else the causal mask; built once per shape and device, or once per layout."""
     if documents is not None:
@@ -416,7 +423,7 @@ def flex_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int |
     return _causal_block_mask(tq, tk, q_offset, str(device)) if causal else None
 
 
-def compiled_block_mask(backend: str, length: int, causal: bool, window: int | None, layout: Layout | None,
+def compiled_block_mask(backend: str, length: int, causal: bool, window: int | Chunks | None, layout: Layout | None,
                         key_padding: Tensor | None, device: torch.device):
     """The block mask a compiled block's FlexAttention takes as an input (:meth:`Backbone._blocks`), or None where the
     layer cannot run ``flex``. Built here, outside the block's graph: traced into it, Dynamo ignores the cache and the

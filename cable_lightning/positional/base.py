@@ -34,15 +34,42 @@ ScoreKind = Literal["none", "bias", "foldable_bias", "logits"]
 SCORE_KINDS = typing.get_args(ScoreKind)
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """A layer's attention cut into consecutive blocks of ``size`` positions (Llama 4's chunked layers): a query sees
+    the keys of its own block only, those up to itself when causal; the first query of a block sees itself alone. A
+    layer's window (:meth:`PositionalEncoding.window`) is this, a sliding window's width (an int), or None."""
+
+    size: int
+
+
+def window_span(window: "int | Chunks | None") -> int | None:
+    """The most positions on one side of a query that a window lets it see, its own included."""
+    return window.size if isinstance(window, Chunks) else window
+
+
+def window_keys(window: "int | Chunks", first_row: int, last_row: int, n_keys: int, causal: bool) -> tuple[int, int]:
+    """[first, stop): the keys that query positions first_row..last_row can see through ``window``, of n_keys."""
+    if isinstance(window, Chunks):
+        first = first_row // window.size * window.size
+        stop = last_row + 1 if causal else (last_row // window.size + 1) * window.size
+    else:
+        first, stop = first_row - window + 1, last_row + 1 if causal else last_row + window
+    return max(0, first), min(n_keys, stop)
+
+
 def visible_keys(start: int, stop: int, first_key: int, n_keys: int, q_offset: int, causal: bool,
-                 window: int | None, device) -> Tensor:
+                 window: int | Chunks | None, device) -> Tensor:
     """(rows, keys) True where query row i (at position q_offset + i) sees key j in [first_key, n_keys): j <= i when
-    causal, and with a sliding ``window`` only the last ``window`` positions (i - j < window; |i - j| < window when
-    bidirectional)."""
+    causal; with a sliding ``window`` only the last ``window`` positions (i - j < window; |i - j| < window when
+    bidirectional); with :class:`Chunks`, only keys of its own chunk."""
     q_pos = torch.arange(start, stop, device=device)[:, None] + q_offset
-    distance = q_pos - torch.arange(first_key, n_keys, device=device)[None, :]
+    k_pos = torch.arange(first_key, n_keys, device=device)[None, :]
+    distance = q_pos - k_pos
     allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
-    if window is not None:
+    if isinstance(window, Chunks):
+        allowed = allowed & (q_pos // window.size == k_pos // window.size)
+    elif window is not None:
         allowed = allowed & (distance.abs() < window)
     return allowed
 
@@ -365,8 +392,9 @@ class PositionalEncoding(nn.Module):
         ``key_padding`` (B, T), True at real keys, in a padded bidirectional batch (real tokens first)."""
         return q, k
 
-    def window(self, layer: int) -> int | None:
-        """The sliding window of layer ``layer``: how many of the latest positions a query sees (None: all)."""
+    def window(self, layer: int) -> int | Chunks | None:
+        """The window of layer ``layer``: how many of the latest positions a query sees (an int), the chunks its
+        attention is cut into (:class:`Chunks`), or None (all)."""
         return None
 
     def score_bias(self, h: Tensor, layer: int, offset: int, state: dict | None,

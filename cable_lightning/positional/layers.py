@@ -3,11 +3,17 @@ positions it attends to, given as a repeating pattern (RNoPE-SWA, Yang et al., 2
 2025: RoPE layers over a sliding window interleaved with NoPE layers over everything).
 
 ``pattern`` is entries joined by ``-``; an entry is an encoding's label (default settings; wrappers as
-``dape_v2+cable``), ``@W`` for a window of W positions, ``xN`` for N layers in a row: ``rope@512x3-nope`` is three
-RoPE layers over 512-token windows, then one NoPE layer over everything. Layer i takes entry i mod the pattern's
-length, so the pattern repeats over the model's layers (a last repeat may be partial). Layers of one encoding share
-one module built for that many layers; the others' modules never see them. Runs, records and reports name it
-``layers-<pattern>``, and ``positional.from_label("layers-rope@512x3-nope")`` builds it.
+``dape_v2+cable``), ``@W`` for a sliding window of W positions or ``@cC`` for chunks of C positions (attention
+inside consecutive blocks of C tokens, not a sliding window: Llama 4's chunked layers), ``xN`` for N layers in a
+row: ``rope@512x3-nope`` is three RoPE layers over 512-token windows, then one NoPE layer over everything, and
+``rope@c8192x3-nope`` is Llama 4's interleaving (iRoPE; its QK-norm is the backbone's ``qk_norm``). Layer i takes
+entry i mod the pattern's length, so the pattern repeats over the model's layers (a last repeat may be partial).
+Layers of one encoding share one module built for that many layers; the others' modules never see them. Runs,
+records and reports name it ``layers-<pattern>``, and ``positional.from_label("layers-rope@512x3-nope")`` builds it.
+
+``temperature_floor`` (with ``temperature_scale``) scales the queries of the pattern's NoPE layers by Llama 4's
+inference temperature (:func:`query_temperature`); it changes how weights run, not what they are, and labels
+records ``layers-<pattern>+temp<floor>``.
 
 The window is enforced by attention on every backend (``models.attention``: only the key blocks a row can see on the
 fused and chunked paths; decoding onto a KV cache attends the same positions as the full forward).
@@ -17,18 +23,34 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import Encoding, PositionalEncoding
+from .base import Chunks, Encoding, PositionalEncoding
 from .layout import with_layout
 from .registry import from_label
 from .ssmax import Ssmax
 
 # Score kinds from the fewest backends' demands to the most (each kind's backends are a subset of the previous').
 DEMANDS = ("none", "foldable_bias", "bias", "logits")
-ENTRY = re.compile(r"(?P<label>[a-z0-9_+]+?)(?:@(?P<window>\d+))?(?:x(?P<count>\d+))?")
+ENTRY = re.compile(r"(?P<label>[a-z0-9_+]+?)(?:@(?P<chunked>c)?(?P<window>\d+))?(?:x(?P<count>\d+))?")
+
+
+def window_text(window: int | Chunks | None) -> str:
+    """How a pattern entry writes its window: ``@512`` sliding, ``@c8192`` chunked, nothing for none."""
+    if window is None:
+        return ""
+    return f"@c{window.size}" if isinstance(window, Chunks) else f"@{window}"
+
+
+def query_temperature(positions: Tensor, floor: int, scale: float) -> Tensor:
+    """Llama 4's temperature on the queries of its NoPE layers (transformers' Llama4TextAttention,
+    ``attn_temperature_tuning``; Nakanishi, 2025): 1 + scale * log(1 + floor((p + 1) / floor)) at position p, so 1
+    for the first floor - 1 positions and slowly growing past them, to keep attention sharp over long inputs."""
+    return 1.0 + scale * torch.log1p(torch.floor((positions.float() + 1.0) / floor))
 
 
 class PerLayer(PositionalEncoding):
@@ -41,12 +63,13 @@ class PerLayer(PositionalEncoding):
         self.windows = [window for _, window in per_layer]
         self.part_of = [labels.index(encoding.label()) for encoding, _ in per_layer]
         self.local = [self.part_of[:layer].count(self.part_of[layer]) for layer in range(config.n_layer)]
+        self.nope = [encoding.name == "nope" for encoding, _ in per_layer]  # the layers the temperature scales
         self.parts = nn.ModuleList()
         for part, label in enumerate(labels):
             encoding = next(encoding for encoding, _ in per_layer if encoding.label() == label)
             self.parts.append(encoding.build(replace(config, pos_encoding=encoding, n_layer=self.part_of.count(part))))
 
-    per_layer = ("windows", "part_of", "local")
+    per_layer = ("windows", "part_of", "local", "nope")
 
     def layer_view(self, layer):
         view = super().layer_view(layer)
@@ -75,7 +98,14 @@ class PerLayer(PositionalEncoding):
 
     def rotate(self, q, k, offset, layer=0, key_padding=None, layout=None):
         part = self.parts[self.part_of[layer]]
-        return part.rotate(q, k, offset, self.local[layer], key_padding, **with_layout(layout))
+        q, k = part.rotate(q, k, offset, self.local[layer], key_padding, **with_layout(layout))
+        if self.settings.temperature_floor is not None and self.nope[layer]:
+            t = q.shape[-2]
+            positions = layout.positions[:, None, :] if layout is not None else \
+                torch.arange(offset, offset + t, device=q.device)
+            scale = query_temperature(positions, self.settings.temperature_floor, self.settings.temperature_scale)
+            q = q * scale[..., None].to(q.dtype)
+        return q, k
 
     def window(self, layer):
         return self.windows[layer]
@@ -93,9 +123,12 @@ class Layers(Encoding):
     512-token windows, then one NoPE layer over everything."""
 
     pattern: str = "rope@512x3-nope"
+    temperature_floor: Optional[int] = None
+    temperature_scale: float = 0.1
 
     name = "layers"
     module = PerLayer
+    runtime = ("temperature_floor", "temperature_scale")
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,18 +136,23 @@ class Layers(Encoding):
         for text in str(self.pattern).split("-"):
             found = ENTRY.fullmatch(text)
             if not found:
-                raise ConfigError(f"layers.pattern={self.pattern!r}: entry {text!r} is not LABEL[@WINDOW][xCOUNT] "
-                                  "(e.g. rope@512x3-nope)")
+                raise ConfigError(f"layers.pattern={self.pattern!r}: entry {text!r} is not "
+                                  "LABEL[@WINDOW|@cCHUNK][xCOUNT] (e.g. rope@512x3-nope, rope@c8192x3-nope)")
             encoding = from_label(found["label"])
             window, count = (int(found[g]) if found[g] else None for g in ("window", "count"))
             if window == 0 or count == 0:
                 raise ConfigError(f"layers.pattern={self.pattern!r}: entry {text!r} needs a window and a count >= 1")
+            if found["chunked"]:
+                window = Chunks(window)
             if isinstance(encoding, Ssmax) and window is not None:
                 raise ConfigError(f"layers.pattern={self.pattern!r}: ssmax counts the keys a query sees, which a "
                                   f"window in the pattern hides from it; wrap the pattern instead: ssmax+layers-...")
             self.entries.append((encoding, window, count or 1))
-        self.pattern = "-".join(encoding.label() + (f"@{window}" if window else "") + (f"x{count}" if count > 1 else "")
+        self.pattern = "-".join(encoding.label() + window_text(window) + (f"x{count}" if count > 1 else "")
                                 for encoding, window, count in self.entries)
+        if self.temperature_floor is not None and self.temperature_floor < 1:
+            raise ConfigError(f"layers.temperature_floor must be a number of positions >= 1 (or null: no "
+                              f"temperature), got {self.temperature_floor}")
 
     @classmethod
     def from_label_text(cls, text: str) -> "Layers":
@@ -131,7 +169,8 @@ class Layers(Encoding):
         return max((encoding.scores for encoding, _, _ in self.entries), key=DEMANDS.index)
 
     def label(self, runtime: bool = True) -> str:
-        return f"layers-{self.pattern}"
+        tempered = runtime and self.temperature_floor is not None
+        return f"layers-{self.pattern}" + (f"+temp{self.temperature_floor}" if tempered else "")
 
     def longest_length(self, block_size):
         lengths = [n for encoding, _, _ in self.entries if (n := encoding.longest_length(block_size)) is not None]

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .base import Encoding, OverBase
+from .base import Chunks, Encoding, OverBase
 from .layout import with_layout
 from .registry import encoding_from
 from .rope import Rope
 
 
-def keys_seen(offset: int, t: int, causal: bool, window: int | None, total: int | Tensor, device) -> Tensor:
+def keys_seen(offset: int, t: int, causal: bool, window: int | Chunks | None, total: int | Tensor, device) -> Tensor:
     """(t,) how many positions each of the query rows at offset..offset+t-1 sees, its own included, among ``total``
     keys (or (B, t) for per-row totals (B, 1): a padded batch's real lengths)."""
     position = torch.arange(offset, offset + t, device=device)
@@ -34,18 +34,27 @@ def keys_seen(offset: int, t: int, causal: bool, window: int | None, total: int 
         behind, ahead = position, torch.zeros_like(position)
     else:
         behind, ahead = position, total - 1 - position
-    if window is not None:
-        behind, ahead = behind.clamp(max=window - 1), ahead.clamp(max=window - 1)
+    behind, ahead = within_window(behind, ahead, position, window)
     return behind + ahead + 1
 
 
-def keys_seen_in(layout, causal: bool, window: int | None) -> Tensor:
+def within_window(behind: Tensor, ahead: Tensor, index: Tensor, window: int | Chunks | None) -> tuple[Tensor, Tensor]:
+    """The keys behind and ahead of the query at ``index`` that its window leaves it (a sliding window's width, or
+    the rest of its chunk on each side)."""
+    if isinstance(window, Chunks):
+        into = index % window.size
+        return torch.minimum(behind, into), torch.minimum(ahead, window.size - 1 - into)
+    if window is not None:
+        return behind.clamp(max=window - 1), ahead.clamp(max=window - 1)
+    return behind, ahead
+
+
+def keys_seen_in(layout, causal: bool, window: int | Chunks | None) -> Tensor:
     """(B, T) how many positions each token sees inside its own document (a layout's), its own included."""
     behind = layout.order
     index = torch.arange(behind.shape[-1], device=behind.device)
     ahead = torch.zeros_like(behind) if causal else layout.last - index
-    if window is not None:
-        behind, ahead = behind.clamp(max=window - 1), ahead.clamp(max=window - 1)
+    behind, ahead = within_window(behind, ahead, index, window)
     return behind + ahead + 1
 
 
