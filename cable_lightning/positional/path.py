@@ -39,8 +39,18 @@ from .fox import Fox
 
 # Tokens per block of the chunked path's compact (UT) form: a block costs C^2 D per block pair of the walk.
 CHUNK = 64
-# Head sizes fla's kernel takes.
+# Head sizes and devices fla's kernel takes.
 FLA_HEAD_DIMS = (16, 32, 64, 128)
+FLA_DEVICES = ("cuda",)
+
+
+def fla_kernel():
+    """flash-linear-attention's PaTH kernel, or None where it is not installed (it is an optional extra)."""
+    try:
+        from fla.ops.path_attn.parallel import parallel_path_attn
+    except ImportError:
+        return None
+    return parallel_path_attn
 
 
 def carried_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, q_start: int) -> Tensor:
@@ -73,7 +83,7 @@ def block_form(w: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def chunked_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, q_start: int, k_start: int = 0,
-                   chunk: int = CHUNK) -> Tensor:
+                   chunk: int | None = None) -> Tensor:
     """The causal logits (unscaled) of queries q (B, H, R, D) at positions q_start.. against keys k (B, H, S, D) at
     k_start.. (k_start <= q_start, k_start + S <= q_start + R), w (B, H, >= q_start + R, D) and beta for every token:
     (B, H, R, S), exact where j <= i (anything elsewhere).
@@ -84,6 +94,7 @@ def chunked_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, q_start: int, 
     key block after crossing the blocks between, each crossing a rank-C update q - (q.w) Z (or, walking the keys
     forward, k - (k.z) w: whichever side has fewer blocks walks). Work O(R S D) (plus O(T C D) for the blocks), memory
     O(R S) for the logits and O(R S D / C) kept for the backward."""
+    chunk = chunk or CHUNK
     b, h, r, d = q.shape
     lo, hi = k_start // chunk, -(-(q_start + r) // chunk)
     span = slice(lo * chunk, min(hi * chunk, w.shape[-2]))
@@ -174,12 +185,13 @@ class PathScores(LogitScores):
         return logits + self.forget.rows(start, stop, n_keys, batch, heads, logits.device).to(logits.dtype)
 
     def kernel(self, q, k, v, q_offset, key_padding, window, documents):
-        if not (q.is_cuda and self.causal and q_offset == 0 and q.shape[-2] == k.shape[-2] and key_padding is None
-                and window is None and documents is None and q.shape[-1] in FLA_HEAD_DIMS):
+        """fla's kernel where it runs: a causal forward from position 0 (training, evaluation), no padding, window
+        or documents, on its devices and head sizes."""
+        if not (q.device.type in FLA_DEVICES and self.causal and q_offset == 0 and q.shape[-2] == k.shape[-2]
+                and key_padding is None and window is None and documents is None and q.shape[-1] in FLA_HEAD_DIMS):
             return None
-        try:
-            from fla.ops.path_attn.parallel import parallel_path_attn
-        except ImportError:
+        parallel_path_attn = fla_kernel()
+        if parallel_path_attn is None:
             return None
         scale = q.shape[-1] ** -0.5
         gates = None if self.log_gates is None else (self.log_gates / scale).float().transpose(1, 2).contiguous()
