@@ -8,7 +8,8 @@
 - ``materialized``: the obvious formula with the full (B, H, T, T) bias; the reference for tests, written as the weights
   of :func:`attention_map` (what the attention diagnostics read) times v.
 
-Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2) run only ``chunked`` or ``materialized``.
+Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2, PaTH) run only ``chunked`` or
+``materialized`` (``auto`` first asks the scores for a fused kernel of their own: PaTH's, from flash-linear-attention).
 Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix). ``key_padding`` hides
 padded keys, a sliding ``window`` limits each row to its last ``window`` positions, and a ``layout`` with documents
 keeps every query inside its own document, on every backend, none of them building a (T x T) mask.
@@ -133,8 +134,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
         out = attention(q, k, F.pad(v, (0, q.shape[-1] - width)), bias, causal, q_offset, backend, key_padding,
                         window, layout, block_mask)
         return out[..., :width]
+    requested = backend
     backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None, head_dim=q.shape[-1])
     documents = layout if layout is not None and layout.documents is not None else None
+    if backend == "chunked" and requested == "auto" and isinstance(bias, LogitScores):
+        fused = bias.kernel(q, k, v, q_offset, key_padding, window, documents)  # PaTH's Triton kernel, if installed
+        if fused is not None:
+            return fused
     if backend == "fold" and bias is not None:
         if not bias.foldable:
             raise ConfigError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
@@ -261,12 +267,12 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
 
 
 def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, key_padding=None,
-                 window=None, documents=None):
+                 window=None, documents=None, reference=False):
     """Attention of query rows [start, start + rows) whose scores are a function of their logits (against keys
     [0, Tk) whatever the window: the window masks keys after the scores are computed)."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
-    logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)  # scaled q: no pass over the map
+    logits = scores.logits(q, k, start, stop, reference)
     out = scores.scores(logits, q, start, stop, key_padding)
     # In place; causal and unpadded only on the keys from the block's second row on: every earlier key is seen.
     plain = causal and key_padding is None and window is None and documents is None
@@ -279,7 +285,7 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
 
 def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None, documents=None):
     if isinstance(bias, LogitScores):
-        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window, documents)
+        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window, documents, reference=True)
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
     weights = attention_map(q, k, bias, causal, q_offset, 0, key_padding, window, documents).weights
     return (weights @ v.to(wide)).to(q.dtype)
@@ -308,7 +314,10 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
     layout whose documents keep each row inside its own."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
-    logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)
+    if isinstance(scores, LogitScores):
+        logits = scores.logits(q, k, start, stop, reference=True)
+    else:
+        logits = (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)
     out = logits if scores is None else scores.scores(logits, q, start, stop, key_padding)
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, window=window,
                       documents=documents)

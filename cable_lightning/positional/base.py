@@ -203,8 +203,22 @@ class LogitScores:
         self.causal = causal
         self.layout = layout  # its documents: a key of another document is never seen (unseen, hide_)
 
+    def logits(self, q: Tensor, k: Tensor, start: int, stop: int, reference: bool = False) -> Tensor:
+        """The scaled logits :meth:`scores` maps, of query rows [start, stop) (``q``) against keys ``k``, in fp32 or
+        wider: q.k / sqrt(d). An encoding whose logits are not q.k (PaTH's keys carried to each query) computes its
+        own; ``reference`` (the materialized backend, :func:`~..models.attention.attention_map`) asks for the obvious
+        form every other path is tested against."""
+        wide = torch.promote_types(q.dtype, torch.float32)
+        return (q.to(wide) * q.shape[-1] ** -0.5) @ k.to(wide).transpose(-1, -2)  # scaled q: no pass over the map
+
     def scores(self, logits: Tensor, q: Tensor, start: int, stop: int, key_padding: Tensor | None = None) -> Tensor:
         raise NotImplementedError
+
+    def kernel(self, q: Tensor, k: Tensor, v: Tensor, q_offset: int, key_padding: Tensor | None, window: int | None,
+               documents: Layout | None) -> Tensor | None:
+        """The attention output from a fused kernel of the encoding's own, where one is installed and takes these
+        inputs (the ``auto`` backend asks first); None: the chunked path runs the scores."""
+        return None
 
     def weights(self, masked_scores: Tensor) -> Tensor:
         """The weights attention applies, from :meth:`scores` masked with -inf (softmax, or exp of log weights)."""
