@@ -390,17 +390,21 @@ def _causal_block_mask(tq: int, tk: int, q_offset: int, device: str):
     return _create_block_mask(causal_mask, None, tq, tk, device)
 
 
+def in_window(q_pos: Tensor, kv_idx: Tensor, window: int | Chunks) -> Tensor:
+    """A block mask's test that key ``kv_idx`` lies in the window of the query at ``q_pos`` (either side)."""
+    if isinstance(window, Chunks):
+        return q_pos // window.size == kv_idx // window.size
+    distance = q_pos - kv_idx
+    return (distance < window) & (distance > -window)
+
+
 @functools.lru_cache(maxsize=32)
 def _window_block_mask(tq: int, tk: int, q_offset: int, causal: bool, window: int | Chunks, device: str):
     """A sliding window's block mask: FlexAttention skips every key block outside it."""
 
     def window_mask(b, h, q_idx, kv_idx):
-        distance = q_idx + q_offset - kv_idx
-        if isinstance(window, Chunks):
-            inside = (q_idx + q_offset) // window.size == kv_idx // window.size
-        else:
-            inside = (distance < window) & (distance > -window)
-        return inside & (distance >= 0) if causal else inside
+        inside = in_window(q_idx + q_offset, kv_idx, window)
+        return inside & (kv_idx <= q_idx + q_offset) if causal else inside
 
     return _create_block_mask(window_mask, None, tq, tk, device)
 
@@ -417,10 +421,8 @@ def _document_block_mask(documents: Layout, tq: int, tk: int, q_offset: int, cau
             inside = ids[b, q_idx + q_offset] == ids[b, kv_idx]
             if causal:
                 inside = inside & (distance >= 0)
-            if isinstance(window, Chunks):
-                inside = inside & ((q_idx + q_offset) // window.size == kv_idx // window.size)
-            elif window is not None:
-                inside = inside & (distance < window) & (distance > -window)
+            if window is not None:
+                inside = inside & in_window(q_idx + q_offset, kv_idx, window)
             return inside
 
         documents.masks[key] = _create_block_mask(document_mask, ids.shape[0], tq, tk, ids.device)
