@@ -117,9 +117,9 @@ def carried_settings(args: list[str], encoding) -> Optional[str]:
 
 
 def run_folder(config) -> str:
-    """The parsed config's run folder (:func:`run_folder_of`), named by the encoding's weight-defining label, so a run
-    evaluated with RoPE scaling is still found (``rope``)."""
-    encoding = configured_backbone(config).pos_encoding.label(runtime=False)
+    """The parsed config's run folder (:func:`run_folder_of`), named by the encoding's weight-defining label and the
+    backbone's switches, so a run evaluated with RoPE scaling is still found (``rope``, ``rope+attn_gate``)."""
+    encoding = configured_backbone(config).label(runtime=False)
     if not config.get("folder_per_seed"):
         return run_folder_of(config.runs_dir, config.experiment, encoding)
     seed = config.get("seed_everything")

@@ -54,10 +54,12 @@ import yaml
 
 from cable_lightning.errors import ArgumentParser, ConfigError, RunFailedError
 from cable_lightning.eval.report import report
+from cable_lightning.models.config import split_switches
 from cable_lightning.positional import ENCODING_FLAG, from_label
 from cable_lightning.run_setup import run_folder_of
 
 COMMAND = [sys.executable, "-m", "cable_lightning"]  # this interpreter's package, as the sweep itself runs
+BACKBONE_FLAG = ENCODING_FLAG.rsplit(".", 1)[0]  # --model.init_args.backbone: where a switch is set
 MAX_SEED = 2**32 - 1  # seed_everything's largest seed (numpy's generators take 32 bits)
 
 
@@ -115,12 +117,16 @@ def commands(args) -> list[tuple[str, list[str]]]:
     """Every run's command (for ``--stage retrieval``, every run's retrieval commands; for ``fit+retrieval``, its fit
     and then those); an unknown encoding label is an error
     before any run starts."""
-    encodings = {}
+    encodings, labels = {}, {}
     for pe in args.pes:
         try:
-            encodings[pe] = json.dumps(set_settings(from_label(pe).to_dict()))  # dape_v2+cable: DAPEv2 over CABLE
+            encoding, switches = split_switches(pe)  # rope+attn_gate: RoPE, with the gate switched on
+            encoding = from_label(encoding)
         except ConfigError as exc:
             raise ConfigError(f"--pes {pe}: {exc}") from None
+        encodings[pe] = [ENCODING_FLAG, json.dumps(set_settings(encoding.to_dict()))]  # dape_v2+cable: over CABLE
+        encodings[pe] += [arg for switch in switches for arg in (f"{BACKBONE_FLAG}.{switch}", "true")]
+        labels[pe] = "+".join([encoding.label(runtime=False), *switches])
     for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train_lengths", args.train_lengths),
                          ("--lrs", args.lrs)):
         repeated = [value for i, value in enumerate(values or []) if value in values[:i]]
@@ -132,7 +138,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
         experiment = args.experiment + ("" if length is None else f"-T{length}") + ("" if lr is None else f"-lr{lr:g}")
         for seed in args.seeds or [None]:  # seed-major: a sweep stopped early has every encoding at its first seeds
             for pe in args.pes:
-                run = run_folder_of(args.runs_dir, experiment, from_label(pe).label(runtime=False), seed)
+                run = run_folder_of(args.runs_dir, experiment, labels[pe], seed)
                 retrieval = retrieval_commands(run, pe, seed, args) if "retrieval" in args.stage else []
                 if args.stage == "retrieval":
                     runs += [(experiment, cmd) for cmd in retrieval]
@@ -141,8 +147,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
                 for config in args.config:
                     cmd += ["--config", config]
                 # auto: running the sweep again continues interrupted runs (finished ones say so and do nothing)
-                cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir,
-                        ENCODING_FLAG, encodings[pe], "--ckpt_path", "auto"]
+                cmd += ["--experiment", experiment, "--runs_dir", args.runs_dir, *encodings[pe], "--ckpt_path", "auto"]
                 if seed is not None:
                     cmd += ["--seed_everything", str(seed), "--folder_per_seed", "true"]
                 if length is not None:
@@ -213,7 +218,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m cable_lightning sweep", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="base config(s), composed in order")
-    parser.add_argument("--pes", nargs="+", required=True, help="encoding labels; dape_v2+<pe> is DAPEv2 over <pe>")
+    parser.add_argument("--pes", nargs="+", required=True,
+                        help="encoding labels; dape_v2+<pe> is DAPEv2 over <pe>, <pe>+attn_gate (+attn_sink, "
+                             "+qk_norm) the encoding with that attention switch on")
     parser.add_argument("--train_lengths", type=int, nargs="*", help="also sweep the training length")
     parser.add_argument("--seeds", type=seed, nargs="*", help="one run per seed (seed_everything), each in its own "
                         "folder; the report gives means and 95%% intervals over them")

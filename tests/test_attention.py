@@ -268,7 +268,7 @@ def test_fold_centring_blocks_fill_the_padding_the_kernel_needs_anyway(dtype, bl
     pe, h, *_ = realistic_inputs("fox", 700, dtype=torch.float32)
     bias = pe.score_bias(h, 1, 0, None)
     q, k, v = (torch.randn(2, 4, 700, 64, dtype=dtype) for _ in range(3))
-    folded_q, folded_k, folded_v = attn_mod.fold_bias(q, k, v, bias)
+    folded_q, folded_k, folded_v, _ = attn_mod.fold_bias(q, k, v, bias)
     assert folded_q.shape[-1] == folded_k.shape[-1] == folded_v.shape[-1] == 72
     pieces = attn_mod.FOLD_PIECES_LOW_PRECISION if dtype == torch.bfloat16 else 1
     columns = folded_q[..., 64 : 64 + blocks * pieces].float()
@@ -356,9 +356,9 @@ def test_bf16_fold_gradient_of_the_weight_stays_near_bf16_noise(monkeypatch):
     fold_bias = attn_mod.fold_bias
 
     def uncentred(q, k, v, bias):
-        folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
+        folded_q, folded_k, folded_v, shift = fold_bias(q, k, v, bias)
         width = q.shape[-1] + attn_mod.FOLD_PIECES_LOW_PRECISION
-        return folded_q[..., :width], folded_k[..., :width], folded_v[..., :width]
+        return folded_q[..., :width], folded_k[..., :width], folded_v[..., :width], shift
 
     monkeypatch.setattr(attn_mod, "fold_bias", uncentred)
     assert bf16_weight_gradient_errors()[0] > 4 * folded

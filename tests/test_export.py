@@ -18,13 +18,15 @@ from cable_lightning.data.tokenizers import get_tokenizer
 from cable_lightning.hf import export_backbone, load_backbone
 from cable_lightning.hf.export import hf_tokenizer, write_tiktoken_ranks
 from cable_lightning.models import BackboneConfig, build_backbone
+from cable_lightning.models.config import split_switches
 from cable_lightning.positional import available, from_label, score_bias_encodings
 from cable_lightning.records.io import content_hash
 
 SEPARATED = "one document<|endoftext|>the next"
 # Every registered encoding, DAPEv2 over every encoding it wraps, and a pattern of windowed layers.
 EXPORTED = sorted({from_label(pe).label() for pe in available() + [f"dape_v2+{pe}" for pe in score_bias_encodings()]}
-                  | {"ssmax+layers-cable@5-stick_breaking@3-rope"})  # windows shorter than the 4x length
+                  | {"ssmax+layers-cable@5-stick_breaking@3-rope"}  # windows shorter than the 4x length
+                  | {f"{pe}+attn_gate+attn_sink+qk_norm" for pe in ("cable", "rope")})  # every attention switch
 BEAM_PES = ("cable", "rope")
 TRAIN_LEN, PROMPT, NEW_TOKENS = 16, 6, 14  # generation runs to 20 tokens, past the training length
 SAMPLE = "The os module provides a portable way of using operating system dependent functionality, 42 times."
@@ -96,8 +98,10 @@ def load_without_package(job: dict, tmp_path) -> dict:
 
 def tiny_backbone(pe: str, causal: bool, vocab_size: int) -> torch.nn.Module:
     torch.manual_seed(sum(map(ord, pe)) + causal)
-    config = BackboneConfig(preset="gpt2-tiny", pos_encoding=pe, n_layer=2, n_head=2, n_embd=64,
-                            vocab_size=vocab_size, causal=causal, block_size=TRAIN_LEN)
+    encoding, switches = split_switches(pe)
+    config = BackboneConfig(preset="gpt2-tiny", pos_encoding=encoding, n_layer=2, n_head=2, n_embd=64,
+                            vocab_size=vocab_size, causal=causal, block_size=TRAIN_LEN,
+                            **{switch: True for switch in switches})
     backbone = build_backbone(config).eval()
     with torch.no_grad():  # move every weight off its initial value, so that each one matters to the comparison
         for p in backbone.parameters():

@@ -102,7 +102,8 @@ def main(argv=None):
     parser.add_argument("--vocab_size", dest="vocab_size", type=int)
     parser.add_argument("--pes", nargs="*", help=f"default: all of {', '.join(available())}, plus cable and alibi "
                         "on the chunked (CPU) or flex (CUDA) bias path and cable:materialized (naive); "
-                        "pe:backend forces a backend; dape_v2+pe is DAPEv2 over pe")
+                        "pe:backend forces a backend; dape_v2+pe is DAPEv2 over pe; pe+attn_gate (+attn_sink, "
+                        "+qk_norm) is pe with that attention switch on")
     parser.add_argument("--naive_max_length", type=int, default=8192,
                         help="skip the naive CABLE beyond this eval length")
     parser.add_argument("--train_lengths", type=int, nargs="+", default=[256, 512, 1024])

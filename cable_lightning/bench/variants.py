@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from ..models import BackboneConfig
 from ..models.attention import FLEX_MIN_HEAD_DIM
+from ..models.config import split_switches
 from ..positional import available, from_label
 
 
 def make_config(args, variant: str, block_size: int, causal: bool | None = None) -> BackboneConfig:
-    """``variant`` is an encoding's label (``dape_v2+kerple_log``), optionally with an attention backend:
-    ``cable:materialized`` is the naive CABLE of the paper's release (full (B, H, T, T) bias added to q.k^T, softmax,
-    times v). ``causal`` None: the bench's ``--bidirectional`` decides (an encoder, as export and retrieval run it)."""
-    name, _, backend = variant.partition(":")
+    """``variant`` is an encoding's label (``dape_v2+kerple_log``), with attention switches as a sweep names them
+    (``rope+attn_sink``), optionally with an attention backend: ``cable:materialized`` is the naive CABLE of the
+    paper's release (full (B, H, T, T) bias added to q.k^T, softmax, times v). ``causal`` None: the bench's
+    ``--bidirectional`` decides (an encoder, as export and retrieval run it)."""
+    label, _, backend = variant.partition(":")
+    name, switches = split_switches(label)
     if causal is None and getattr(args, "bidirectional", False):
         causal = False
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
@@ -20,13 +23,15 @@ def make_config(args, variant: str, block_size: int, causal: bool | None = None)
     if causal is not None:
         overrides["causal"] = causal
     return BackboneConfig(preset=args.preset, pos_encoding=name, block_size=block_size,
-                          attention_backend=backend or "auto", **overrides)
+                          attention_backend=backend or "auto", **overrides, **{switch: True for switch in switches})
 
 
 def row_name(variant: str) -> str:
-    """The variant as its rows are named: the encoding's label (``dape_v2`` -> ``dape_v2+cable``), then the backend."""
-    name, colon, backend = variant.partition(":")
-    return from_label(name).label() + colon + backend
+    """The variant as its rows are named: the encoding's label (``dape_v2`` -> ``dape_v2+cable``) and its switches,
+    then the backend."""
+    label, colon, backend = variant.partition(":")
+    name, switches = split_switches(label)
+    return "+".join([from_label(name).label(), *switches]) + colon + backend
 
 
 def default_variants(device, head_dim: int) -> list[str]:

@@ -93,5 +93,5 @@ class BiasPictures(L.Callback):
             return
         with trainer.precision_plugin.forward_context():  # as validation_step runs: one FlexAttention kernel on CUDA
             maps, what = last_layer_maps(pl_module.backbone, self.text.to(pl_module.device))
-        title = f"{pl_module.config.pos_encoding.label()}: last layer {what}, step {trainer.global_step}"
+        title = f"{pl_module.config.label()}: last layer {what}, step {trainer.global_step}"
         experiment.add_figure("bias/last_layer", draw_grid(maps, title), trainer.global_step)

@@ -319,7 +319,7 @@ def retrieval_records(folder: str, scores: dict[int, dict | None], dataset: str,
     config = read_export_config(folder)
     provenance = config.get("provenance") or {}
     backbone = saved_backbone(config["backbone"])
-    return [RetrievalRecord(pe=backbone.pos_encoding.label(), model=backbone.shape(),
+    return [RetrievalRecord(pe=backbone.label(), model=backbone.shape(),
                             train_length=config["max_position_embeddings"], step=provenance.get("step") or 0,
                             run_seed=provenance.get("run_seed"), checkpoint=provenance.get("checkpoint"),
                             lr=provenance.get("lr"), corpus_hash=provenance.get("corpus_hash"),

@@ -236,7 +236,7 @@ class LanguageModel(DivergenceGuard, LengthEvaluation, L.LightningModule):
         extension, seed, learning rate, backbone), the step and stage measured, and what lets runs of several
         machines join one table: the corpus measured, the training's recipe and the device."""
         data = getattr(self.trainer, "datamodule", None)
-        return RunContext(pe=self.config.pos_encoding.label(), train_length=self.config.original_length,
+        return RunContext(pe=self.config.label(), train_length=self.config.original_length,
                           extended_to=self.config.block_size if self.config.trained_length else None,
                           layout=self.layout_label(), step=step, stage=self.trainer.state.fn.value,
                           checkpoint=checkpoint, run_seed=self.run_seed, lr=self.hparams.lr, model=self.config.shape(),

@@ -13,6 +13,10 @@ Scores that need the logits themselves (:class:`LogitScores`: CoPE, DAPEv2, PaTH
 Query row i sits at absolute position ``q_offset + i``; keys at 0..Tk-1 (a KV cache prefix). ``key_padding`` hides
 padded keys, a sliding ``window`` limits each row to its last ``window`` positions, and a ``layout`` with documents
 keeps every query inside its own document, on every backend, none of them building a (T x T) mask.
+
+A learned ``sink`` (gpt-oss; the backbone's ``attn_sink``) is one more logit in every row's normaliser, with no value:
+the fused paths carry it as one more key that every row sees (:func:`with_sink_key`), the paths that build scores as
+one more column, and FlexAttention through its log-sum-exp.
 """
 
 from __future__ import annotations
@@ -121,23 +125,26 @@ def resolve_backend(backend: str, bias: ScoreBias | LogitScores | None, device: 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
               backend: str = "auto", key_padding: Tensor | None = None, window: int | Chunks | None = None,
-              layout: Layout | None = None, block_mask=None) -> Tensor:
+              layout: Layout | None = None, block_mask=None, sink: Tensor | None = None) -> Tensor:
     """softmax(q.k^T / sqrt(d) + bias + mask) v for q (B, H, Tq, D) and k, v (B, H, Tk, D); with
     :class:`LogitScores`, softmax(scores(q.k^T / sqrt(d)) + mask) v (or exp(scores + mask) v when the scores are
     log weights). The mask hides the future when ``causal``, padded keys (``key_padding``: (B, Tk), True at real
     keys), with a ``window``, keys ``window`` or more positions away, and with a ``layout``'s documents, keys of
     another document. ``block_mask``: that mask for ``flex`` (:func:`flex_block_mask`), built by the caller (a compiled
-    block takes it as an input); None: built here."""
+    block takes it as an input); None: built here. ``sink``: (H,) logits, one per head, each one more term
+    exp(sink) in its rows' normaliser (the weights then sum to less than 1); None: no sink."""
+    if sink is not None and sink.dim() == 1:
+        sink = sink.view(1, -1, 1)  # (B|1, H, rows|1): a per-row logit, as the fold makes it
     width = v.shape[-1]
     if width < q.shape[-1]:  # q and k wider than v (PoPE): the fused kernels take equal widths only (else, on CPU,
         # the math path with the whole score matrix: 5.4x slower at 2048 tokens); zero columns of v add nothing
         out = attention(q, k, F.pad(v, (0, q.shape[-1] - width)), bias, causal, q_offset, backend, key_padding,
-                        window, layout, block_mask)
+                        window, layout, block_mask, sink)
         return out[..., :width]
     requested = backend
     backend = resolve_backend(backend, bias, q.device, q_offset, padded=key_padding is not None, head_dim=q.shape[-1])
     documents = layout if layout is not None and layout.documents is not None else None
-    if backend == "chunked" and requested == "auto" and isinstance(bias, LogitScores):
+    if backend == "chunked" and requested == "auto" and isinstance(bias, LogitScores) and sink is None:
         fused = bias.kernel(q, k, v, q_offset, key_padding, window, documents)  # PaTH's Triton kernel, if installed
         if fused is not None:
             return fused
@@ -146,18 +153,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias | LogitScores | N
             raise ConfigError(f"attention backend 'fold' needs a causal bias that factorises; {type(bias).__name__} "
                              f"(causal={bias.causal}) does not: use auto, flex or chunked")
         head_dim = q.shape[-1]
-        folded_q, folded_k, folded_v = fold_bias(q, k, v, bias)
+        folded_q, folded_k, folded_v, row_shift = fold_bias(q, k, v, bias)
+        shifted_sink = None if sink is None else sink + row_shift.squeeze(-1)  # the sink moves with the row's logits
         return _unbiased(folded_q, folded_k, folded_v, causal, q_offset, scale=head_dim**-0.5,
-                         key_padding=key_padding, window=window, documents=documents)[..., :head_dim]
+                         key_padding=key_padding, window=window, documents=documents, sink=shifted_sink)[..., :head_dim]
     if backend in ("sdpa", "fold"):
         if bias is not None:
             raise ConfigError("attention backend 'sdpa' cannot add a score bias; use auto, fold, flex or chunked")
-        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding, window=window, documents=documents)
+        return _unbiased(q, k, v, causal, q_offset, key_padding=key_padding, window=window, documents=documents,
+                         sink=sink)
     if backend == "flex":
-        return _flex(q, k, v, bias, causal, q_offset, window, documents, block_mask)
+        return _flex(q, k, v, bias, causal, q_offset, window, documents, block_mask, sink)
     if backend == "chunked":
-        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding, window=window, documents=documents)
-    return _materialized(q, k, v, bias, causal, q_offset, key_padding, window, documents)
+        return _chunked(q, k, v, bias, causal, q_offset, key_padding=key_padding, window=window, documents=documents,
+                        sink=sink)
+    return _materialized(q, k, v, bias, causal, q_offset, key_padding, window, documents, sink)
 
 
 def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key_padding: Tensor | None,
@@ -180,14 +190,18 @@ def visible(start: int, stop: int, n_keys: int, causal: bool, q_offset: int, key
     return seen if allowed is None else seen & allowed
 
 
-def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=None, documents=None):
+def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=None, documents=None, sink=None):
     """Plain attention with no mask tensor wherever the shapes allow, so SDPA may pick a fused kernel."""
     tq, tk = q.shape[-2], k.shape[-2]
     if documents is not None:  # blocks of rows, each with its mask of documents
         return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window,
-                        documents=documents)
+                        documents=documents, sink=sink)
     if window is not None and window_span(window) < tk:  # blocks of rows, each against the keys it sees
-        return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window)
+        return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, window=window, sink=sink)
+    if sink is not None:
+        if key_padding is None and (not causal or tq == 1 or tq == tk):
+            return _unmasked_with_sink(q, k, v, sink, causal and tq > 1, scale)
+        return _chunked(q, k, v, None, causal, q_offset, scale, key_padding=key_padding, sink=sink)
     if key_padding is not None:
         mask = visible(0, tq, tk, causal, q_offset, key_padding, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -198,7 +212,50 @@ def _unbiased(q, k, v, causal, q_offset, scale=None, key_padding=None, window=No
     return _chunked(q, k, v, None, causal, q_offset, scale)  # a multi-token step onto a cache
 
 
-def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor, Tensor, Tensor]:
+def with_sink_key(q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float, first: bool = False):
+    """(q', k', v') whose attention at ``scale`` equals that of (q, k, v) with ``sink`` (B|1, H, rows|1: a logit per
+    row) in each row's normaliser: one more key, with value 0, whose logit is the row's sink, carried by extra query
+    columns (the sink / scale, in pieces of q's dtype that sum to it to about fp32 precision, as the fold's key
+    columns are: the fold's shifted sinks reach the hundreds) against ones in that key and zeros in every other. The
+    key goes last, or ``first`` (for causal attention, which then needs a leading row of its own: see
+    :func:`_unmasked_with_sink`). Widths are padded to a multiple of :data:`FOLD_HEAD_MULTIPLE` and v to q's width,
+    for the fused kernels; the caller keeps v's columns of the output."""
+    batch, heads, tq, width = q.shape
+    pieces = FOLD_PIECES_LOW_PRECISION if q.dtype in (torch.bfloat16, torch.float16) else 1
+    target = (sink.to(torch.promote_types(sink.dtype, torch.float32)) / scale).expand(batch, heads, tq)[..., None]
+    columns = [target.to(q.dtype)]  # the first piece carries the gradient, the rest are its rounding errors
+    rest = target.detach()
+    for _ in range(pieces - 1):
+        rest = rest - columns[-1].detach().to(rest.dtype)
+        columns.append(rest.to(q.dtype))
+    pad = -(width + pieces) % FOLD_HEAD_MULTIPLE
+    wide = width + pieces + pad
+    folded_q = torch.cat([q, *columns, q.new_zeros(batch, heads, tq, pad)], dim=-1)
+    folded_k = F.pad(k, (0, wide - width))
+    sink_key = torch.cat([k.new_zeros(batch, heads, 1, width), k.new_ones(batch, heads, 1, pieces),
+                          k.new_zeros(batch, heads, 1, pad)], dim=-1)
+    folded_v = F.pad(v, (0, wide - v.shape[-1]))
+    sink_value = v.new_zeros(batch, heads, 1, wide)
+    if first:
+        return folded_q, torch.cat([sink_key, folded_k], dim=2), torch.cat([sink_value, folded_v], dim=2)
+    return folded_q, torch.cat([folded_k, sink_key], dim=2), torch.cat([folded_v, sink_value], dim=2)
+
+
+def _unmasked_with_sink(q, k, v, sink, causal, scale=None):
+    """Attention with a sink where nothing but the causal mask hides a key (Tq = Tk then): fused SDPA, no mask tensor.
+    Causal, the sink key goes first, behind a leading query row of zeros that SDPA's causal mask (row i sees keys
+    0..i) gives the sink alone, so real row i sees the sink and keys 0..i; that row is dropped."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    folded_q, folded_k, folded_v = with_sink_key(q, k, v, sink, scale, first=causal)
+    if causal:
+        folded_q = F.pad(folded_q, (0, 0, 1, 0))
+        out = F.scaled_dot_product_attention(folded_q, folded_k, folded_v, is_causal=True, scale=scale)[:, :, 1:]
+    else:
+        out = F.scaled_dot_product_attention(folded_q, folded_k, folded_v, scale=scale)
+    return out[..., : v.shape[-1]]
+
+
+def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Heads (q', k', v') whose plain causal attention, at scale 1/sqrt(d) of the original head size,
     equals softmax(q.k^T / sqrt(d) + bias + causal mask) v, in values and gradients.
 
@@ -224,7 +281,9 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
       every position) was 5e-3 off at 1000 tokens; with it, 2e-4 (docs/speed.md).
 
     Widths are zero-padded to a multiple of :data:`FOLD_HEAD_MULTIPLE`, v to the same width (the
-    CPU flash kernel takes only equal widths); the caller drops the padded output columns.
+    CPU flash kernel takes only equal widths); the caller drops the padded output columns. Also returned: each row's
+    shift a_i . (c_i - r) (B, H, Tq, 1), by which the folded logits exceed the true ones in value (the centre column
+    takes its gradients back), with a as the kernel reads it (rounded to q's dtype): what a sink's logit must add.
     """
     batch, heads, tq, head_dim = q.shape
     tk = k.shape[-2]
@@ -256,6 +315,9 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     row_constant = (a * c_own).sum(-1, keepdim=True)
     centre = row_constant.detach() - row_constant  # zero, with gradients -(c_i - r) for a and -a_i for c_i
     root_d = math.sqrt(head_dim)
+    # By how much the kernel's folded logits exceed the true ones, in value: a_i . (c_i - r), a as the kernel reads it
+    a_read = (a * root_d).to(q.dtype).float() / root_d
+    row_shift = (a_read * c_own).sum(-1, keepdim=True).detach()
     q_cols = [q] + [(a_blocks * root_d).to(q.dtype)] * pieces + [(centre * root_d).to(q.dtype)]
     k_cols = [k] + c_pieces + [k.new_ones(batch, heads, tk, 1)]
     width = sum(x.shape[-1] for x in q_cols)
@@ -263,11 +325,20 @@ def fold_bias(q: Tensor, k: Tensor, v: Tensor, bias: ScoreBias) -> tuple[Tensor,
     q_cols.append(q.new_zeros(batch, heads, tq, pad))
     k_cols.append(k.new_zeros(batch, heads, tk, pad))
     folded_v = torch.cat([v, v.new_zeros(batch, heads, tk, width + pad - head_dim)], dim=-1)
-    return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v
+    return torch.cat(q_cols, dim=-1), torch.cat(k_cols, dim=-1), folded_v, row_shift
+
+
+def with_sink_column(scores: Tensor, sink: Tensor | None, start: int, stop: int) -> Tensor:
+    """``scores`` (B, H, rows, keys) and one more column, each row's sink logit (rows [start, stop) of ``sink``)."""
+    if sink is None:
+        return scores
+    rows = sink if sink.shape[-1] == 1 else sink[..., start:stop]
+    column = rows.to(scores.dtype).expand(*scores.shape[:2], stop - start)[..., None]
+    return torch.cat([scores, column], dim=-1)
 
 
 def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offset: int, key_padding=None,
-                 window=None, documents=None, reference=False):
+                 window=None, documents=None, reference=False, sink=None):
     """Attention of query rows [start, start + rows) whose scores are a function of their logits (against keys
     [0, Tk) whatever the window: the window masks keys after the scores are computed)."""
     wide = torch.promote_types(q.dtype, torch.float32)
@@ -280,14 +351,16 @@ def _from_logits(q, k, v, scores: LogitScores, start: int, causal: bool, q_offse
     allowed = visible(start, stop, k.shape[-2], causal, q_offset, key_padding, q.device, first, window, documents)
     if allowed is not None:
         out[..., first:].masked_fill_(~allowed, float("-inf"))
-    return (scores.weights(out) @ v.to(wide)).to(q.dtype)
+    weights = scores.weights(with_sink_column(out, sink, start, stop))[..., : k.shape[-2]]
+    return (weights @ v.to(wide)).to(q.dtype)
 
 
-def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None, documents=None):
+def _materialized(q, k, v, bias, causal, q_offset, key_padding=None, window=None, documents=None, sink=None):
     if isinstance(bias, LogitScores):
-        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window, documents, reference=True)
+        return _from_logits(q, k, v, bias, 0, causal, q_offset, key_padding, window, documents, reference=True,
+                            sink=sink)
     wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double-precision reference
-    weights = attention_map(q, k, bias, causal, q_offset, 0, key_padding, window, documents).weights
+    weights = attention_map(q, k, bias, causal, q_offset, 0, key_padding, window, documents, sink).weights
     return (weights @ v.to(wide)).to(q.dtype)
 
 
@@ -306,12 +379,13 @@ class AttentionMap:
 
 def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, causal: bool, q_offset: int = 0,
                   start: int = 0, key_padding: Tensor | None = None, window: int | Chunks | None = None,
-                  documents: Layout | None = None) -> AttentionMap:
+                  documents: Layout | None = None, sink: Tensor | None = None) -> AttentionMap:
     """The weights attention applies to query rows [start, start + rows) (``q``: those rows, (B, H, rows, D), at
     positions q_offset + start + i) over keys ``k`` (B, H, Tk, D), through the score contract alone
     (:meth:`ScoreBias.scores`, :meth:`ScoreBias.weights`; no score object: softmax over the logits). The
     ``materialized`` backend is this map times v, and every other backend is tested against it. ``documents``: a
-    layout whose documents keep each row inside its own."""
+    layout whose documents keep each row inside its own; ``sink``: (B|1, H, rows|1) logits, one more term in each
+    row's softmax (its weights then sum to less than 1)."""
     wide = torch.promote_types(q.dtype, torch.float32)
     stop = start + q.shape[-2]
     if isinstance(scores, LogitScores):
@@ -324,6 +398,14 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
     if allowed is not None:  # in place when nothing keeps `out` for a backward (it is new: the contract's scores are)
         out = out.masked_fill_(~allowed, float("-inf")) if not torch.is_grad_enabled() else \
             out.masked_fill(~allowed, float("-inf"))
+    if sink is not None:
+        if scores is not None and not scores.softmax:
+            raise ConfigError(f"{type(scores).__name__}'s weights are no softmax: a sink has no normaliser to join")
+        if sink.dim() == 1:
+            sink = sink.view(1, -1, 1)
+        keys = out.shape[-1]
+        weights = with_sink_column(out, sink, start, stop).softmax(dim=-1)[..., :keys]
+        return AttentionMap(weights, out, out)
     if scores is None:
         return AttentionMap(out.softmax(dim=-1), out, out)
     if scores.softmax:
@@ -332,8 +414,8 @@ def attention_map(q: Tensor, k: Tensor, scores: ScoreBias | LogitScores | None, 
     return AttentionMap(scores.weights(out), out, shown)
 
 
-def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None, documents=None):
-    b, h, tq, _ = q.shape
+def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, window=None, documents=None, sink=None):
+    b, h, tq, head_dim = q.shape
     tk = k.shape[-2]
     logit_scores = isinstance(bias, LogitScores)
     maps = h * (bias.maps_per_head if logit_scores else 1)
@@ -354,7 +436,7 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, wind
             first_key, n_keys = window_keys(window, q_offset + start, q_offset + stop - 1, tk, causal)
         if logit_scores:
             outputs.append(_from_logits(q[:, :, start:stop], k[:, :, :n_keys], v[:, :, :n_keys], bias, start, causal,
-                                        q_offset, key_padding, window, documents))
+                                        q_offset, key_padding, window, documents, sink=sink))
             continue
         mask = bias.rows(start, stop, n_keys, b, h, q.device, first_key) if bias is not None else None
         allowed = visible(start, stop, n_keys, causal, q_offset, key_padding, q.device, first_key, window, documents)
@@ -365,8 +447,17 @@ def _chunked(q, k, v, bias, causal, q_offset, scale=None, key_padding=None, wind
                 mask = mask.masked_fill(~allowed, float("-inf"))
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        outputs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, first_key:n_keys],
-                                                      v[:, :, first_key:n_keys], attn_mask=mask, scale=scale))
+        rows_q, rows_k, rows_v = q[:, :, start:stop], k[:, :, first_key:n_keys], v[:, :, first_key:n_keys]
+        if sink is not None:  # the sink as one more key, last, that every row sees
+            rows_sink = sink if sink.shape[-1] == 1 else sink[..., start:stop]
+            rows_q, rows_k, rows_v = with_sink_key(rows_q, rows_k, rows_v, rows_sink,
+                                                   head_dim**-0.5 if scale is None else scale)
+            if mask is not None:
+                seen = True if mask.dtype == torch.bool else 0.0
+                mask = F.pad(mask, (0, 1), value=seen)
+            scale = head_dim**-0.5 if scale is None else scale
+        out = F.scaled_dot_product_attention(rows_q, rows_k, rows_v, attn_mask=mask, scale=scale)
+        outputs.append(out[..., : v.shape[-1]])
     return torch.cat(outputs, dim=2)
 
 
@@ -505,14 +596,19 @@ def flex_score_mod(bias: ScoreBias | None, heads: int, extent: int, device):
     return bias.score_mod()
 
 
-def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None, block_mask=None):
+def _flex(q, k, v, bias, causal, q_offset, window=None, documents=None, block_mask=None, sink=None):
     tq, tk = q.shape[-2], k.shape[-2]
     if block_mask is None:
         block_mask = flex_block_mask(tq, tk, q_offset, causal, window, documents, q.device)
     extent = bias.layout.extent if bias is not None and bias.layout is not None else tk
     score_mod = flex_score_mod(bias, q.shape[1], extent, q.device)
     options = flex_kernel_options(q.device, torch.is_grad_enabled())
-    return flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+    if sink is None:
+        return flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+    out, lse = flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options,
+                                     return_lse=True)
+    # The row's weights, renormalised with exp(sink) beside exp(lse): out * Z / (Z + e^sink)
+    return (out * torch.sigmoid(lse.float() - sink.float())[..., None]).to(out.dtype)
 
 
 def flex_kernel_options(device: torch.device, grad: bool) -> dict | None:

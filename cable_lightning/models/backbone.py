@@ -24,6 +24,8 @@ from .config import BackboneConfig
 
 # Positions per LM-head chunk in token_nll (512 x 50304 fp32 logits = 100 MB).
 LOSS_CHUNK = 512
+# RMSNorm's epsilon for QK-norm (OLMo 2's and Qwen3's).
+QK_NORM_EPS = 1e-6
 # A padded batch runs in groups of rows whose padding is at most this share of their group's longest row.
 PADDING_WASTE = 0.125
 
@@ -64,18 +66,33 @@ def check_takes_layout(pe) -> None:
 
 
 class SelfAttention(nn.Module):
+    """Multi-head attention with the backbone's switches, each independent of the encoding:
+
+    - ``qk_norm`` (OLMo 2, Qwen3, Llama 4): RMSNorm over each head's q and k, with a learned scale per channel shared
+      by the heads, before the encoding rotates them;
+    - ``attn_sink`` (gpt-oss): a learned logit per head in every softmax's normaliser, a key with no value that
+      any row may attend to instead of the keys;
+    - ``attn_gate`` (Qiu et al. 2025, "Gated attention for large language models", its best variant): each head's
+      output times an elementwise sigmoid gate computed from the layer's input, before the output projection."""
+
     def __init__(self, config: BackboneConfig, layer: int):
         super().__init__()
         self.layer, self.n_head, self.causal = layer, config.n_head, config.causal
         self.backend = config.attention_backend
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.out = nn.Linear(config.n_embd, config.n_embd)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=QK_NORM_EPS) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=QK_NORM_EPS) if config.qk_norm else None
+        self.sink = nn.Parameter(torch.zeros(config.n_head)) if config.attn_sink else None
+        self.gate = nn.Linear(config.n_embd, config.n_embd) if config.attn_gate else None
 
     def queries_keys_values(self, h: Tensor, pe, offset: int, key_padding: Tensor | None = None,
                             layout: Layout | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, H, T, D) each, after the PE's rotation."""
+        """(B, H, T, D) each, after QK-norm and the PE's rotation."""
         b, t, c = h.shape
         q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = pe.rotate(q, k, offset, pe.hook_layer(self.layer), key_padding, **with_layout(layout))
         return q, k, v
 
@@ -92,8 +109,11 @@ class SelfAttention(nn.Module):
         layer = pe.hook_layer(self.layer)
         scores = pe.score_bias(h, layer, offset, state, **with_layout(layout))
         y = attention(q, k, v, scores, self.causal, q_offset=offset, backend=self.backend, key_padding=key_padding,
-                      window=pe.window(layer), layout=layout, block_mask=block_mask)
-        return self.out(y.transpose(1, 2).reshape(b, t, c))
+                      window=pe.window(layer), layout=layout, block_mask=block_mask, sink=self.sink)
+        y = y.transpose(1, 2).reshape(b, t, c)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(h))
+        return self.out(y)
 
 
 class Block(nn.Module):

@@ -22,6 +22,23 @@ PRESETS: dict[str, dict] = {
     "bert-base": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=30522, causal=False),
 }
 _DEFAULTS = dict(mlp_ratio=4.0, dropout=0.0)
+# Attention switches, each independent of the encoding (:class:`backbone.SelfAttention` says what each does); a run
+# with one is named by its encoding's label and the switch: ``rope+attn_gate``.
+SWITCHES = ("attn_gate", "attn_sink", "qk_norm")
+
+
+def split_switches(label: str) -> tuple[str, list[str]]:
+    """A run label's encoding label and its switches, in :data:`SWITCHES` order: ``rope+qk_norm+attn_gate`` ->
+    (``rope``, [``attn_gate``, ``qk_norm``])."""
+    parts = label.split("+")
+    switches = []
+    while len(parts) > 1 and parts[-1] in SWITCHES:
+        switches.append(parts.pop())
+    if len(set(switches)) < len(switches):
+        raise ConfigError(f"{label!r} names a switch twice; each of {', '.join(SWITCHES)} is on or off")
+    return "+".join(parts), sorted(switches, key=SWITCHES.index)
+
+
 # Backbone settings that may differ from a checkpoint's: they change how the weights are run, not what they are
 # (an encoding names its own, :attr:`Encoding.runtime`).
 RUNTIME_FIELDS = ("dropout", "attention_backend")
@@ -51,6 +68,9 @@ class BackboneConfig:
     trained_length: Optional[int] = None
     pad_vocab_multiple: int = 64
     attention_backend: Backend = "auto"
+    attn_gate: bool = False
+    attn_sink: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -65,6 +85,9 @@ class BackboneConfig:
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         check_backend(self.attention_backend, self.pos_encoding, self.causal, self.head_dim)
+        if self.attn_sink and not self.pos_encoding.softmax:
+            raise ConfigError(f"attn_sink needs softmax attention; {self.pos_encoding.label()}'s weights are no "
+                              "softmax (a sink has no normaliser to join): leave attn_sink false")
         self.pos_encoding.check(self)
 
     @classmethod
@@ -89,6 +112,15 @@ class BackboneConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def switches(self) -> list[str]:
+        """The attention switches this backbone has on (:data:`SWITCHES`)."""
+        return [name for name in SWITCHES if getattr(self, name)]
+
+    def label(self, runtime: bool = True) -> str:
+        """How runs, records and reports name the backbone's attention: its encoding's label and its switches
+        (``rope+attn_gate``)."""
+        return "+".join([self.pos_encoding.label(runtime), *self.switches()])
+
     def shape(self) -> str:
         """The backbone's kind and size as records name it (``decoder L12-D768-H12``): two runs that differ in it are
         two runs in a report, whatever else they share."""
@@ -98,6 +130,7 @@ class BackboneConfig:
         """Every setting that defines the weights (shape and the encoding's own), flattened; the vocabulary and the
         training length come from the data and are checked there."""
         skip = set(RUNTIME_FIELDS) | {"preset", "vocab_size", "block_size", "trained_length", "pos_encoding"}
+        skip |= {name for name in SWITCHES if not getattr(self, name)}  # a run without switches is named as before
         shape = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         return {**shape, **self.pos_encoding.weight_settings()}
 

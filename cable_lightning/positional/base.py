@@ -266,12 +266,14 @@ class Encoding:
     ``name``: the encoding's name (``rope``), its own: a subclass of another encoding names itself again;
     ``module``: its :class:`PositionalEncoding`; ``scores``: what it adds to the logits (:data:`ScoreKind`);
     ``runtime``: the settings that change how the weights are run, not what they are (they may differ from a
-    checkpoint's, and they label evaluation records, not runs).
+    checkpoint's, and they label evaluation records, not runs); ``softmax``: False where its attention weights are no
+    softmax (stick-breaking), which a sink cannot join.
     """
 
     name: ClassVar[str]
     module: ClassVar[type]
     scores: ClassVar[str] = "none"
+    softmax: ClassVar[bool] = True
     runtime: ClassVar[tuple[str, ...]] = ()
     registered: ClassVar[dict[str, type]] = {}
 

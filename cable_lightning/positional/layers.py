@@ -168,6 +168,11 @@ class Layers(Encoding):
         """The most demanding of its encodings' (the backends that can run it run every layer)."""
         return max((encoding.scores for encoding, _, _ in self.entries), key=DEMANDS.index)
 
+    @property
+    def softmax(self) -> bool:
+        """Whether every layer's weights are a softmax."""
+        return all(encoding.softmax for encoding, _, _ in self.entries)
+
     def label(self, runtime: bool = True) -> str:
         tempered = runtime and self.temperature_floor is not None
         return f"layers-{self.pattern}" + (f"+temp{self.temperature_floor}" if tempered else "")

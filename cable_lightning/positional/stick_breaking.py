@@ -65,3 +65,4 @@ class StickBreaking(Encoding):
     name = "stick_breaking"
     module = StickBreakingModule
     scores = "logits"
+    softmax = False
