@@ -15,6 +15,7 @@ from torch._higher_order_ops.flex_attention import flex_attention_backward
 
 from cable_lightning.models import BackboneConfig
 from cable_lightning.models import attention as attn_mod
+from cable_lightning.models import flex as flex_mod
 from cable_lightning.models.attention import backends_for
 from cable_lightning.models.backbone import Backbone
 from cable_lightning.positional import available, from_label
@@ -64,8 +65,8 @@ def flex_on_cpu(monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
     monkeypatch.setitem(flex_attention_backward.py_kernels, DispatchKey.CompositeExplicitAutograd, backward)
     monkeypatch.setattr(flex_attention_backward, "_dispatch_cache", {})
-    attn_mod._causal_block_mask.cache_clear()
-    attn_mod._window_block_mask.cache_clear()
+    flex_mod._causal_block_mask.cache_clear()
+    flex_mod._window_block_mask.cache_clear()
     yield
     torch._dynamo.reset()
 
@@ -152,14 +153,14 @@ def test_flex_inside_a_compiled_region_is_compiled_with_it(monkeypatch):
     """On CUDA FlexAttention runs compiled (``flex_kernel``); inside a compiled block it is the plain function, which
     Dynamo puts in the block's graph. Compiling it there was a side effect of the trace (``_compiled_flex`` set),
     which made every block compile again at its next call."""
-    monkeypatch.setattr(attn_mod, "_compiled_flex", {})
+    monkeypatch.setattr(flex_mod, "_compiled_flex", {})
 
     @torch.compile(backend="eager", fullgraph=True)
     def in_a_block(x):
-        return x + float(attn_mod.flex_kernel(torch.device("cuda")) is flex_module.flex_attention)
+        return x + float(flex_mod.flex_kernel(torch.device("cuda")) is flex_module.flex_attention)
 
     assert in_a_block(torch.zeros(1)).item() == 1.0
-    assert attn_mod._compiled_flex == {}
+    assert flex_mod._compiled_flex == {}
     torch._dynamo.reset()
 
 

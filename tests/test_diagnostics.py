@@ -23,6 +23,7 @@ from cable_lightning.eval.work import DeviceWork
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models import attention as attn_mod
+from cable_lightning.models import flex as flex_mod
 from cable_lightning.models.attention import attention, attention_map
 from cable_lightning.positional import available, build_positional
 from cable_lightning.records.io import append_records, read_records
@@ -412,8 +413,8 @@ def test_diagnostics_memory_at_a_long_length_stays_near_the_evaluations(backend,
     everything eager, and an eager FlexAttention materializes the scores (about 460 MiB here)."""
     monkeypatch.setattr(diagnostics_module, "BLOCK_ELEMENTS", 2**20)
     monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 2**20)
-    monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(attn_mod, "_compiled_flex", {})
+    monkeypatch.setattr(flex_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flex_mod, "_compiled_flex", {})
     t, heads = 4096, 2
     torch.manual_seed(0)
     backbone = build_backbone(BackboneConfig(pos_encoding="alibi", n_layer=1, n_head=heads, n_embd=32, vocab_size=96,

@@ -3,7 +3,7 @@
 FlexAttention's backward adds the gradient of each tensor a score_mod reads with one atomic add per score; a per-head
 parameter read at every score (KERPLE's r1 and r2) puts B x T^2 adds on a few addresses, which made the flex path
 train at 0.03x NoPE on an H200. A positional bias is therefore read from a table over (head, query position, key
-position) in training (``attention.flex_score_mod``). On CPU, FlexAttention has no backward kernel, but its eager
+position) in training (``models.flex.flex_score_mod``). On CPU, FlexAttention has no backward kernel, but its eager
 implementation differentiates: compiled with a recording ``aot_eager`` backend (no inductor), a training step shows
 what Dynamo lifts into the kernel and how often it compiles."""
 
@@ -13,7 +13,7 @@ import torch.nn.attention.flex_attention as flex_module
 from compile_probe import RecordingBackend
 
 from cable_lightning.models import BackboneConfig
-from cable_lightning.models import attention as attn_mod
+from cable_lightning.models import flex as flex_mod
 from cable_lightning.models.backbone import Backbone
 from cable_lightning.positional import build_positional, score_bias_encodings
 from cable_lightning.positional.base import PositionalBias
@@ -58,7 +58,7 @@ def test_training_score_mod_equals_the_bias_in_values_and_gradients(pe_name, cau
         layout = Layout.build(batch, t, "cpu", documents=documents, positions=positions)
     bias = pe.score_bias(h, 1, 0, None, **({"layout": layout} if layout is not None else {}))
     extent = layout.extent if layout is not None else t
-    score_mod = attn_mod.flex_score_mod(bias, HEADS, extent, h.device)
+    score_mod = flex_mod.flex_score_mod(bias, HEADS, extent, h.device)
     out = on_grid(score_mod, batch, t)
     reference = bias.rows(0, t, t, batch, HEADS, h.device).expand(batch, HEADS, t, t)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
@@ -77,14 +77,14 @@ def test_training_score_mod_equals_the_bias_in_values_and_gradients(pe_name, cau
 
 @pytest.fixture
 def recorded_flex(monkeypatch):
-    """FlexAttention compiled as on CUDA (``attention.flex_kernel`` with its :data:`attention.FLEX_COMPILE`) through a
-    :class:`RecordingBackend`, on CPU, with the eager backward allowed (the CPU build refuses it only for want of an
-    inductor kernel)."""
+    """FlexAttention compiled as on CUDA (``models.flex.flex_kernel`` with its :data:`models.flex.FLEX_COMPILE`)
+    through a :class:`RecordingBackend`, on CPU, with the eager backward allowed (the CPU build refuses it only for
+    want of an inductor kernel)."""
     backend = RecordingBackend()
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-    monkeypatch.setattr(attn_mod, "FLEX_BACKEND", backend)
-    monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(attn_mod, "_compiled_flex", {})
+    monkeypatch.setattr(flex_mod, "FLEX_BACKEND", backend)
+    monkeypatch.setattr(flex_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flex_mod, "_compiled_flex", {})
     yield backend
 
 
@@ -139,7 +139,7 @@ def test_a_block_mask_first_built_in_inference_mode_trains(recorded_flex):
     training step at that shape failed ("Inference tensors cannot be saved for backward")."""
     t = 16
     model = flex_and_chunked("kerple_log", t, n_layer=1)["flex"]
-    attn_mod._causal_block_mask.cache_clear()
+    flex_mod._causal_block_mask.cache_clear()
     ids = torch.randint(0, 96, (2, t))
     with torch.inference_mode():
         model.loss(ids, ids)
@@ -177,15 +177,15 @@ def test_flex_evaluation_shares_its_kernels_across_lengths_and_batches(recorded_
 def test_a_run_past_the_limit_warns_once_and_gives_the_same_numbers(recorded_flex, monkeypatch):
     """Outside the suite (Dynamo not set to fail), a compiled FlexAttention past the recompile limit says so in one
     warning and runs uncompiled with the same result."""
-    monkeypatch.setattr(attn_mod, "_warned_flex_fallback", False)
-    monkeypatch.setitem(attn_mod.FLEX_COMPILE, False, dict(dynamic=False))  # every length a compile of its own
+    monkeypatch.setattr(flex_mod, "_warned_flex_fallback", False)
+    monkeypatch.setitem(flex_mod.FLEX_COMPILE, False, dict(dynamic=False))  # every length a compile of its own
     model = flex_and_chunked("alibi", 16)["flex"]
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
         with pytest.warns(UserWarning) as caught:
             for length in (8, 16, 24, 32):
                 ids = torch.randint(0, 96, (1, length))
                 out = model.hidden_states(ids)
-        monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ())
+        monkeypatch.setattr(flex_mod, "FLEX_DEVICES", ())
         torch.testing.assert_close(out, model.hidden_states(ids))
     mine = [w for w in caught if "FlexAttention hit Dynamo's recompile limit (2" in str(w.message)]
     assert len(mine) == 1 and "\n" not in str(mine[0].message), [str(w.message) for w in caught]
@@ -209,13 +209,13 @@ def test_flex_trains_on_cuda_with_tiles_that_fit_its_shared_memory_and_evaluates
 
     def run_flex(grad):
         with torch.set_grad_enabled(grad):
-            attn_mod._flex(q, q, q, pe.score_bias(torch.zeros(1, 32, WIDTH), 0, 0, None), True, 0)
+            flex_mod.attend_flex(q, q, q, pe.score_bias(torch.zeros(1, 32, WIDTH), 0, 0, None), True, 0)
 
-    monkeypatch.setattr(attn_mod, "flex_kernel", recording_kernel)
+    monkeypatch.setattr(flex_mod, "flex_kernel", recording_kernel)
     run_flex(grad=True)
     assert calls == [None]  # the CPU: FlexAttention is not compiled there
-    monkeypatch.setattr(attn_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flex_mod, "FLEX_DEVICES", ("cuda", "cpu"))
     run_flex(grad=True)
     run_flex(grad=False)
-    assert calls[1:] == [attn_mod.FLEX_TRAIN_KERNEL_OPTIONS, None]
-    assert calls[1] is not attn_mod.FLEX_TRAIN_KERNEL_OPTIONS  # a copy: a kernel cannot change the project's tiles
+    assert calls[1:] == [flex_mod.FLEX_TRAIN_KERNEL_OPTIONS, None]
+    assert calls[1] is not flex_mod.FLEX_TRAIN_KERNEL_OPTIONS  # a copy: a kernel cannot change the project's tiles

@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from cable_lightning.lit import CausalLM
 from cable_lightning.models import BackboneConfig, attention, build_backbone
+from cable_lightning.models import flex as flex_mod
 from cable_lightning.positional import available, from_label
 
 # bf16-mixed against fp32 on the same weights and batch. Measured on every encoding: the loss 5e-5 to 1.3e-3 nats
@@ -218,13 +219,13 @@ def test_the_diagnostics_and_the_picture_reuse_the_length_evaluations_flex_kerne
     run = args(tiny_corpus_dir, str(tmp_path), pe="kerple_log", steps=2, every=2,
                extra=["--model.init_args.backbone.n_embd", "48"])
     main(["fit", *run])
-    monkeypatch.setattr(attention, "FLEX_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(attention, "FLEX_BACKEND", backend)
+    monkeypatch.setattr(flex_mod, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flex_mod, "FLEX_BACKEND", backend)
     monkeypatch.chdir(tmp_path)  # without a logger a validation writes its records to the working folder
     compiled = {}
     for name, extra in (("evaluation", ["--diagnostics.enabled", "false", "--trainer.logger", "false"]),
                         ("with diagnostics and picture", [])):
-        monkeypatch.setattr(attention, "_compiled_flex", {})
+        monkeypatch.setattr(flex_mod, "_compiled_flex", {})
         torch._dynamo.reset()
         backend.graphs.clear()
         main(["validate", *run, "--ckpt_path", str(tmp_path / "test" / "kerple_log" / "checkpoints" / "last.ckpt"),

@@ -4,8 +4,8 @@ the name its rows carry, the default variants and a model's parameter count."""
 from __future__ import annotations
 
 from ..models import BackboneConfig
-from ..models.attention import FLEX_MIN_HEAD_DIM
 from ..models.config import split_switches
+from ..models.flex import FLEX_MIN_HEAD_DIM
 from ..positional import available, from_label
 
 

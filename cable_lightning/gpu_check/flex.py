@@ -12,7 +12,8 @@ import torch
 
 from ..errors import ArgumentParser
 from ..models import BackboneConfig
-from ..models.attention import FLEX_MIN_HEAD_DIM, attention
+from ..models.attention import attention
+from ..models.flex import FLEX_MIN_HEAD_DIM
 from ..positional import build_positional, score_bias_encodings
 
 # assert_close's tolerances on each device: CUDA's kernels sum in another order than the reference

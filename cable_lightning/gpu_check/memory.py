@@ -19,11 +19,12 @@ def memory_estimate(model, rows: int, length: int) -> tuple[float, float, float,
 def table_bytes(config, length: int) -> int:
     """Bytes an encoding's own position tables hold through a training step on CUDA: in each layer whose bias is a
     function of positions alone on the flex path, the (heads, length, length) fp32 table FlexAttention's score_mod
-    reads (``attention.flex_score_mod``), kept for the backward, and what autograd keeps to differentiate it (eager:
+    reads (``models.flex.flex_score_mod``), kept for the backward, and what autograd keeps to differentiate it (eager:
     FIRE keeps its MLP's hidden units over the whole table; a compiled block may keep less). Each layer's encoding
     module (the registry's) is asked: which bias it adds (at 2 tokens on the CPU), then its tables on the meta
     device, where nothing is allocated."""
-    from ..models.attention import FLEX_TABLE_ELEMENTS, resolve_backend
+    from ..models.attention import resolve_backend
+    from ..models.flex import FLEX_TABLE_ELEMENTS
     from ..positional.base import PositionalBias
     from ..positional.registry import build_positional
 

@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..positional import build_positional
 from ..positional.layout import Layout, with_layout
-from .attention import attention, compiled_block_mask
+from .attention import attention
 from .config import BackboneConfig
+from .flex import compiled_block_mask
 
 # Positions per LM-head chunk in token_nll (512 x 50304 fp32 logits = 100 MB).
 LOSS_CHUNK = 512
@@ -91,8 +92,8 @@ class SelfAttention(nn.Module):
         """(B, H, T, D) each, after QK-norm and the PE's rotation."""
         b, t, c = h.shape
         q, k, v = (x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for x in self.qkv(h).split(c, dim=-1))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # in fp32 (under bf16 autocast, bf16 input beside fp32 weights has no fused kernel)
+            q, k = self.q_norm(q.float()).to(q.dtype), self.k_norm(k.float()).to(k.dtype)
         q, k = pe.rotate(q, k, offset, pe.hook_layer(self.layer), key_padding, **with_layout(layout))
         return q, k, v
 
