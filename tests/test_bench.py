@@ -264,3 +264,29 @@ def test_bidirectional_rows_are_the_encoder_and_its_cable_sees_both_sides():
     later[0, -1] = (later[0, -1] + 1) % 512
     with torch.no_grad():
         assert not torch.allclose(encoder.hidden_states(x)[0, 0], encoder.hidden_states(later)[0, 0])
+
+
+def test_in_turns_times_each_encoding_with_nope_in_one_interleaved_call_per_length(monkeypatch, capsys):
+    """``--in_turns``: in place of the main table, per encoding (a switch named with it) and length, its step and
+    NoPE's timed together, and the cost is the first over the second."""
+    from cable_lightning.bench import in_turns
+
+    models, seconds = [], iter([0.2, 0.3, 0.1, 0.4, 0.5, 0.5])
+
+    def paired(fns, device, repeats):
+        assert len(fns) == 2
+        for fn in fns:
+            fn()
+        return [next(seconds), next(seconds)]
+
+    build = in_turns.build_backbone
+    monkeypatch.setattr(in_turns, "build_backbone", lambda config: models.append(config) or build(config))
+    monkeypatch.setattr(in_turns, "interleaved", paired)
+    result = bench.main(TINY + ["--pes", "nope", "rope+attn_sink", "--train_lengths", "16", "32", "--eval_lengths",
+                                "64", "--in_turns"])
+    assert result["rows"] == [] and [m.label() for m in models] == ["nope", "rope+attn_sink"]
+    assert [(r["pe"], r["work"], r["length"], r["cost"]) for r in result["in_turns"]] == [
+        ("rope+attn_sink", "training step", 16, pytest.approx(1.5)), ("rope+attn_sink", "training step", 32, 4.0),
+        ("rope+attn_sink", "evaluation", 64, 1.0)]
+    out = capsys.readouterr().out
+    assert "| rope+attn_sink | training step | 32 | 0.100 | 0.400 | 4.00 |" in out and "| nope |" not in out

@@ -28,6 +28,9 @@ COMMAND = re.compile(r"<!-- command: (\S+) -->\n```bash\n(.*?)```", re.S)
 # from the checkpoint interval), or the sweep's own resume flag: not part of a recipe.
 AT_RUN_TIME = ("checkpoint.dirpath", "ckpt_path", "trainer.logger", "trainer.val_check_interval",
                "trainer.check_val_every_n_epoch")
+# Settings that came after some records were kept, each with the value that trains what those records trained: a
+# record without the setting matches a command only where the command gives it that value.
+ADDED_LATER = {f"model.init_args.backbone.{switch}": False for switch in ("attn_gate", "attn_sink", "qk_norm")}
 
 
 def published_files() -> list[str]:
@@ -145,6 +148,7 @@ def drift(sweeps: list[list[str]], records: str) -> list[str]:
             continue
         where, kept = found.pop(run)
         theirs, mine = recipe(kept), recipe(config)
+        theirs = {**{k: v for k, v in ADDED_LATER.items() if k in mine}, **theirs}
         differ = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
         if differ:
             lines.append(f"{run}: " + ", ".join(f"{k} {mine.get(k)!r} (records, {where}: {theirs.get(k)!r})"
@@ -192,6 +196,25 @@ def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
         [line] = drift([CODE_LONG_SWEEP], str(tmp_path))
     assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
         line.endswith(": '32-true')"), line
+
+
+def test_a_record_kept_before_the_switches_matches_only_a_command_without_them(tmp_path):
+    """Records kept before the attention switches existed hold none of them: they match a command that leaves each
+    off, and a record of a run without the gate is never the records of a run with it."""
+    kept, config = recorded_as_published(tmp_path)
+    for switch in ADDED_LATER:
+        del config["model"]["init_args"]["backbone"][switch.rsplit(".", 1)[1]]
+    with contextlib.chdir(ROOT):
+        with open(os.path.join(kept, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f)
+        assert drift([CODE_LONG_SWEEP], str(tmp_path)) == []
+        config["checkpoint"]["dirpath"] = "runs/code-long/cable+attn_gate/seed0/checkpoints"
+        with open(os.path.join(kept, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f)
+        switched = [*CODE_LONG_SWEEP[:5], "cable+attn_gate", *CODE_LONG_SWEEP[6:]]
+        [line] = drift([switched], str(tmp_path))
+    assert line == ("runs/code-long/cable+attn_gate/seed0: model.init_args.backbone.attn_gate True (records, "
+                    f"{os.path.relpath(os.path.join(kept, 'config.yaml'), ROOT)}: False)"), line
 
 
 def test_a_record_naming_its_encoding_by_another_path_matches_and_another_encoding_does_not(tmp_path):

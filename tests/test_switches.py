@@ -281,3 +281,21 @@ def test_a_switched_sweep_run_trains_in_a_folder_and_records_named_by_its_switch
     assert json.loads(rows[0]["settings"] if isinstance(rows[0]["settings"], str) else
                       json.dumps(rows[0]["settings"]))["attn_sink"] is True
     assert not os.path.exists(os.path.join(runs, "test", "rope"))
+
+
+def test_the_attention_diagnostics_see_the_weight_a_row_gives_its_sink():
+    """A row's weights on the keys sum to what its sink leaves: 1 / (1 + e^-s) of it with all logits 0."""
+    from cable_lightning.eval.diagnostics import AttentionStats, recording
+
+    model = tiny("nope", switches=("attn_sink",))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight.zero_()  # every logit 0: each row's mass on its keys is n / (n + e^s)
+            block.attn.qkv.bias.zero_()
+            block.attn.sink.copy_(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    stats = AttentionStats()
+    with recording(model, stats):
+        model(torch.randint(0, 97, (1, 8)))
+    for row in stats.results():
+        expected = sum(n / (n + math.exp(row["head"])) for n in range(1, 9)) / 8
+        assert row["mass"] == pytest.approx(expected, rel=1e-5), row

@@ -17,6 +17,8 @@ and the bf16 peak are measured and printed, so the table shows what each precisi
 ``learnable``, GPT-NeoX or Llama against ``rope``), each training step timed in turns with the project's in this
 process, and their ratio. ``--compile``: each encoding's training step with its blocks compiled (``compile: true``)
 against eager, the compile time apart from the steady steps, and the steps a fit needs to pay the compile back.
+``--in_turns``: in place of the main table, each encoding's training step and evaluation timed in turns with NoPE's,
+for a cost ratio that holds on a machine other jobs share.
 
     python -m cable_lightning bench --preset gpt2-tiny --n_layer 2 --pes cable alibi nope --json bench.json
 """
@@ -36,6 +38,7 @@ from ..hardware import cpu_matmul_peaks, peak_flops
 from ..positional import available
 from .bf16 import bf16_rows, bf16_table
 from .compiled import compile_rows, compile_table
+from .in_turns import in_turns_rows, in_turns_table
 from .loop_overhead import loop_overhead, summary
 from .peer_models import DEFAULT_PEERS, PEERS
 from .peers import peer_rows, peer_table, transformers_version
@@ -59,9 +62,10 @@ def run(args) -> dict:
     else:
         peak, peak_source = peak_flops(device, dtype)
     rows = []
-    for pe in pes:
+    for pe in [] if args.in_turns else pes:
         rows.append(encoding_row(pe, args, device, dtype))
         print(f"measured {pe}", flush=True)
+    turns = in_turns_rows(pes, args, device, dtype) if args.in_turns else None
     peers = peer_rows(args, device, dtype) if args.peers else None
     compiled = compile_rows(pes, args, device, dtype) if args.compile else None
     bf16 = bf16_rows(pes, args, device) if args.bf16_speedup else None
@@ -69,7 +73,8 @@ def run(args) -> dict:
         after = cpu_matmul_peaks()
         cpu_peaks = {name: max(flops, after[name]) for name, flops in cpu_peaks.items()}
         peak = cpu_peaks[args.dtype]
-    add_mfu_and_ratios(rows, peak)
+    if rows:
+        add_mfu_and_ratios(rows, peak)
     config = make_config(args, "nope", max(args.train_lengths))
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -81,6 +86,8 @@ def run(args) -> dict:
         "cpu_matmul_peaks": cpu_peaks,
     }
     result = {"meta": meta, "rows": rows}
+    if turns is not None:
+        result["in_turns"] = turns
     if peers is not None:
         result["peers"] = peers
     if compiled is not None:
@@ -132,6 +139,9 @@ def main(argv=None):
                         help="also time each encoding's training step with its blocks compiled (compile: true) "
                         "against eager: the compile time, the steady steps, the steps to pay back; with "
                         "--loop_overhead: compile the blocks of its fit and bare step")
+    parser.add_argument("--in_turns", action="store_true",
+                        help="in place of the main table, time each encoding's training step and evaluation in turns "
+                        "with NoPE's (a cost ratio that holds while other jobs share the machine)")
     parser.add_argument("--bf16_speedup", action="store_true",
                         help="also time each encoding's training step under bf16 autocast against fp32, same weights, "
                         "in turns: bf16's speedup at this shape")
@@ -150,7 +160,11 @@ def main(argv=None):
     result = run(args)
     print(json.dumps(result["meta"]))
     print(peaks_line(result["meta"]))
-    print(table(result))
+    if result["rows"]:
+        print(table(result))
+    if "in_turns" in result:
+        print("\nEach encoding in turns with NoPE, same process (cost > 1: slower than NoPE):")
+        print(in_turns_table(result["in_turns"]))
     if "peers" in result:
         print(f"\nPeers (transformers {transformers_version()}), each step timed in turns with the project's:")
         print(peer_table(result["peers"]))

@@ -116,8 +116,9 @@ class AttentionStats:
     sums: dict = field(default_factory=dict)  # layer -> (3, Q, H): sums, counts, maxima (:func:`reduce_rows`)
 
     def add(self, layer: int, q: Tensor, k: Tensor, scores, causal: bool, window: Optional[int],
-            key_padding: Optional[Tensor] = None, q_offset: int = 0) -> None:
-        """One layer's rows: q (B, H, T, D) after the encoding's rotation, k (B, H, Tk, D), its score object; in
+            key_padding: Optional[Tensor] = None, q_offset: int = 0, attn_sink: Optional[Tensor] = None) -> None:
+        """One layer's rows: q (B, H, T, D) after the encoding's rotation, k (B, H, Tk, D), its score object and its
+        learned sink (the weights a row puts on the keys then sum to less than 1: ``mass``); in
         blocks of rows, each against the keys it can see (causal: none past its last row), each block's quantities
         written into one (Q, B, H, T) tensor that is reduced once for the layer."""
         batch, heads, t, _ = q.shape
@@ -129,7 +130,7 @@ class AttentionStats:
             stop = min(t, start + rows_per_block)
             n_keys = min(n_all, q_offset + stop) if causal else n_all
             attn = attention_map(q[:, :, start:stop], k[:, :, :n_keys], scores, causal, q_offset, start, key_padding,
-                                 window)
+                                 window, sink=attn_sink)
             found = row_quantities(attn.weights, attn.scores, attn.logits, start, q_offset, self.sink, self.local,
                                    causal)
             block = torch.stack([found[name] for name in QUANTITIES])
@@ -172,7 +173,8 @@ def recording(backbone, stats: AttentionStats):
         key_padding = rest[0] if rest else None
         q, k, _ = module.queries_keys_values(h, pe, offset, key_padding)
         scores = pe.score_bias(h, module.layer, offset, None)
-        stats.add(module.layer, q, k, scores, module.causal, pe.window(module.layer), key_padding, offset)
+        stats.add(module.layer, q, k, scores, module.causal, pe.window(module.layer), key_padding, offset,
+                  module.sink)
 
     handles = [block.attn.register_forward_pre_hook(hook) for block in backbone.blocks]
     try:
