@@ -299,3 +299,14 @@ def test_the_attention_diagnostics_see_the_weight_a_row_gives_its_sink():
     for row in stats.results():
         expected = sum(n / (n + math.exp(row["head"])) for n in range(1, 9)) / 8
         assert row["mass"] == pytest.approx(expected, rel=1e-5), row
+
+
+def test_a_checkpoint_is_loaded_with_its_own_switches_or_refused_in_one_line():
+    from cable_lightning.lit.resume import check_before_building
+
+    saved = {"hyper_parameters": {"backbone": BackboneConfig(pos_encoding="rope", attn_sink=True).to_dict()}}
+    check_before_building(saved, BackboneConfig(pos_encoding="rope", attn_sink=True), None, "validate", "last.ckpt")
+    with pytest.raises(ConfigError, match=r"^the checkpoint's model differs from the configured one in settings that "
+                                          r"define the weights: attn_sink \(checkpoint True, configured False\), "
+                                          r"qk_norm \(checkpoint False, configured True\); remove them"):
+        check_before_building(saved, BackboneConfig(pos_encoding="rope", qk_norm=True), None, "validate", "last.ckpt")

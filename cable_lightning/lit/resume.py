@@ -39,6 +39,7 @@ from ..data.manifest import MANIFEST, read_manifest
 from ..data.remote import is_remote
 from ..errors import ConfigError
 from ..models import BackboneConfig
+from ..models.config import SWITCHES
 from ..tasks.generation import TaskMix
 from .checkpoint_format import saved_backbone
 from .optim import OptimizerRecipe
@@ -158,7 +159,8 @@ def weight_setting_differences(saved: dict, config: BackboneConfig) -> list[tupl
     """(name, saved, configured) for each backbone setting that defines the weights and differs
     (:meth:`BackboneConfig.weight_settings`); runtime settings (attention backend, dropout, an encoding's own, such
     as RoPE scaling) may change freely."""
-    old, new = saved_backbone(saved).weight_settings(), config.weight_settings()
+    off = dict.fromkeys(SWITCHES, False)  # a switch left off is no weight setting (runs without one keep their key)
+    old, new = off | saved_backbone(saved).weight_settings(), off | config.weight_settings()
     differ = [name for name in {**old, **new} if old.get(name) != new.get(name)]
     # Another encoding altogether is one difference, not one per setting it has or lacks.
     return [(name, old.get(name), new.get(name)) for name in differ if name.rpartition(".")[0] not in differ]

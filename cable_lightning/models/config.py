@@ -49,7 +49,8 @@ class BackboneConfig:
     """Shape and positional encoding of a backbone. Fields left ``None`` come from ``preset``.
 
     ``pos_encoding``: an encoding's settings (``Rope()``, ``Rope(scaling="linear")``), its label (``"dape_v2+cable"``),
-    or the ``{"class_path": ..., "init_args": ...}`` form configs and checkpoints hold."""
+    or the ``{"class_path": ..., "init_args": ...}`` form configs and checkpoints hold. ``attn_gate``, ``attn_sink``,
+    ``qk_norm``: the attention switches (:data:`SWITCHES`), beside any encoding."""
 
     preset: str = "gpt2-tiny"
     pos_encoding: Encoding = field(default_factory=Cable)
