@@ -11,19 +11,27 @@ from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models import backbone as backbone_mod
 from cable_lightning.models.attention import attention
+from cable_lightning.models.config import split_switches
 from cable_lightning.positional import UnsupportedLengthError, available, from_label, score_bias_encodings
 from cable_lightning.positional.absolute import Learnable
 from cable_lightning.positional.rope import Rope
 
 # Every encoding, and DAPEv2 over every encoding it can wrap: the properties below hold for all of them.
 VARIANTS = sorted({from_label(pe).label() for pe in available() + [f"dape_v2+{pe}" for pe in score_bias_encodings()]})
+# Every encoding with every attention switch that can go beside it (the sink beside a softmax only).
+SWITCHED = [pe + "+attn_gate" + ("+attn_sink" if from_label(pe).softmax else "") + "+qk_norm" for pe in available()]
 
 
 def tiny(pe, causal=True, **overrides):
-    """``pe``: an encoding's label (``dape_v2+cable``) or settings (``learnable(max_positions=16)``)."""
+    """``pe``: an encoding's label (``dape_v2+cable``, with switches: ``rope+attn_sink``) or settings
+    (``learnable(max_positions=16)``)."""
     torch.manual_seed(0)
+    switches = {}
+    if isinstance(pe, str):
+        pe, on = split_switches(pe)
+        switches = dict.fromkeys(on, True)
     config = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal,
-                            block_size=64, **overrides)
+                            block_size=64, **switches, **overrides)
     model = build_backbone(config).eval()
     with torch.no_grad():  # make learned PE parameters non-trivial (T5 starts at zero)
         for p in model.pe.parameters():
@@ -31,7 +39,7 @@ def tiny(pe, causal=True, **overrides):
     return model
 
 
-@pytest.mark.parametrize("pe", VARIANTS)
+@pytest.mark.parametrize("pe", VARIANTS + SWITCHED)
 def test_no_future_token_leaks(pe, monkeypatch):
     monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 4 * 40 * 8)  # several query blocks
     model = tiny(pe)
@@ -55,7 +63,7 @@ def test_bidirectional_encoder_sees_both_directions(pe):
         assert not torch.allclose(model(x)[:, 2], model(y)[:, 2])
 
 
-@pytest.mark.parametrize("pe", VARIANTS)
+@pytest.mark.parametrize("pe", VARIANTS + SWITCHED)
 def test_incremental_decoding_equals_full_forward(pe):
     model = tiny(pe)
     x = torch.randint(0, 97, (2, 14))
@@ -104,7 +112,7 @@ def padded_against_alone(pe, causal, monkeypatch, gradients):
 
 # Causal rows are moved to the front of the batch and never see their padding (no mask): a few encodings show the
 # positions are right (absolute, FIRE's, CoPE's, DAPEv2's); bidirectional attention masks the padding: all of them.
-PADDED_CASES = ([(pe, False) for pe in VARIANTS]
+PADDED_CASES = ([(pe, False) for pe in VARIANTS + SWITCHED]
                 + [(pe, True) for pe in ["cable", "fox", "learnable", "sinusoidal", "fire", "cope", "dape_v2+cable"]])
 
 

@@ -182,17 +182,21 @@ def recorded_as_published(tmp_path) -> tuple[str, dict]:
     return kept, config
 
 
+def keep(kept: str, config: dict) -> None:
+    """``config`` as the run's records would hold it, in the records folder ``kept``."""
+    with open(os.path.join(kept, "config.yaml"), "w") as f:
+        yaml.safe_dump(config, f)
+
+
 def test_a_published_command_whose_config_changed_its_precision_fails(tmp_path):
     """The nine-encoding table's case: its records trained in fp32, and the quickstart config it names became
     bf16-mixed: the command as written trains another recipe, and the comparison names the setting."""
     kept, config = recorded_as_published(tmp_path)
     with contextlib.chdir(ROOT):
-        with open(os.path.join(kept, "config.yaml"), "w") as f:
-            yaml.safe_dump(config, f)
+        keep(kept, config)
         assert drift([CODE_LONG_SWEEP], str(tmp_path)) == []
         config["trainer"]["precision"] = "32-true"
-        with open(os.path.join(kept, "config.yaml"), "w") as f:
-            yaml.safe_dump(config, f)
+        keep(kept, config)
         [line] = drift([CODE_LONG_SWEEP], str(tmp_path))
     assert line.startswith("runs/code-long/cable/seed0: trainer.precision 'bf16-mixed' (records, ") and \
         line.endswith(": '32-true')"), line
@@ -205,12 +209,10 @@ def test_a_record_kept_before_the_switches_matches_only_a_command_without_them(t
     for switch in ADDED_LATER:
         del config["model"]["init_args"]["backbone"][switch.rsplit(".", 1)[1]]
     with contextlib.chdir(ROOT):
-        with open(os.path.join(kept, "config.yaml"), "w") as f:
-            yaml.safe_dump(config, f)
+        keep(kept, config)
         assert drift([CODE_LONG_SWEEP], str(tmp_path)) == []
         config["checkpoint"]["dirpath"] = "runs/code-long/cable+attn_gate/seed0/checkpoints"
-        with open(os.path.join(kept, "config.yaml"), "w") as f:
-            yaml.safe_dump(config, f)
+        keep(kept, config)
         switched = [*CODE_LONG_SWEEP[:5], "cable+attn_gate", *CODE_LONG_SWEEP[6:]]
         [line] = drift([switched], str(tmp_path))
     assert line == ("runs/code-long/cable+attn_gate/seed0: model.init_args.backbone.attn_gate True (records, "
@@ -227,8 +229,7 @@ def test_a_record_naming_its_encoding_by_another_path_matches_and_another_encodi
         for path, drifted in [("cable_lightning.positional.cable.cable", False),
                               ("cable_lightning.positional.cable.cable_nw", True)]:
             encoding["class_path"] = path
-            with open(os.path.join(kept, "config.yaml"), "w") as f:
-                yaml.safe_dump(config, f)
+            keep(kept, config)
             lines = drift([CODE_LONG_SWEEP], str(tmp_path))
             assert bool(lines) == drifted, lines
     assert "model.init_args.backbone.pos_encoding.class_path 'cable_lightning.positional.cable.Cable' (records" in \

@@ -1,5 +1,6 @@
 """The backbone's attention switches (QK-norm, a learned sink, the output gate): each against a slow obvious reference
-in values and gradients, the sink on every backend that carries it, and all three beside every encoding."""
+in values and gradients, and the sink on every backend that carries it (test_backbone runs all three beside every
+encoding through its causality, cached-decoding and padding tests)."""
 
 import argparse
 import glob
@@ -14,11 +15,11 @@ import torch.nn.functional as F
 from cable_lightning import sweep
 from cable_lightning.errors import ConfigError
 from cable_lightning.gpu_check import flex
-from cable_lightning.models import BackboneConfig, KVCache, build_backbone
+from cable_lightning.models import BackboneConfig, build_backbone
 from cable_lightning.models import attention as attn_mod
 from cable_lightning.models.attention import attention, attention_map
 from cable_lightning.models.config import SWITCHES, split_switches
-from cable_lightning.positional import available, encoding_class
+from cable_lightning.positional import encoding_class
 from cable_lightning.positional.layout import Layout
 
 
@@ -142,11 +143,10 @@ def test_flexattention_carries_the_sink_through_its_log_sum_exp(pe_name, causal)
     torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
 
 
-def tiny(pe, causal=True, switches=SWITCHES, **overrides):
+def tiny(pe, switches, causal=True):
     torch.manual_seed(0)
-    on = {name: True for name in switches if name != "attn_sink" or encoding_class(pe.split("-")[0]).softmax}
     config = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal,
-                            block_size=64, **on, **overrides)
+                            block_size=64, **dict.fromkeys(switches, True))
     model = build_backbone(config).eval()
     with torch.no_grad():  # every switch's weights off their initial values, so that each one matters
         for name, p in model.named_parameters():
@@ -205,42 +205,6 @@ def test_the_sink_of_a_backbone_layer_is_one_logit_per_head_that_takes_weight_fr
     weights = torch.cat([logits, column], dim=-1).softmax(-1)[..., :-1]
     heads = (weights @ v).transpose(1, 2).reshape(1, 6, 32)
     torch.testing.assert_close(attn(h, model.pe, 0, None), attn.out(heads))
-
-
-# Every encoding with all three switches (the sink where the weights are a softmax).
-@pytest.mark.parametrize("pe", available())
-def test_no_future_token_leaks_with_every_switch(pe, monkeypatch):
-    monkeypatch.setattr(attn_mod, "CHUNK_ELEMENTS", 4 * 40 * 8)
-    model = tiny(pe)
-    x = torch.randint(0, 97, (1, 40))
-    y = x.clone()
-    y[0, 23] = (x[0, 23] + 1) % 97
-    with torch.no_grad():
-        a, b = model(x), model(y)
-    assert torch.equal(a[:, :23], b[:, :23]) and not torch.allclose(a[:, 23], b[:, 23])
-
-
-@pytest.mark.parametrize("pe", available())
-def test_incremental_decoding_equals_full_forward_with_every_switch(pe):
-    model = tiny(pe)
-    x = torch.randint(0, 97, (2, 14))
-    with torch.no_grad():
-        full = model(x)
-        cache = KVCache(2)
-        steps = [model(x[:, :5], cache), model(x[:, 5:8], cache)]
-        steps += [model(x[:, i : i + 1], cache) for i in range(8, 14)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("pe", available())
-def test_a_padded_bidirectional_batch_equals_each_row_alone_with_every_switch(pe):
-    model = tiny(pe, causal=False)
-    x = torch.randint(0, 97, (2, 10))
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[1, 7:] = 0
-    with torch.no_grad():
-        padded = model.hidden_states(x, padding_mask=mask)
-        torch.testing.assert_close(padded[1, :7], model.hidden_states(x[1:, :7])[0], atol=1e-5, rtol=1e-4)
 
 
 def test_a_sink_beside_weights_that_are_no_softmax_is_refused_in_one_line():
