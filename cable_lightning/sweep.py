@@ -54,7 +54,7 @@ import yaml
 
 from cable_lightning.errors import ArgumentParser, ConfigError, RunFailedError
 from cable_lightning.eval.report import report
-from cable_lightning.models.config import split_switches
+from cable_lightning.models.config import split_switches, with_switches
 from cable_lightning.positional import ENCODING_FLAG, from_label
 from cable_lightning.run_setup import run_folder_of
 
@@ -126,7 +126,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
             raise ConfigError(f"--pes {pe}: {exc}") from None
         encodings[pe] = [ENCODING_FLAG, json.dumps(set_settings(encoding.to_dict()))]  # dape_v2+cable: over CABLE
         encodings[pe] += [arg for switch in switches for arg in (f"{BACKBONE_FLAG}.{switch}", "true")]
-        labels[pe] = "+".join([encoding.label(runtime=False), *switches])
+        labels[pe] = with_switches(encoding.label(runtime=False), switches)
     for flag, values in (("--pes", args.pes), ("--seeds", args.seeds), ("--train_lengths", args.train_lengths),
                          ("--lrs", args.lrs)):
         repeated = [value for i, value in enumerate(values or []) if value in values[:i]]

@@ -4,7 +4,7 @@ the name its rows carry, the default variants and a model's parameter count."""
 from __future__ import annotations
 
 from ..models import BackboneConfig
-from ..models.config import split_switches
+from ..models.config import split_switches, with_switches
 from ..models.flex import FLEX_MIN_HEAD_DIM
 from ..positional import available, from_label
 
@@ -31,7 +31,7 @@ def row_name(variant: str) -> str:
     then the backend."""
     label, colon, backend = variant.partition(":")
     name, switches = split_switches(label)
-    return "+".join([from_label(name).label(), *switches]) + colon + backend
+    return with_switches(from_label(name).label(), switches) + colon + backend
 
 
 def default_variants(device, head_dim: int) -> list[str]:

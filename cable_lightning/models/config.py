@@ -39,6 +39,11 @@ def split_switches(label: str) -> tuple[str, list[str]]:
     return "+".join(parts), sorted(switches, key=SWITCHES.index)
 
 
+def with_switches(label: str, switches: list[str]) -> str:
+    """The inverse of :func:`split_switches`: an encoding's label and the switches on (``rope+attn_gate``)."""
+    return "+".join([label, *switches])
+
+
 # Backbone settings that may differ from a checkpoint's: they change how the weights are run, not what they are
 # (an encoding names its own, :attr:`Encoding.runtime`).
 RUNTIME_FIELDS = ("dropout", "attention_backend")
@@ -120,7 +125,7 @@ class BackboneConfig:
     def label(self, runtime: bool = True) -> str:
         """How runs, records and reports name the backbone's attention: its encoding's label and its switches
         (``rope+attn_gate``)."""
-        return "+".join([self.pos_encoding.label(runtime), *self.switches()])
+        return with_switches(self.pos_encoding.label(runtime), self.switches())
 
     def shape(self) -> str:
         """The backbone's kind and size as records name it (``decoder L12-D768-H12``): two runs that differ in it are
