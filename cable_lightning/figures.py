@@ -32,10 +32,19 @@ def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_
     or not finite are skipped (inf/NaN cannot be drawn on log axes). ``bands``: per series, (x, low, high) points
     of an interval, shaded in the line's colour."""
     fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    draw_lines(ax, series, title, train_length, xlabel, ylabel, log_y, bands)
+    fig.tight_layout()
+    return fig
+
+
+def draw_lines(ax, series: dict[str, list[tuple[float, float]]], title: str, train_length: int | None, xlabel: str,
+               ylabel: str, log_y: bool, bands: dict[str, list[tuple[float, float, float]]] | None = None,
+               colours: dict[str, str] | None = None) -> None:
+    """:func:`line_figure`'s lines on the axes ``ax`` (``colours``: a series' colour, so that panels agree)."""
     for name, points in series.items():
         points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
         if points:
-            line, = ax.plot(*zip(*sorted(points)), marker="o", label=name)
+            line, = ax.plot(*zip(*sorted(points)), marker="o", label=name, color=(colours or {}).get(name))
             band = sorted(b for b in (bands or {}).get(name, []) if all(map(math.isfinite, b)))
             if band:
                 ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
@@ -48,6 +57,17 @@ def line_figure(series: dict[str, list[tuple[float, float]]], title: str, train_
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize="small")
+
+
+def zoomed_line_figure(series: dict[str, list[tuple[float, float]]], zoomed: list[str], titles: tuple[str, str],
+                       xlabel: str, ylabel: str, bands: dict[str, list[tuple[float, float, float]]] | None = None):
+    """Two panels of :func:`draw_lines`: every series on a log y axis, then the ``zoomed`` ones alone on a linear
+    axis (where the others' scale would flatten their differences), each series one colour in both."""
+    fig, (every, near) = _pyplot().subplots(1, 2, figsize=(12, 4.5))
+    cycle = _pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
+    colours = {name: cycle[i % len(cycle)] for i, name in enumerate(series)}
+    draw_lines(every, series, titles[0], None, xlabel, ylabel, True, bands, colours)
+    draw_lines(near, {name: series[name] for name in zoomed}, titles[1], None, xlabel, ylabel, False, bands, colours)
     fig.tight_layout()
     return fig
 

@@ -12,6 +12,7 @@ from cable_lightning.eval.intervals import seed_interval
 from cable_lightning.eval.loss_curves import loss_curves
 from cable_lightning.eval.retrieval_tables import retrieval_tables
 from cable_lightning.eval.tables import Cell, markdown, markdown_table, neighbours
+from cable_lightning.figures import line_figure
 from cable_lightning.records.io import append_records
 from cable_lightning.records.schema import LengthRecord, LossPoint, RetrievalRecord
 
@@ -312,3 +313,27 @@ def test_two_sets_of_one_name_with_other_contents_are_refused_in_one_line_naming
     retrieval_run(old / "alibi", "alibi", 0)
     tables = report.report([str(old)], str(tmp_path / "report"), figures=False)
     assert tables["retrieval code"].split("\n\n")[1].splitlines()[0] == "| length | alibi | cable |"
+
+
+@pytest.mark.parametrize("ratios, zoomed", [({"cable": 0.95, "alibi": 0.97, "rope": 3.0}, ["alibi", "cable"]),
+                                            ({"cable": 0.95, "alibi": 0.97}, None)])
+def test_the_training_length_figure_gives_the_encodings_near_1_a_panel_of_their_own(tmp_path, monkeypatch, ratios,
+                                                                                     zoomed):
+    """Beside an encoding whose ratio is far from 1 (RoPE), those within 0.1 of it would be one line: they get a
+    second panel; with none far from 1, one panel."""
+    drawn = {}
+
+    def two_panels(series, near, *args, **kwargs):
+        drawn["zoomed"] = near
+        return line_figure(series, "", None, "", "", False)
+
+    monkeypatch.setattr(report, "zoomed_line_figure", two_panels)
+    rows = [{"pe": pe, "train_length": train, "step": 3000, "run_seed": 0, "length": n, "mode": "nonoverlap",
+             "ppl": 50.0 * (ratio if n == 4 * train else 1.0)}
+            for pe, ratio in ratios.items() for train in (128, 512) for n in (train, 4 * train)]
+    path = tmp_path / "runs" / "length_eval.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report.report([str(path.parent)], str(tmp_path / "out"))
+    assert drawn.get("zoomed") == zoomed
+    assert (tmp_path / "out_nonoverlap_training_length.png").stat().st_size > 0

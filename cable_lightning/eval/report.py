@@ -47,7 +47,7 @@ from cable_lightning.eval.tables import (
     write_table,
 )
 from cable_lightning.eval.task_tables import algorithmic_table, algorithmic_training_table, effective_table, task_table
-from cable_lightning.figures import line_figure, save_figure, step_panels
+from cable_lightning.figures import line_figure, save_figure, step_panels, zoomed_line_figure
 from cable_lightning.records.io import find_records
 from cable_lightning.records.schema import (
     LengthRecord,
@@ -109,14 +109,25 @@ def training_length_table(rows: list[LengthRecord], mode: str) -> Optional[tuple
     return m, (columns, [[t] + [cells.get((t, name)) for name in columns] for t in trained])
 
 
+ZOOM_RATIO = 0.1  # the training-length figure's second panel: encodings whose ratio stays within this of 1
+
+
 def training_length_figure(m: int, table: Table, mode: str, path: str) -> None:
     columns, rows = table
     series = {name: [(row[0], e.mean) for row in rows if row[i + 1] and (e := row[i + 1].estimate())]
               for i, name in enumerate(columns)}
     bands = {name: [(row[0], e.low, e.high) for row in rows if row[i + 1] and (e := row[i + 1].estimate())
                     and e.low is not None] for i, name in enumerate(columns)}
-    save_figure(line_figure(series, f"ppl({m}x) / ppl(1x) against the training length ({mode})", None,
-                            "training length (tokens)", f"ppl({m}x) / ppl(1x)", False, bands=bands), path)
+    title, ylabel = f"ppl({m}x) / ppl(1x) against the training length ({mode})", f"ppl({m}x) / ppl(1x)"
+    # The encodings that extrapolate (ratio within ZOOM_RATIO of 1 at every length) differ by hundredths: beside one
+    # that does not (RoPE: 1.4-3.8 here) they would be one line, so they get a panel of their own.
+    near = [name for name, points in series.items() if points and all(abs(y - 1) <= ZOOM_RATIO for _, y in points)]
+    if near and len(near) < len(series):
+        figure = zoomed_line_figure(series, near, (title, f"within {ZOOM_RATIO:g} of 1"),
+                                    "training length (tokens)", ylabel, bands)
+    else:
+        figure = line_figure(series, title, None, "training length (tokens)", ylabel, False, bands=bands)
+    save_figure(figure, path)
 
 
 def position_table(rows: list[PositionRecord]) -> Table:
