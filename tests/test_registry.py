@@ -12,6 +12,7 @@ import yaml
 from conftest import printed_backbone
 
 from cable_lightning.errors import ConfigError
+from cable_lightning.models.config import SWITCHES, split_switches
 from cable_lightning.positional import Encoding, available, encoding_class, encoding_from
 from cable_lightning.positional.registry import class_path, named_class
 
@@ -54,14 +55,17 @@ def test_an_encoding_class_must_name_itself_and_take_a_free_name(monkeypatch):
 
 
 def record_encodings() -> list[tuple[str, dict, str]]:
-    """(record file, its encoding section, the encoding its run folder names) of every committed record config."""
+    """(record file, its encoding section, the encoding its run folder names) of every committed record config; the
+    folder's switches must be the ones the run has on."""
     found = []
     for path in sorted(glob.glob(os.path.join(RECORDS, "**", "config.yaml"), recursive=True)):
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
         run = os.path.dirname(config["checkpoint"]["dirpath"]).split("/")  # runs/<experiment>/<encoding>[/seed<N>]
-        found.append((os.path.relpath(path, ROOT), config["model"]["init_args"]["backbone"]["pos_encoding"],
-                      run[2]))
+        encoding, switches = split_switches(run[2])  # the folder names the attention switches the run has on
+        backbone = config["model"]["init_args"]["backbone"]
+        assert switches == [name for name in SWITCHES if backbone.get(name)], path
+        found.append((os.path.relpath(path, ROOT), backbone["pos_encoding"], encoding))
     return found
 
 
