@@ -448,3 +448,12 @@ class LargestTensor(TorchDispatchMode):
                 if t.dim() and t.shape[-1] == self.width:
                     self.largest_with_width = max(self.largest_with_width, t.numel())
         return out
+
+
+def dense_attention(q, k, v, bias_rows, allowed):
+    """softmax(q.k / sqrt(d) + bias) v with every key where ``allowed`` is False masked: the obvious formula the
+    window and chunk masks of every backend are checked against."""
+    import math
+
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias_rows
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v

@@ -2,11 +2,10 @@
 transformers' own chunked causal mask, every backend against a dense reference in values and gradients, and the
 temperature against the expression transformers' Llama 4 attention applies, with its defaults."""
 
-import math
 
 import pytest
 import torch
-from conftest import randomised
+from conftest import dense_attention, randomised
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
@@ -38,9 +37,7 @@ def test_the_chunk_mask_is_transformers_chunked_causal_mask():
 def chunk_reference(q, k, v, bias_rows, causal, size):
     """softmax(q.k / sqrt(d) + bias) v with every key outside the query's chunk (and the future) masked, densely."""
     i, j = torch.arange(q.shape[-2]).view(-1, 1), torch.arange(k.shape[-2]).view(1, -1)
-    allowed = (i // size == j // size) & ((j <= i) if causal else True)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias_rows
-    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+    return dense_attention(q, k, v, bias_rows, (i // size == j // size) & ((j <= i) if causal else True))
 
 
 @pytest.mark.parametrize("pe, backend, causal", [

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import randomised
+from conftest import dense_attention, randomised
 
 from cable_lightning.models import BackboneConfig, KVCache, build_backbone
 from cable_lightning.models import attention as attn_mod
@@ -180,9 +180,7 @@ def band_reference(q, k, v, bias_rows, causal, window, q_offset=0):
     tq, tk = q.shape[-2], k.shape[-2]
     i = torch.arange(tq).view(-1, 1) + q_offset
     j = torch.arange(tk).view(1, -1)
-    visible = ((i - j).abs() < window) & ((j <= i) if causal else True)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias_rows
-    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    return dense_attention(q, k, v, bias_rows, ((i - j).abs() < window) & ((j <= i) if causal else True))
 
 
 @pytest.mark.parametrize("pe, backend, causal", [
