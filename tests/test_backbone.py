@@ -33,8 +33,10 @@ def tiny(pe, causal=True, **overrides):
     config = BackboneConfig(pos_encoding=pe, n_layer=2, n_head=4, n_embd=32, vocab_size=97, causal=causal,
                             block_size=64, **switches, **overrides)
     model = build_backbone(config).eval()
-    with torch.no_grad():  # make learned PE parameters non-trivial (T5 starts at zero)
-        for p in model.pe.parameters():
+    switches_at_init = (".attn.sink", ".attn.q_norm.weight", ".attn.k_norm.weight")  # 0 and 1: trivial values
+    with torch.no_grad():  # make learned PE and switch parameters non-trivial (T5 and a sink start at zero)
+        for p in [*model.pe.parameters(),
+                  *(p for name, p in model.named_parameters() if name.endswith(switches_at_init))]:
             p.add_(torch.randn_like(p) * 0.3)
     return model
 
