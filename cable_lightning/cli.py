@@ -26,12 +26,14 @@ from typing import Optional
 
 import yaml
 from jsonargparse import Namespace
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from . import hardware
 from .argument_errors import TerseParser
 from .callbacks import AttentionDiagnostics, BiasPictures, LengthEvalRecorder, TaskAccuracy, TokenThroughput
 from .callbacks.hparams import RunHParams
@@ -199,6 +201,8 @@ class CableCLI(LightningCLI):
             # Lightning's default bar (the user configured none), refreshed at logging steps: see LoggingStepBar
             trainer.callbacks = [LoggingStepBar() if isinstance(cb, ProgressBar) else cb for cb in trainer.callbacks]
         trainer.callbacks += self.extra_callbacks  # after every configured callback: their hooks run first
+        if trainer.is_global_zero and (slow := hardware.slow_cpu_bf16(trainer.precision, trainer.strategy.root_device)):
+            rank_zero_warn(slow)
         return trainer
 
     def before_fit(self):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 import re
+import time
 
 import torch
 
@@ -54,6 +55,45 @@ def cpu_matmul_peaks(repeats: int = 20) -> dict[str, float]:
     :data:`CPU_PEAK_DTYPES`): what each precision can reach here (a CPU with AVX512-BF16 or AMX runs bf16 about twice
     as fast as fp32; one without runs it slower)."""
     return {name: measured_matmul_peak(dtype, torch.device("cpu"), repeats) for name, dtype in CPU_PEAK_DTYPES.items()}
+
+
+# A bf16 run on a CPU whose bf16 matmul takes this many times its fp32 one is told so before it starts.
+SLOW_CPU_BF16 = 1.5
+
+
+def cpu_bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
+    """How many times an fp32 matmul's time a bf16 one takes on one thread of this CPU (below 1: bf16 pays): the
+    best of each, timed in turns after a warm-up of both. One thread, since on a shared machine a thread pool's
+    stragglers move a sub-millisecond matmul by tens of times. Well under a second even where bf16 falls to a slow
+    kernel."""
+    pairs = [[torch.randn(size, size, dtype=dtype) for _ in range(2)] for dtype in (torch.float32, torch.bfloat16)]
+    best = [float("inf"), float("inf")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for turn in range(repeats + 1):
+            for i, (a, b) in enumerate(pairs):
+                start = time.perf_counter()
+                a @ b
+                if turn:  # the first turn warms both up
+                    best[i] = min(best[i], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best[1] / best[0]
+
+
+def slow_cpu_bf16(precision, device: torch.device) -> str | None:
+    """The one line a bf16 run on a CPU without bf16 matmul instructions (AVX512-BF16, AMX) is told before it starts,
+    or None: there a bf16 matmul falls to a kernel tens of times slower than fp32's, and an hour's fit takes a day."""
+    if device.type != "cpu" or not str(precision).startswith("bf16"):
+        return None
+    slowdown = cpu_bf16_slowdown()
+    if slowdown < SLOW_CPU_BF16:
+        return None
+    return (f"precision {precision} on this CPU (torch's capability: {torch.backends.cpu.get_cpu_capability()}): a "
+            f"bf16 matmul takes {slowdown:.0f}x an fp32 one here (bf16 pays only with AVX512-BF16 or AMX), so this "
+            f"run takes many times its fp32 time; --trainer.precision 32-true is fast here, but it is another recipe, "
+            f"whose records do not join bf16 ones")
 
 
 def peak_flops(device: torch.device, dtype=torch.bfloat16) -> tuple[float, str]:

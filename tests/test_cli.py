@@ -93,6 +93,14 @@ def test_global_batch_tokens_sets_accumulation_or_names_the_divisor(tiny_corpus_
         main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1), "--global_batch_tokens", "1000"])
 
 
+def test_a_bf16_fit_on_a_cpu_whose_bf16_matmul_is_slow_is_told_so(tiny_corpus_dir, tmp_path, monkeypatch):
+    from cable_lightning import hardware
+
+    monkeypatch.setattr(hardware, "cpu_bf16_slowdown", lambda: 40.0)
+    with pytest.warns(UserWarning, match=r"precision bf16-mixed on this CPU .* takes 40x an fp32 one"):
+        main(["fit", *args(tiny_corpus_dir, str(tmp_path), steps=1, every=1), "--trainer.precision", "bf16-mixed"])
+
+
 def test_global_batch_counts_the_built_trainers_world_size(monkeypatch):
     """Accumulation and the validation interval come from the Trainer Lightning built, whatever the spelling of
     devices: an int, a digit string, a list, "0,1" on a node with more GPUs visible, times num_nodes."""

@@ -91,3 +91,38 @@ def test_the_cpu_peaks_are_measured_in_fp32_and_bf16(measured):
     """bench prints both and divides MFU by the run's dtype's (tests/test_bench.py)."""
     assert hardware.cpu_matmul_peaks() == {"fp32": 123e12, "bf16": 123e12}
     assert measured == [(torch.float32, torch.device("cpu")), (torch.bfloat16, torch.device("cpu"))]
+
+
+def test_the_cpu_bf16_slowdown_is_bf16s_matmul_time_over_fp32s_on_one_thread(monkeypatch):
+    """A fake clock advanced by each matmul: 1 s in fp32, 40 s in bf16; the process's threads come back after."""
+    now = [0.0]
+
+    def matmul(a, b):
+        assert torch.get_num_threads() == 1
+        now[0] += 40.0 if a.dtype == torch.bfloat16 else 1.0
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", matmul)
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: now[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert hardware.cpu_bf16_slowdown() == 40.0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_bf16_run_on_a_cpu_whose_bf16_matmul_is_slow_is_told_so_in_one_line(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(hardware, "cpu_bf16_slowdown", lambda: 40.0)
+    line = hardware.slow_cpu_bf16("bf16-mixed", cpu)
+    assert "\n" not in line and "precision bf16-mixed" in line and "takes 40x an fp32 one" in line
+    assert "--trainer.precision 32-true" in line
+    monkeypatch.setattr(hardware, "cpu_bf16_slowdown", lambda: 0.5)  # AVX512-BF16 or AMX: bf16 pays
+    assert hardware.slow_cpu_bf16("bf16-mixed", cpu) is None
+
+    def unmeasured():
+        raise AssertionError("measured for a run that is not bf16 on a CPU")
+
+    monkeypatch.setattr(hardware, "cpu_bf16_slowdown", unmeasured)
+    assert hardware.slow_cpu_bf16("32-true", cpu) is None and hardware.slow_cpu_bf16("bf16-mixed", CUDA) is None
