@@ -111,7 +111,8 @@ def peak_flops(device: torch.device, dtype=torch.bfloat16) -> tuple[float, str]:
 
 def device_name(device: torch.device) -> str:
     """The machine a record was measured on: a GPU's name (``NVIDIA H100 80GB HBM3``), or the CPU's model as the
-    system names it (``cpu: AMD EPYC 7B13``)."""
+    system names it and the vector instructions torch's kernels use there (``cpu: AMD EPYC 7B13 (AVX512)``): a VM
+    may name two CPUs alike whose bf16 steps differ by tens of times."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = ""
@@ -120,4 +121,5 @@ def device_name(device: torch.device) -> str:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:  # not Linux
         pass
-    return f"{device.type}: {model or platform.processor() or platform.machine() or 'unknown'}"
+    model = model or platform.processor() or platform.machine() or "unknown"
+    return f"{device.type}: {model} ({torch.backends.cpu.get_cpu_capability()})"

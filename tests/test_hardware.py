@@ -126,3 +126,15 @@ def test_a_bf16_run_on_a_cpu_whose_bf16_matmul_is_slow_is_told_so_in_one_line(mo
 
     monkeypatch.setattr(hardware, "cpu_bf16_slowdown", unmeasured)
     assert hardware.slow_cpu_bf16("32-true", cpu) is None and hardware.slow_cpu_bf16("bf16-mixed", CUDA) is None
+
+
+def test_a_cpu_record_names_the_vector_instructions_torch_uses(monkeypatch):
+    """Two CPUs a VM names alike ("AMD EPYC"), one with AVX512-BF16 and one without, train bf16 at rates tens of
+    times apart: their throughput records name different machines."""
+    names = set()
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda value=capability: value)
+        name = hardware.device_name(torch.device("cpu"))
+        assert name.startswith("cpu: ") and name.endswith(f" ({capability})")
+        names.add(name)
+    assert len(names) == 2
