@@ -201,6 +201,7 @@ class CableCLI(LightningCLI):
             # Lightning's default bar (the user configured none), refreshed at logging steps: see LoggingStepBar
             trainer.callbacks = [LoggingStepBar() if isinstance(cb, ProgressBar) else cb for cb in trainer.callbacks]
         trainer.callbacks += self.extra_callbacks  # after every configured callback: their hooks run first
+        # probed on rank zero only: every rank of a CPU run shares its CPU model
         if trainer.is_global_zero and (slow := hardware.slow_cpu_bf16(trainer.precision, trainer.strategy.root_device)):
             rank_zero_warn(slow)
         return trainer

@@ -91,9 +91,9 @@ def slow_cpu_bf16(precision, device: torch.device) -> str | None:
     if slowdown < SLOW_CPU_BF16:
         return None
     return (f"precision {precision} on this CPU (torch's capability: {torch.backends.cpu.get_cpu_capability()}): a "
-            f"bf16 matmul takes {slowdown:.0f}x an fp32 one here (bf16 pays only with AVX512-BF16 or AMX), so this "
-            f"run takes many times its fp32 time; --trainer.precision 32-true is fast here, but it is another recipe, "
-            f"whose records do not join bf16 ones")
+            f"bf16 matmul takes {slowdown:.0f}x an fp32 one here (bf16 pays only with bf16 matmul instructions, such "
+            f"as AVX512-BF16 or AMX), so this run takes many times its fp32 time; --trainer.precision 32-true is fast "
+            f"here, but it is another recipe, whose records do not join bf16 ones")
 
 
 def peak_flops(device: torch.device, dtype=torch.bfloat16) -> tuple[float, str]:
