@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import platform
 import re
-import time
 
 import torch
 
-from .timing import synced_time
+from .timing import interleaved, synced_time
 
 # (GPU, pattern its lower-cased torch.cuda.get_device_name() matches, dense bf16 FLOP/s, source). The first row that
 # matches wins, so a variant precedes its family ("nvidia h100 nvl" before "nvidia h100 80gb hbm3"). NVIDIA's
@@ -62,24 +61,17 @@ SLOW_CPU_BF16 = 1.5
 
 
 def cpu_bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
-    """How many times an fp32 matmul's time a bf16 one takes on one thread of this CPU (below 1: bf16 pays): the
-    best of each, timed in turns after a warm-up of both. One thread, since on a shared machine a thread pool's
-    stragglers move a sub-millisecond matmul by tens of times. Well under a second even where bf16 falls to a slow
-    kernel."""
+    """How many times an fp32 matmul's time a bf16 one takes on one thread of this CPU (below 1: bf16 pays), timed in
+    turns. One thread, since on a shared machine a thread pool's stragglers move a sub-millisecond matmul by tens of
+    times. Well under a second even where bf16 falls to a slow kernel."""
     pairs = [[torch.randn(size, size, dtype=dtype) for _ in range(2)] for dtype in (torch.float32, torch.bfloat16)]
-    best = [float("inf"), float("inf")]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for turn in range(repeats + 1):
-            for i, (a, b) in enumerate(pairs):
-                start = time.perf_counter()
-                a @ b
-                if turn:  # the first turn warms both up
-                    best[i] = min(best[i], time.perf_counter() - start)
+        fp32_s, bf16_s = interleaved([lambda a=a, b=b: a @ b for a, b in pairs], torch.device("cpu"), repeats)
     finally:
         torch.set_num_threads(threads)
-    return best[1] / best[0]
+    return bf16_s / fp32_s
 
 
 def slow_cpu_bf16(precision, device: torch.device) -> str | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 
-from cable_lightning import hardware
+from cable_lightning import hardware, timing
 from cable_lightning.callbacks.throughput import TokenThroughput
 
 CUDA = torch.device("cuda")  # a device object needs no GPU
@@ -102,7 +102,7 @@ def test_the_cpu_bf16_slowdown_is_bf16s_matmul_time_over_fp32s_on_one_thread(mon
         now[0] += 40.0 if a.dtype == torch.bfloat16 else 1.0
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", matmul)
-    monkeypatch.setattr(hardware.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
