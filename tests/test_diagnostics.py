@@ -200,6 +200,25 @@ def test_quantities_match_a_slow_reference(causal):
     assert math.isnan(fast["entropy"][0, 0, 2]) and math.isnan(fast["entropy_norm"][0, 1, 3])
 
 
+def test_quantities_under_bf16_autocast_are_the_slow_reference_ones():
+    """Validation under bf16-mixed runs the diagnostics inside autocast: rows far along a long window whose weight sits
+    almost all on the query itself keep their small, non-negative mean distance."""
+    torch.manual_seed(4)
+    start, rows, keys = 2040, 8, 2048
+    position = torch.arange(start, start + rows)[:, None]
+    hidden = torch.arange(keys)[None, :] > position
+    scores = torch.randn(1, 2, rows, keys)
+    scores[..., torch.arange(rows), position[:, 0]] += 14.0  # on itself
+    scores = scores.masked_fill(hidden, float("-inf"))
+    weights = scores.softmax(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = row_quantities(weights, scores, scores, start, 0, sink=4, local=16, causal=True)
+    w = weights.double()
+    slow = (w * (position - torch.arange(keys)).double()).sum(-1) / w.sum(-1)  # float64, keys past i weigh 0
+    assert (fast["distance_mean"] >= 0).all()
+    torch.testing.assert_close(fast["distance_mean"].double(), slow, rtol=1e-4, atol=1e-5)
+
+
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     return build_backbone(BackboneConfig(pos_encoding="rope", n_layer=1, n_head=2, n_embd=16, block_size=8,

@@ -61,9 +61,13 @@ def row_quantities(weights: Tensor, scores: Tensor, logits: Tensor, start: int, 
     entropy = total.clamp(min=torch.finfo(weights.dtype).tiny).log() - torch.special.xlogy(weights, weights).sum(-1) \
         * inverse
     seen = (scores > float("-inf")).sum(-1).float()
-    if causal:  # every key with weight lies at j <= i: distance i - j
-        keys = torch.arange(n_keys, device=device, dtype=weights.dtype)
-        distance_mean = position - (weights @ keys) * inverse
+    # summed elementwise: i - E[j] as a matmul would round to bf16 under autocast (steps of 8 at 2048), and even in
+    # fp32 it cancels below zero where a row's weight sits on the query itself
+    distance = position[:, None] - torch.arange(n_keys, device=device)[None, :]
+    if not causal:
+        distance = distance.abs()
+    distance_mean = (weights * distance).sum(-1) * inverse
+    if causal:
         before = weights.cumsum(-1)  # mass on keys 0..j
         # the farthest key j* whose keys j*..i still hold 90%: every j < j* has mass(0..j) <= 10%
         farthest = (before[..., :-1] <= (1 - P90) * total[..., None]).sum(-1)
@@ -72,8 +76,6 @@ def row_quantities(weights: Tensor, scores: Tensor, logits: Tensor, start: int, 
         gathered = before.gather(-1, outside.clamp(min=0).expand(*before.shape[:-2], -1)[..., None]).squeeze(-1)
         local_mass = (total - torch.where(outside >= 0, gathered, 0.0)) * inverse
     else:
-        distance = (position[:, None] - torch.arange(n_keys, device=device)[None, :]).abs()
-        distance_mean = (weights * distance).sum(-1) * inverse
         by_distance = torch.zeros_like(weights).scatter_add_(-1, distance.expand_as(weights), weights)
         distance_p90 = (by_distance.cumsum(-1) < P90 * total[..., None]).sum(-1)
         local_mass = by_distance[..., :local].sum(-1) * inverse
